@@ -1,0 +1,1 @@
+"""ModelForge Node Agent: outbound-only publisher for a GPU host."""

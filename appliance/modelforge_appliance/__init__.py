@@ -1,0 +1,1 @@
+"""ModelForge control plane and console."""

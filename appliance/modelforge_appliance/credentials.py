@@ -1,0 +1,120 @@
+"""Per-node credentials: issued at enrollment, stored as digests, revoked forever."""
+
+from __future__ import annotations
+
+from modelforge_contract import (
+    CREDENTIAL_INVALID,
+    CREDENTIAL_MISSING,
+    CREDENTIAL_NODE_MISMATCH,
+    CREDENTIAL_REVOKED,
+    KIND_CREDENTIAL,
+    NODE_DECOMMISSIONED,
+)
+
+from . import audit, tokens
+from .errors import Forbidden, Unauthorized
+from .models import Credential, Node
+from .store import Store
+
+_REENROLL = "Re-enroll the node with a fresh enrollment token; its persisted identity keeps its id."
+
+
+def issue_credential(store: Store, node: Node, actor: str) -> str:
+    """Create a credential for node inside the caller's transaction; return the secret once."""
+    credential_id, secret = tokens.mint_secret(KIND_CREDENTIAL)
+    Credential.create(
+        credential_id=credential_id,
+        node=node,
+        digest=tokens.digest(secret),
+        created_at=store.clock.now(),
+    )
+    audit.record(
+        store, actor, "credential.issued", node_id=node.node_id, credential_id=credential_id
+    )
+    return secret
+
+
+def revoke_active_credentials(store: Store, node: Node, actor: str, reason: str) -> list[str]:
+    """Revoke every active credential of node (inside the caller's transaction)."""
+    active = [
+        row.credential_id
+        for row in Credential.select(Credential.credential_id).where(
+            (Credential.node == node) & Credential.revoked_at.is_null()
+        )
+    ]
+    if active:
+        Credential.update(revoked_at=store.clock.now(), revoked_reason=reason).where(
+            Credential.credential_id.in_(active)
+        ).execute()
+        for credential_id in active:
+            audit.record(
+                store,
+                actor,
+                "credential.revoked",
+                node_id=node.node_id,
+                credential_id=credential_id,
+                reason=reason,
+            )
+    return active
+
+
+def bearer_secret(authorization: str | None) -> str:
+    if not authorization:
+        raise Unauthorized(
+            "this call needs the node credential as 'Authorization: Bearer mfc_…'",
+            code=CREDENTIAL_MISSING,
+            next_step="Start the node agent with its state volume; it sends its credential.",
+        )
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        raise Unauthorized(
+            "the Authorization header is not 'Bearer <credential>'",
+            code=CREDENTIAL_INVALID,
+            next_step=_REENROLL,
+        )
+    return value.strip()
+
+
+def authenticate_node(store: Store, authorization: str | None, node_id: str) -> Credential:
+    """The credential for this request, authorised for node_id (DESIGN §2.4).
+
+    401: unknown, malformed or revoked. 403: it authenticates but names another
+    node, or its node is decommissioned.
+    """
+    secret = bearer_secret(authorization)
+    parsed = tokens.parse(secret, KIND_CREDENTIAL)
+    invalid = Unauthorized(
+        "the node credential is unknown or malformed",
+        code=CREDENTIAL_INVALID,
+        next_step=_REENROLL,
+    )
+    if parsed is None:
+        raise invalid
+    credential_id, secret = parsed
+    with store.connection():
+        credential = (
+            Credential.select(Credential, Node)
+            .join(Node)
+            .where(Credential.credential_id == credential_id)
+            .first()
+        )
+    if credential is None or not tokens.digest_matches(secret, credential.digest):
+        raise invalid
+    if credential.revoked_at is not None:
+        raise Unauthorized(
+            "the node credential has been revoked; revoked credentials stay refused",
+            code=CREDENTIAL_REVOKED,
+            next_step=_REENROLL,
+        )
+    if credential.node.decommissioned_at is not None:
+        raise Forbidden(
+            "the node this credential belongs to is decommissioned",
+            code=NODE_DECOMMISSIONED,
+            next_step="Enroll the hardware as a new node if it should return to service.",
+        )
+    if credential.node.node_id != node_id:
+        raise Forbidden(
+            "the credential authenticates but belongs to another node",
+            code=CREDENTIAL_NODE_MISMATCH,
+        )
+    return credential

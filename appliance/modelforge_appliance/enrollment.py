@@ -1,0 +1,325 @@
+"""Single-use enrollment tokens: minting, listing, revoking and the atomic claim."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import peewee as pw
+from modelforge_contract import (
+    ENROLLMENT_NOT_REVOCABLE,
+    ENROLLMENT_ORIGIN_MISMATCH,
+    ENROLLMENT_TOKEN_CONSUMED,
+    ENROLLMENT_TOKEN_EXPIRED,
+    ENROLLMENT_TOKEN_INVALID,
+    ENROLLMENT_TOKEN_REVOKED,
+    IDENTITY_SECRET_MISMATCH,
+    KIND_ENROLLMENT,
+    KIND_IDENTITY,
+    NODE_DECOMMISSIONED,
+)
+
+from . import audit, credentials, tokens
+from .clock import isoformat
+from .errors import ApiError, Conflict, Forbidden, Gone, Invalid, NotFound, Unauthorized
+from .models import EnrollmentToken, Node
+from .store import Store
+
+_MINT_AGAIN = "Mint a fresh enrollment token (Console → Hardware → Enroll node, or "
+_MINT_AGAIN += "`modelforge enroll --name NAME --expires 15m`)."
+
+
+def enrollment_state(row: EnrollmentToken, now: float) -> str:
+    if row.consumed_at is not None:
+        return "consumed"
+    if row.revoked_at is not None:
+        return "revoked"
+    if row.expires_at <= now:
+        return "expired"
+    return "pending"
+
+
+def enrollment_view(row: EnrollmentToken, now: float) -> dict[str, Any]:
+    return {
+        "enrollment_id": row.enrollment_id,
+        "display_name": row.display_name,
+        "state": enrollment_state(row, now),
+        "api_origin": row.api_origin,
+        "created_by": row.created_by,
+        "created_at": isoformat(row.created_at),
+        "expires_at": isoformat(row.expires_at),
+        "consumed_at": isoformat(row.consumed_at),
+        "revoked_at": isoformat(row.revoked_at),
+        "node_id": row.node_id,
+        "production_eligible": False,
+    }
+
+
+def suggested_hostname(display_name: str) -> str:
+    slug = re.sub(r"[^a-z0-9-]+", "-", display_name.lower()).strip("-")
+    return slug[:63] or "gpu-node"
+
+
+def agent_env_file(api_origin: str, display_name: str) -> str:
+    """The non-secret agent settings; the token is entered separately, never written here."""
+    return (
+        "# ModelForge Node Agent settings (no secrets: the enrollment token is read at start)\n"
+        f"MODELFORGE_AGENT_CONTROL_PLANE_URL={api_origin}\n"
+        f"MODELFORGE_AGENT_HOSTNAME={suggested_hostname(display_name)}\n"
+        "MODELFORGE_AGENT_ACCELERATOR_MODE=nvidia\n"
+        "MODELFORGE_AGENT_TLS_VERIFY=true\n"
+        "MODELFORGE_AGENT_IDENTITY_MODE=persisted\n"
+        "MODELFORGE_AGENT_STATE_VOLUME=/var/lib/modelforge-node-agent\n"
+    )
+
+
+# Reads the token without echo into a mode-0600 temporary env file that is removed
+# on exit, error or signal; the token never reaches shell history or process arguments.
+START_COMMAND = (
+    "bash -c 'set +x; umask 077; tok_file=$(mktemp); "
+    'trap "rm -f \\"$tok_file\\"" EXIT INT TERM HUP; '
+    'IFS= read -rsp "Enrollment token: " tok; echo; '
+    'printf "MODELFORGE_AGENT_ENROLLMENT_TOKEN=%s\\n" "$tok" > "$tok_file"; unset tok; '
+    'set -a; . ./modelforge-node.env; . "$tok_file"; set +a; rm -f "$tok_file"; '
+    "exec modelforge-node-agent'"
+)
+
+
+@dataclass(frozen=True)
+class MintedEnrollment:
+    row: EnrollmentToken
+    token: str
+
+    def response(self, now: float) -> dict[str, Any]:
+        """The one and only answer that carries the token."""
+        return {
+            **enrollment_view(self.row, now),
+            "token": self.token,
+            "env_file": agent_env_file(self.row.api_origin, self.row.display_name),
+            "env_file_name": "modelforge-node.env",
+            "start_command": START_COMMAND,
+        }
+
+
+def mint_enrollment_token(
+    store: Store, *, display_name: str, expires_in_seconds: int, api_origin: str, actor: str
+) -> MintedEnrollment:
+    enrollment_id, token = tokens.mint_secret(KIND_ENROLLMENT)
+    now = store.clock.now()
+    with store.write():
+        row = EnrollmentToken.create(
+            enrollment_id=enrollment_id,
+            display_name=display_name,
+            digest=tokens.digest(token),
+            api_origin=api_origin,
+            created_by=actor,
+            created_at=now,
+            expires_at=now + expires_in_seconds,
+        )
+        audit.record(
+            store,
+            actor,
+            "enrollment.minted",
+            enrollment_id=enrollment_id,
+            display_name=display_name,
+            api_origin=api_origin,
+            expires_in_seconds=expires_in_seconds,
+        )
+    return MintedEnrollment(row, token)
+
+
+def list_enrollments(store: Store) -> list[dict[str, Any]]:
+    with store.connection():
+        rows = list(EnrollmentToken.select().order_by(EnrollmentToken.created_at.desc()))
+    now = store.clock.now()
+    return [enrollment_view(row, now) for row in rows]
+
+
+def revoke_enrollment(store: Store, enrollment_id: str, actor: str) -> dict[str, Any]:
+    """Revoke an unused token; a consumed one is history and stays as it is."""
+    now = store.clock.now()
+    with store.write():
+        row = EnrollmentToken.get_or_none(EnrollmentToken.enrollment_id == enrollment_id)
+        if row is None:
+            raise NotFound(f"no enrollment {enrollment_id}")
+        if row.consumed_at is not None:
+            raise Conflict(
+                "this enrollment token was already used; revoke the node's credential instead",
+                code=ENROLLMENT_NOT_REVOCABLE,
+                next_step="DELETE /api/v1/admin/hardware/nodes/{node_id}/credential",
+            )
+        if row.revoked_at is None:
+            row.revoked_at = now
+            row.save()
+            audit.record(store, actor, "enrollment.revoked", enrollment_id=enrollment_id)
+    return enrollment_view(row, now)
+
+
+@dataclass(frozen=True)
+class EnrollRequest:
+    token: str
+    hostname: str
+    agent_version: str
+    accelerator_mode: str
+    protocol_version: int
+    request_origin: str
+    identity_id: str | None = None
+    identity_secret: str | None = None
+
+
+@dataclass(frozen=True)
+class Enrolled:
+    node: Node
+    credential: str
+    reenrolled: bool
+
+
+def _refusal_for(row: EnrollmentToken, now: float) -> ApiError:
+    state = enrollment_state(row, now)
+    if state == "consumed":
+        return Gone("this enrollment token was already used", code=ENROLLMENT_TOKEN_CONSUMED)
+    if state == "revoked":
+        return Gone("this enrollment token was revoked", code=ENROLLMENT_TOKEN_REVOKED)
+    return Gone("this enrollment token has expired", code=ENROLLMENT_TOKEN_EXPIRED)
+
+
+def claim_token(store: Store, request: EnrollRequest) -> Enrolled:
+    """Claim a token for a node; refusals are audited and leave nothing else behind."""
+    parsed = tokens.parse(request.token, KIND_ENROLLMENT)
+    enrollment_id = parsed[0] if parsed else None
+    try:
+        return _claim(store, request, parsed)
+    except ApiError as refusal:
+        audit.record_alone(
+            store,
+            f"enrollment:{enrollment_id}" if enrollment_id else "anonymous",
+            "enrollment.refused",
+            enrollment_id=enrollment_id,
+            code=refusal.code,
+            hostname=request.hostname,
+        )
+        raise
+
+
+def _claim(store: Store, request: EnrollRequest, parsed: tuple[str, str] | None) -> Enrolled:
+    invalid = Unauthorized(
+        "the enrollment token is unknown or malformed",
+        code=ENROLLMENT_TOKEN_INVALID,
+        next_step=_MINT_AGAIN,
+    )
+    if parsed is None:
+        raise invalid
+    enrollment_id, token = parsed
+    with store.connection():
+        row = EnrollmentToken.get_or_none(EnrollmentToken.enrollment_id == enrollment_id)
+    if row is None or not tokens.digest_matches(token, row.digest):
+        raise invalid
+    if row.api_origin != request.request_origin:
+        raise Forbidden(
+            f"this token is locked to {row.api_origin}; the request arrived for "
+            f"{request.request_origin}",
+            code=ENROLLMENT_ORIGIN_MISMATCH,
+            next_step="Set MODELFORGE_AGENT_CONTROL_PLANE_URL to the origin the token was "
+            "minted for, or mint a token from that origin.",
+        )
+    identity_digest = _identity_digest(request)
+    actor = f"enrollment:{enrollment_id}"
+    try:
+        with store.write():
+            node = _known_node(store, request, identity_digest)
+            now = store.clock.now()
+            # Invariant 2: the row count of this conditional update decides the winner.
+            claimed = (
+                EnrollmentToken.update(consumed_at=now)
+                .where(
+                    (EnrollmentToken.enrollment_id == enrollment_id)
+                    & EnrollmentToken.consumed_at.is_null()
+                    & EnrollmentToken.revoked_at.is_null()
+                    & (EnrollmentToken.expires_at > now)
+                )
+                .execute()
+            )
+            if claimed != 1:
+                raise _refusal_for(EnrollmentToken.get_by_id(enrollment_id), now)
+            reenrolled = node is not None
+            if node is None:
+                node = Node.create(
+                    node_id=str(uuid.uuid4()),
+                    display_name=row.display_name,
+                    hostname=request.hostname,
+                    identity_id=request.identity_id,
+                    identity_digest=identity_digest,
+                    accelerator_mode=request.accelerator_mode,
+                    agent_version=request.agent_version,
+                    protocol_version=request.protocol_version,
+                    created_at=now,
+                    enrolled_at=now,
+                )
+            else:
+                credentials.revoke_active_credentials(store, node, actor, "re-enrolled")
+                node.hostname = request.hostname
+                node.accelerator_mode = request.accelerator_mode
+                node.agent_version = request.agent_version
+                node.protocol_version = request.protocol_version
+                node.enrolled_at = now
+                node.save()
+            EnrollmentToken.update(node=node).where(
+                EnrollmentToken.enrollment_id == enrollment_id
+            ).execute()
+            audit.record(
+                store,
+                actor,
+                "enrollment.reenrolled" if reenrolled else "enrollment.claimed",
+                node_id=node.node_id,
+                enrollment_id=enrollment_id,
+                hostname=request.hostname,
+            )
+            secret = credentials.issue_credential(store, node, actor)
+    except pw.IntegrityError:
+        raise Conflict(
+            "another enrollment for this identity is in progress",
+            code="IDENTITY_CONFLICT",
+            next_step="Retry the enrollment with a fresh token.",
+        ) from None
+    return Enrolled(node=node, credential=secret, reenrolled=reenrolled)
+
+
+def _identity_digest(request: EnrollRequest) -> str | None:
+    if request.identity_id is None:
+        return None
+    parsed = tokens.parse(request.identity_secret, KIND_IDENTITY)
+    if parsed is None or parsed[0] != request.identity_id:
+        raise Invalid(
+            "identity.identity_secret is not a well-formed secret for identity.identity_id",
+            code="FIELD_FORMAT",
+            next_step="Let the node agent generate its identity; do not edit the state file.",
+        )
+    return tokens.digest(parsed[1])
+
+
+def _known_node(store: Store, request: EnrollRequest, identity_digest: str | None) -> Node | None:
+    """The node this identity already owns (locked for update where the store can)."""
+    if request.identity_id is None:
+        return None
+    query = Node.select().where(Node.identity_id == request.identity_id)
+    if not store.is_sqlite:
+        query = query.for_update()
+    node = query.first()
+    if node is None:
+        return None
+    if not tokens.digest_matches(request.identity_secret, node.identity_digest or ""):
+        raise Forbidden(
+            "this identity id is enrolled with a different identity secret",
+            code=IDENTITY_SECRET_MISMATCH,
+            next_step="Restore the agent's state volume, or delete its identity file to enroll "
+            "as a new node (then decommission the old one).",
+        )
+    if node.decommissioned_at is not None:
+        raise Forbidden(
+            "this identity belongs to a decommissioned node",
+            code=NODE_DECOMMISSIONED,
+            next_step="Delete the agent's identity file to enroll the hardware as a new node.",
+        )
+    return node

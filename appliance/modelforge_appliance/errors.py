@@ -1,0 +1,83 @@
+"""One error tree: each error knows its HTTP status, stable code and next step.
+
+The web layer renders every one of them as
+``{"error": {"code", "message", "next_step"}}`` (DESIGN §2.11).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    status = 400
+    code = "BAD_REQUEST"
+    next_step = "Correct the request and send it again."
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        next_step: str | None = None,
+        status: int | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        if next_step is not None:
+            self.next_step = next_step
+        if status is not None:
+            self.status = status
+        self.extra = extra or {}
+
+    def body(self) -> dict[str, Any]:
+        error = {"code": self.code, "message": self.message, "next_step": self.next_step}
+        return {"error": error, **self.extra}
+
+
+class Invalid(ApiError):
+    status = 400
+
+
+class Unauthorized(ApiError):
+    status = 401
+    next_step = "Send a valid, unrevoked credential."
+
+
+class Forbidden(ApiError):
+    status = 403
+    next_step = "Use the credential issued for this node."
+
+
+class NotFound(ApiError):
+    status = 404
+    code = "NOT_FOUND"
+    next_step = "Check the id or path; list the collection to see what exists."
+
+
+class Conflict(ApiError):
+    status = 409
+
+
+class Gone(ApiError):
+    status = 410
+    next_step = "Mint a fresh enrollment token (Console → Hardware → Enroll node)."
+
+
+class TooLarge(ApiError):
+    status = 413
+    code = "BODY_TOO_LARGE"
+
+
+class UpgradeRequired(ApiError):
+    status = 426
+    code = "PROTOCOL_INCOMPATIBLE"
+
+
+class StoreUnavailable(ApiError):
+    status = 503
+    code = "STORE_UNAVAILABLE"
+    next_step = "Check that the database is reachable, then retry."

@@ -1,0 +1,89 @@
+"""The peewee models of the control plane; every concept's service module uses them.
+
+Timestamps are float seconds since the epoch from the control plane's clock.
+Secrets never appear here: only SHA-256 digests and non-secret lookup ids.
+"""
+
+from __future__ import annotations
+
+import peewee as pw
+
+database = pw.DatabaseProxy()
+
+
+class BaseModel(pw.Model):
+    class Meta:
+        database = database
+        legacy_table_names = False
+
+
+class SchemaVersion(BaseModel):
+    version = pw.IntegerField(primary_key=True)
+    name = pw.CharField(max_length=120)
+    applied_at = pw.DoubleField()
+
+
+class AdminToken(BaseModel):
+    token_id = pw.CharField(primary_key=True, max_length=32)
+    name = pw.CharField(max_length=120)
+    digest = pw.CharField(max_length=64)
+    created_at = pw.DoubleField()
+    last_used_at = pw.DoubleField(null=True)
+    revoked_at = pw.DoubleField(null=True)
+
+
+class Node(BaseModel):
+    node_id = pw.CharField(primary_key=True, max_length=40)
+    display_name = pw.CharField(max_length=120)
+    hostname = pw.CharField(max_length=253, index=True)
+    identity_id = pw.CharField(max_length=32, null=True, unique=True)
+    identity_digest = pw.CharField(max_length=64, null=True)
+    accelerator_mode = pw.CharField(max_length=16)
+    agent_version = pw.CharField(max_length=64)
+    protocol_version = pw.IntegerField()
+    production_eligible = pw.BooleanField(default=False)
+    cordoned = pw.BooleanField(default=False)
+    created_at = pw.DoubleField()
+    enrolled_at = pw.DoubleField()
+    last_heartbeat_at = pw.DoubleField(null=True)
+    health = pw.TextField(null=True)  # JSON of the last heartbeat's health
+    inventory = pw.TextField(null=True)  # JSON of the last inventory
+    inventory_at = pw.DoubleField(null=True)
+    telemetry = pw.TextField(null=True)  # JSON of the last telemetry publication
+    telemetry_at = pw.DoubleField(null=True)
+    decommissioned_at = pw.DoubleField(null=True)
+
+
+class EnrollmentToken(BaseModel):
+    enrollment_id = pw.CharField(primary_key=True, max_length=32)
+    display_name = pw.CharField(max_length=120)
+    digest = pw.CharField(max_length=64)
+    api_origin = pw.CharField(max_length=300)
+    created_by = pw.CharField(max_length=80)
+    created_at = pw.DoubleField()
+    expires_at = pw.DoubleField()
+    consumed_at = pw.DoubleField(null=True)
+    revoked_at = pw.DoubleField(null=True)
+    node = pw.ForeignKeyField(Node, null=True, backref="enrollments", on_delete="RESTRICT")
+
+
+class Credential(BaseModel):
+    credential_id = pw.CharField(primary_key=True, max_length=32)
+    node = pw.ForeignKeyField(Node, backref="credentials", on_delete="RESTRICT")
+    digest = pw.CharField(max_length=64)
+    created_at = pw.DoubleField()
+    last_used_at = pw.DoubleField(null=True)
+    revoked_at = pw.DoubleField(null=True)
+    revoked_reason = pw.CharField(max_length=120, null=True)
+
+
+class AuditEvent(BaseModel):
+    id = pw.AutoField()
+    at = pw.DoubleField()
+    actor = pw.CharField(max_length=120)
+    action = pw.CharField(max_length=80, index=True)
+    node_id = pw.CharField(max_length=40, null=True, index=True)
+    detail = pw.TextField()  # JSON; never a secret
+
+
+ALL_MODELS = (SchemaVersion, AdminToken, Node, EnrollmentToken, Credential, AuditEvent)

@@ -1,0 +1,128 @@
+"""Nodes and their liveness; what agents publish about them (heartbeat, inventory, telemetry)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from modelforge_contract import DECOMMISSIONED, OFFLINE, ONLINE, PENDING, STALE
+
+from .clock import isoformat
+from .errors import Invalid, NotFound
+from .models import Credential, Node
+from .settings import Settings
+from .store import Store
+
+
+def liveness_of(node: Node, now: float, settings: Settings) -> str:
+    """Invariant 7: computed at read time from the control plane's own timestamps."""
+    if node.decommissioned_at is not None:
+        return DECOMMISSIONED
+    if node.last_heartbeat_at is None:
+        return PENDING
+    silent_for = now - node.last_heartbeat_at
+    if silent_for < settings.stale_after_seconds:
+        return ONLINE
+    if silent_for < settings.offline_after_seconds:
+        return STALE
+    return OFFLINE
+
+
+def _json_or(value: str | None, empty: Any) -> Any:
+    return json.loads(value) if value else empty
+
+
+def node_view(node: Node, now: float, settings: Settings) -> dict[str, Any]:
+    inventory = _json_or(node.inventory, {})
+    return {
+        "node_id": node.node_id,
+        "display_name": node.display_name,
+        "hostname": node.hostname,
+        "liveness": liveness_of(node, now, settings),
+        "last_heartbeat_at": isoformat(node.last_heartbeat_at),
+        "production_eligible": node.production_eligible,
+        "cordoned": node.cordoned,
+        "accelerator_mode": node.accelerator_mode,
+        "agent_version": node.agent_version,
+        "protocol_version": node.protocol_version,
+        "health": _json_or(node.health, None),
+        "accelerators": inventory.get("accelerators", []),
+        "storage_roots": inventory.get("storage_roots", []),
+        "worker_version": inventory.get("worker_version"),
+        "inventory_at": isoformat(node.inventory_at),
+        "telemetry": _json_or(node.telemetry, None),
+        "telemetry_at": isoformat(node.telemetry_at),
+        "enrolled_at": isoformat(node.enrolled_at),
+        "created_at": isoformat(node.created_at),
+        "decommissioned_at": isoformat(node.decommissioned_at),
+    }
+
+
+def list_nodes(store: Store, settings: Settings) -> list[dict[str, Any]]:
+    with store.connection():
+        rows = list(Node.select().order_by(Node.created_at, Node.node_id))
+    now = store.clock.now()
+    return [node_view(row, now, settings) for row in rows]
+
+
+def get_node(store: Store, node_id: str) -> Node:
+    with store.connection():
+        node = Node.get_or_none(Node.node_id == node_id)
+    if node is None:
+        raise NotFound(f"no node {node_id}")
+    return node
+
+
+def _dump(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def record_heartbeat(
+    store: Store, credential: Credential, *, agent_version: str, protocol: int, health: dict
+) -> float:
+    """Stamp the node's heartbeat with the control plane's clock; return that time."""
+    now = store.clock.now()
+    with store.write():
+        Node.update(
+            last_heartbeat_at=now,
+            agent_version=agent_version,
+            protocol_version=protocol,
+            health=_dump(health),
+        ).where(Node.node_id == credential.node.node_id).execute()
+        Credential.update(last_used_at=now).where(
+            Credential.credential_id == credential.credential_id
+        ).execute()
+    return now
+
+
+def record_inventory(store: Store, credential: Credential, inventory: dict[str, Any]) -> float:
+    node = credential.node
+    # Invariant 9: an nvidia node never publishes an empty inventory.
+    if node.accelerator_mode == "nvidia" and not inventory.get("accelerators"):
+        raise Invalid(
+            "an nvidia node must report at least one accelerator",
+            code="INVENTORY_EMPTY",
+            next_step="Run the agent's --preflight; it refuses to start without a GPU.",
+        )
+    now = store.clock.now()
+    stored = {key: value for key, value in inventory.items() if key != "node_id"}
+    with store.write():
+        Node.update(inventory=_dump(stored), inventory_at=now).where(
+            Node.node_id == node.node_id
+        ).execute()
+        Credential.update(last_used_at=now).where(
+            Credential.credential_id == credential.credential_id
+        ).execute()
+    return now
+
+
+def record_telemetry(store: Store, credential: Credential, samples: list[dict]) -> float:
+    now = store.clock.now()
+    with store.write():
+        Node.update(telemetry=_dump({"samples": samples}), telemetry_at=now).where(
+            Node.node_id == credential.node.node_id
+        ).execute()
+        Credential.update(last_used_at=now).where(
+            Credential.credential_id == credential.credential_id
+        ).execute()
+    return now

@@ -1,0 +1,39 @@
+"""Run the control plane on waitress."""
+
+from __future__ import annotations
+
+import logging
+
+import waitress
+from waitress.server import BaseWSGIServer
+
+from .clock import Clock
+from .settings import Settings
+from .store import Store
+from .web import make_app
+
+log = logging.getLogger(__name__)
+
+
+def open_store(settings: Settings, clock: Clock | None = None) -> Store:
+    """The store for these settings, migrated to this program's schema."""
+    settings.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    store = Store(settings.database_url, clock or Clock())
+    store.migrate()
+    return store
+
+
+def waitress_options(settings: Settings) -> dict:
+    return {
+        "threads": settings.threads,
+        "ident": "modelforge",
+        # Our own limit answers 413 in the JSON error shape; waitress only stops abuse far beyond it.
+        "max_request_body_size": max(settings.max_body_bytes * 4, 16 * 1024 * 1024),
+        "channel_timeout": 60,
+    }
+
+
+def create_server(settings: Settings, store: Store, host: str, port: int) -> BaseWSGIServer:
+    """A waitress server bound to host:port (port 0 picks a free one); call ``.run()``."""
+    app = make_app(settings, store)
+    return waitress.create_server(app, host=host, port=port, **waitress_options(settings))

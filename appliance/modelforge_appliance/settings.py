@@ -1,0 +1,242 @@
+"""Control-plane settings: the only module that reads ``os.environ``.
+
+Every setting is declared once in ``SETTINGS`` with its default and meaning;
+``docs/configuration.md`` must list each of them (a test checks).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from modelforge_contract import EXIT_USAGE
+
+# Prefixes that belong to other ModelForge programs (the agent, the worker,
+# compose files); the control plane leaves them alone.
+FOREIGN_PREFIXES = ("MODELFORGE_AGENT_", "MODELFORGE_NODE_AGENT_", "MODELFORGE_RUNTIME_WORKER_")
+
+
+@dataclass(frozen=True)
+class SettingSpec:
+    name: str
+    default: str | None
+    meaning: str
+
+
+SETTINGS: tuple[SettingSpec, ...] = (
+    SettingSpec(
+        "MODELFORGE_STATE_DIR",
+        None,
+        "Directory for the SQLite store and other state. Defaults to $STATE_DIRECTORY "
+        "(systemd StateDirectory=) or /var/lib/modelforge; scripts/run uses ./var.",
+    ),
+    SettingSpec(
+        "MODELFORGE_DATABASE_URL",
+        None,
+        "sqlite:///PATH or postgresql://USER:PASSWORD@HOST:PORT/DB. Defaults to "
+        "sqlite:///$MODELFORGE_STATE_DIR/modelforge.sqlite3.",
+    ),
+    SettingSpec("MODELFORGE_LISTEN", "127.0.0.1:8000", "HOST:PORT the control plane serves on."),
+    SettingSpec(
+        "MODELFORGE_PUBLIC_API_ORIGIN",
+        None,
+        "scheme://host[:port] agents use to reach the API. Enrollment tokens are locked to "
+        "it; when unset, a token is locked to the origin the minting request used.",
+    ),
+    SettingSpec(
+        "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS",
+        "10",
+        "Interval the control plane tells agents to heartbeat at.",
+    ),
+    SettingSpec(
+        "MODELFORGE_NODE_STALE_AFTER_SECONDS",
+        "30",
+        "A node without a heartbeat for this long is stale. Must exceed the heartbeat interval.",
+    ),
+    SettingSpec(
+        "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS",
+        "90",
+        "A node without a heartbeat for this long is offline. Must exceed the stale threshold.",
+    ),
+    SettingSpec(
+        "MODELFORGE_MAX_BODY_BYTES",
+        "1048576",
+        "Largest request body accepted; larger bodies are refused with 413 BODY_TOO_LARGE.",
+    ),
+    SettingSpec("MODELFORGE_THREADS", "8", "Worker threads of the waitress server."),
+    SettingSpec("MODELFORGE_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
+)
+KNOWN_NAMES = frozenset(spec.name for spec in SETTINGS)
+_DEFAULTS = {spec.name: spec.default for spec in SETTINGS}
+
+
+class ConfigError(Exception):
+    """A setting is wrong; the CLI prints the one-line message and exits 2."""
+
+    exit_code = EXIT_USAGE
+
+
+@dataclass(frozen=True)
+class Settings:
+    state_dir: Path
+    database_url: str
+    listen_host: str
+    listen_port: int
+    public_api_origin: str | None
+    heartbeat_interval_seconds: int
+    stale_after_seconds: int
+    offline_after_seconds: int
+    max_body_bytes: int
+    threads: int
+    log_level: str
+
+    @property
+    def listen(self) -> str:
+        return f"{self.listen_host}:{self.listen_port}"
+
+    @property
+    def default_api_origin(self) -> str:
+        """The origin the CLI locks tokens to when no request origin exists."""
+        if self.public_api_origin:
+            return self.public_api_origin
+        host = "127.0.0.1" if self.listen_host in ("0.0.0.0", "::", "") else self.listen_host  # noqa: S104
+        return normalize_origin(f"http://{host}:{self.listen_port}")
+
+
+def nearest_setting(name: str) -> str | None:
+    matches = difflib.get_close_matches(name, sorted(KNOWN_NAMES), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def normalize_origin(value: str) -> str:
+    """Lower-case scheme://host[:port], dropping the scheme's default port."""
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("expected scheme://host[:port] with scheme http or https")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise ValueError("an origin has no path, query, fragment or user")
+    host = parts.hostname.lower()
+    if ":" in host:
+        host = f"[{host}]"
+    port = parts.port
+    if port is None or (parts.scheme, port) in (("http", 80), ("https", 443)):
+        return f"{parts.scheme}://{host}"
+    return f"{parts.scheme}://{host}:{port}"
+
+
+def parse_listen(value: str, name: str = "MODELFORGE_LISTEN") -> tuple[str, int]:
+    host, sep, port_text = value.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{name}={value!r} is not HOST:PORT (for example 127.0.0.1:8000)")
+    return host, int(port_text)
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int, maximum: int) -> int:
+    raw = env.get(name, _DEFAULTS[name])
+    try:
+        value = int(raw.strip())
+    except (ValueError, AttributeError):
+        raise ConfigError(f"{name}={raw!r} is not a whole number") from None
+    if not minimum <= value <= maximum:
+        raise ConfigError(f"{name}={value} is outside {minimum}..{maximum}")
+    return value
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines (``#`` comments, optional quotes), as systemd's EnvironmentFile= reads."""
+    values: dict[str, str] = {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read env file {path}: {exc.strerror}") from None
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        name, sep, value = text.removeprefix("export ").partition("=")
+        if not sep or not name.strip().isidentifier():
+            raise ConfigError(f"{path}:{number} is not NAME=VALUE")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        values[name.strip()] = value
+    return values
+
+
+def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = None) -> Settings:
+    """Parse and validate every MODELFORGE_* variable once; raise ConfigError.
+
+    Values from ``env_file`` apply unless the environment sets the same name.
+    """
+    env = dict(os.environ if env is None else env)
+    if env_file is not None:
+        env = {**read_env_file(env_file), **env}
+    for name in sorted(env):
+        if name.startswith("MODELFORGE_") and name not in KNOWN_NAMES:
+            if name.startswith(FOREIGN_PREFIXES):
+                continue
+            hint = nearest_setting(name)
+            suffix = f"; did you mean {hint}?" if hint else "; see docs/configuration.md"
+            raise ConfigError(f"unknown setting {name}{suffix}")
+
+    state_raw = (
+        env.get("MODELFORGE_STATE_DIR") or env.get("STATE_DIRECTORY") or ("/var/lib/modelforge")
+    )
+    state_dir = Path(state_raw.split(":")[0]).expanduser().absolute()
+
+    database_url = env.get("MODELFORGE_DATABASE_URL") or f"sqlite:///{state_dir}/modelforge.sqlite3"
+    scheme = urlsplit(database_url).scheme
+    if scheme not in ("sqlite", "postgresql", "postgres"):
+        raise ConfigError(
+            "MODELFORGE_DATABASE_URL must start with sqlite:/// or postgresql:// "
+            f"(got scheme {scheme or 'none'!r})"
+        )
+
+    host, port = parse_listen(env.get("MODELFORGE_LISTEN", _DEFAULTS["MODELFORGE_LISTEN"]))
+
+    origin = env.get("MODELFORGE_PUBLIC_API_ORIGIN") or None
+    if origin is not None:
+        try:
+            origin = normalize_origin(origin)
+        except ValueError as exc:
+            raise ConfigError(f"MODELFORGE_PUBLIC_API_ORIGIN={origin!r}: {exc}") from None
+
+    interval = _int(env, "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS", 1, 3600)
+    stale = _int(env, "MODELFORGE_NODE_STALE_AFTER_SECONDS", 1, 86400)
+    offline = _int(env, "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS", 1, 7 * 86400)
+    # Invariant 7: offline must exceed stale, and stale must exceed the interval.
+    if offline <= stale:
+        raise ConfigError(
+            f"MODELFORGE_NODE_OFFLINE_AFTER_SECONDS ({offline}) must be greater than "
+            f"MODELFORGE_NODE_STALE_AFTER_SECONDS ({stale})"
+        )
+    if stale <= interval:
+        raise ConfigError(
+            f"MODELFORGE_NODE_STALE_AFTER_SECONDS ({stale}) must be greater than "
+            f"MODELFORGE_HEARTBEAT_INTERVAL_SECONDS ({interval})"
+        )
+
+    log_level = env.get("MODELFORGE_LOG_LEVEL", "INFO").strip().upper()
+    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(
+            f"MODELFORGE_LOG_LEVEL={log_level!r} is not DEBUG, INFO, WARNING or ERROR"
+        )
+
+    return Settings(
+        state_dir=state_dir,
+        database_url=database_url,
+        listen_host=host,
+        listen_port=port,
+        public_api_origin=origin,
+        heartbeat_interval_seconds=interval,
+        stale_after_seconds=stale,
+        offline_after_seconds=offline,
+        max_body_bytes=_int(env, "MODELFORGE_MAX_BODY_BYTES", 1024, 64 * 1024 * 1024),
+        threads=_int(env, "MODELFORGE_THREADS", 1, 256),
+        log_level=log_level,
+    )

@@ -1,0 +1,162 @@
+"""One database setup: SQLite (WAL, foreign keys, busy_timeout) or PostgreSQL.
+
+Numbered, append-only migrations are applied at start; the schema version is
+recorded, and a store written by a newer program is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import peewee as pw
+
+from . import models
+from .clock import Clock
+
+log = logging.getLogger(__name__)
+
+SQLITE_PRAGMAS = {
+    "journal_mode": "wal",
+    "foreign_keys": 1,
+    "busy_timeout": 10000,
+    "synchronous": "normal",  # WAL + NORMAL: committed transactions survive a process crash
+}
+
+
+class StoreVersionError(Exception):
+    """The store was written by a newer program (or is otherwise unusable)."""
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    apply: Callable[[pw.Database], None]
+
+
+def _m0001_initial(db: pw.Database) -> None:
+    db.create_tables(
+        [
+            models.AdminToken,
+            models.Node,
+            models.EnrollmentToken,
+            models.Credential,
+            models.AuditEvent,
+        ]
+    )
+
+
+MIGRATIONS: tuple[Migration, ...] = (Migration(1, "initial", _m0001_initial),)
+SCHEMA_VERSION = MIGRATIONS[-1].version
+
+
+def open_database(url: str) -> pw.Database:
+    """Create (without connecting) the peewee database for a sqlite:/// or postgresql:// URL."""
+    parts = urlsplit(url)
+    if parts.scheme == "sqlite":
+        path = unquote(parts.path)
+        if url.startswith("sqlite:////"):
+            path = "/" + path.lstrip("/")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return pw.SqliteDatabase(path, pragmas=SQLITE_PRAGMAS, timeout=10)
+    if parts.scheme in ("postgresql", "postgres"):
+        return pw.PostgresqlDatabase(
+            unquote(parts.path.lstrip("/")) or "postgres",
+            user=unquote(parts.username) if parts.username else None,
+            password=unquote(parts.password) if parts.password else None,
+            host=parts.hostname or "127.0.0.1",
+            port=parts.port or 5432,
+            autorollback=True,
+            connect_timeout=5,
+        )
+    raise ValueError(f"unsupported database URL scheme {parts.scheme!r}")
+
+
+class Store:
+    """The database, its migrations and its write transactions."""
+
+    def __init__(self, url: str, clock: Clock) -> None:
+        self.url = url
+        self.clock = clock
+        self.db = open_database(url)
+        self.is_sqlite = isinstance(self.db, pw.SqliteDatabase)
+        models.database.initialize(self.db)
+
+    @property
+    def sqlite_path(self) -> str | None:
+        return self.db.database if self.is_sqlite else None
+
+    def write(self) -> contextlib.AbstractContextManager:
+        """A write transaction; IMMEDIATE on SQLite so writers queue instead of deadlocking."""
+        self.db.connect(reuse_if_open=True)
+        if self.is_sqlite:
+            return self.db.atomic("IMMEDIATE")
+        return self.db.atomic()
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[None]:
+        self.db.connect(reuse_if_open=True)
+        yield
+
+    def close(self) -> None:
+        if not self.db.is_closed():
+            self.db.close()
+
+    def current_version(self) -> int:
+        self.db.connect(reuse_if_open=True)
+        if not self.db.table_exists("schema_version"):
+            return 0
+        row = models.SchemaVersion.select(pw.fn.MAX(models.SchemaVersion.version)).scalar()
+        return int(row or 0)
+
+    def migrate(self) -> list[int]:
+        """Apply pending migrations in order; refuse a store newer than this program."""
+        self.db.connect(reuse_if_open=True)
+        with self.write():
+            self.db.create_tables([models.SchemaVersion])
+            current = self.current_version()
+            if current > SCHEMA_VERSION:
+                raise StoreVersionError(
+                    f"the store at {redact_url(self.url)} has schema version {current}, newer than "
+                    f"this program's {SCHEMA_VERSION}; run the release that wrote it or newer"
+                )
+            applied = []
+            for migration in MIGRATIONS:
+                if migration.version <= current:
+                    continue
+                migration.apply(self.db)
+                models.SchemaVersion.create(
+                    version=migration.version, name=migration.name, applied_at=self.clock.now()
+                )
+                applied.append(migration.version)
+        if applied:
+            log.info("store migrated to schema version %d", SCHEMA_VERSION)
+        if self.is_sqlite:
+            os.chmod(self.db.database, 0o600)
+        return applied
+
+    def ping(self) -> bool:
+        try:
+            self.db.connect(reuse_if_open=True)
+            self.db.execute_sql("SELECT 1").fetchone()
+        except pw.PeeweeException:
+            log.warning("store ping failed", exc_info=False)
+            with contextlib.suppress(Exception):
+                self.db.close()
+            return False
+        return True
+
+
+def redact_url(url: str) -> str:
+    """The database URL without its password, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return parts._replace(netloc=netloc).geturl()

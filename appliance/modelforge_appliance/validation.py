@@ -1,0 +1,241 @@
+"""Request bodies: read within the size limit, parse as a JSON object, check field by field.
+
+Every refusal names the field (``identity.identity_secret``) and carries a
+``FIELD_*`` code; unknown fields are refused, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from modelforge_contract import (
+    BODY_NOT_JSON,
+    FIELD_CHOICE,
+    FIELD_RANGE,
+    FIELD_REQUIRED,
+    FIELD_TYPE,
+    FIELD_UNKNOWN,
+    UNSUPPORTED_MEDIA_TYPE,
+)
+
+from .errors import ApiError, Invalid, TooLarge
+
+_TYPE_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    dict: "an object",
+    list: "an array",
+}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a JSON object. ``low``/``high`` bound numbers, or lengths of strings/arrays."""
+
+    kind: type
+    required: bool = True
+    nullable: bool = False
+    choices: tuple[Any, ...] | None = None
+    low: float | None = None
+    high: float | None = None
+    fields: dict[str, Field] | None = None  # for objects: the closed set of keys
+    items: Field | None = None  # for arrays
+
+
+def _fail(code: str, path: str, message: str) -> Invalid:
+    return Invalid(f"{path}: {message}", code=code, next_step=f"Fix the field {path!r} and retry.")
+
+
+def _check_type(value: Any, spec: Field, path: str) -> None:
+    kind = spec.kind
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise _fail(FIELD_TYPE, path, f"must be {_TYPE_NAMES[kind]}")
+
+
+def _check_bounds(value: Any, spec: Field, path: str) -> None:
+    measured = len(value) if isinstance(value, str | list) else value
+    what = "length" if isinstance(value, str | list) else "value"
+    if spec.low is not None and measured < spec.low:
+        raise _fail(FIELD_RANGE, path, f"{what} must be at least {spec.low:g}")
+    if spec.high is not None and measured > spec.high:
+        raise _fail(FIELD_RANGE, path, f"{what} must be at most {spec.high:g}")
+
+
+def check_value(value: Any, spec: Field, path: str) -> Any:
+    if value is None:
+        if spec.nullable:
+            return None
+        raise _fail(FIELD_TYPE, path, "must not be null")
+    _check_type(value, spec, path)
+    if isinstance(value, str) and any(ord(ch) < 32 and ch not in "\t" for ch in value):
+        raise _fail(FIELD_TYPE, path, "must not contain control characters")
+    if spec.choices is not None and value not in spec.choices:
+        raise _fail(FIELD_CHOICE, path, f"must be one of {', '.join(map(str, spec.choices))}")
+    _check_bounds(value, spec, path)
+    if spec.kind is dict and spec.fields is not None:
+        return check_object(value, spec.fields, path)
+    if spec.kind is list and spec.items is not None:
+        return [check_value(item, spec.items, f"{path}[{i}]") for i, item in enumerate(value)]
+    return value
+
+
+def check_object(body: dict[str, Any], fields: dict[str, Field], path: str = "") -> dict:
+    prefix = f"{path}." if path else ""
+    for name in body:
+        if name not in fields:
+            raise _fail(FIELD_UNKNOWN, f"{prefix}{name}", "is not a known field")
+    checked = {}
+    for name, spec in fields.items():
+        if name not in body:
+            if spec.required:
+                raise _fail(FIELD_REQUIRED, f"{prefix}{name}", "is required")
+            continue
+        checked[name] = check_value(body[name], spec, f"{prefix}{name}")
+    return checked
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def read_json_object(environ: dict[str, Any], max_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object, or an ApiError (400, 413, 415)."""
+    try:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        raise Invalid("Content-Length is not a number", code=BODY_NOT_JSON) from None
+    if length > max_bytes:
+        raise TooLarge(
+            f"the body is {length} bytes; the limit is {max_bytes}",
+            next_step="Send a smaller body (MODELFORGE_MAX_BODY_BYTES sets the limit).",
+        )
+    media_type = (environ.get("CONTENT_TYPE") or "").split(";")[0].strip().lower()
+    if length and media_type != "application/json":
+        raise ApiError(
+            "the body must be sent as Content-Type: application/json",
+            code=UNSUPPORTED_MEDIA_TYPE,
+            status=415,
+        )
+    raw = environ["wsgi.input"].read(length) if length else b""
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise Invalid(
+            "the body is not valid UTF-8 JSON", code=BODY_NOT_JSON, next_step="Send a JSON object."
+        ) from None
+    if not isinstance(body, dict):
+        raise Invalid(
+            "the body must be a JSON object", code=BODY_NOT_JSON, next_step="Send a JSON object."
+        )
+    return body
+
+
+def parse_body(environ: dict[str, Any], max_bytes: int, fields: dict[str, Field]) -> dict:
+    return check_object(read_json_object(environ, max_bytes), fields)
+
+
+# -- the request shapes of DESIGN §3 ------------------------------------------
+
+_NAME = Field(str, low=1, high=120)
+_VERSION = Field(str, low=1, high=64)
+_ID = Field(str, low=1, high=64)
+
+MINT_FIELDS = {
+    "display_name": _NAME,
+    "expires_in_seconds": Field(int, low=300, high=86400),
+}
+
+ENROLL_FIELDS = {
+    "token": Field(str, low=1, high=256),
+    "hostname": Field(str, low=1, high=253),
+    "agent_version": _VERSION,
+    "accelerator_mode": Field(str, choices=("nvidia", "cpu", "auto")),
+    "identity": Field(
+        dict,
+        required=False,
+        nullable=True,
+        fields={"identity_id": Field(str, low=8, high=32), "identity_secret": Field(str, high=256)},
+    ),
+}
+
+HEALTH_FIELDS = {
+    "status": Field(str, choices=("ok", "degraded", "failing")),
+    "gpu_probe": Field(str, choices=("ok", "failed", "not_applicable")),
+    "preflight": Field(str, required=False, high=64),
+    "message": Field(str, required=False, nullable=True, high=500),
+    "uptime_seconds": Field(float, required=False, low=0),
+}
+
+HEARTBEAT_FIELDS = {
+    "node_id": _ID,
+    "agent_version": _VERSION,
+    "health": Field(dict, fields=HEALTH_FIELDS),
+}
+
+_BYTES = Field(int, low=0, high=2**63 - 1)
+_OPT_BYTES = Field(int, required=False, nullable=True, low=0, high=2**63 - 1)
+
+ACCELERATOR_FIELDS = {
+    "index": Field(int, low=0, high=1023),
+    "name": Field(str, low=1, high=120),
+    "uuid": Field(str, low=1, high=96),
+    "memory_total_bytes": _BYTES,
+    "driver_version": Field(str, low=1, high=64),
+    "cuda_version": Field(str, required=False, nullable=True, high=32),
+    "pci_bus_id": Field(str, low=1, high=64),
+    "mig_mode": Field(str, required=False, nullable=True, choices=("enabled", "disabled")),
+}
+
+STORAGE_ROOT_FIELDS = {
+    "path": Field(str, low=1, high=4096),
+    "role": Field(str, required=False, choices=("artifacts", "quarantine", "state")),
+    "total_bytes": _BYTES,
+    "free_bytes": _BYTES,
+}
+
+HOST_FIELDS = {
+    "os": Field(str, required=False, high=200),
+    "kernel": Field(str, required=False, high=200),
+    "cpu_count": Field(int, required=False, low=1, high=100000),
+    "memory_total_bytes": _OPT_BYTES,
+}
+
+INVENTORY_FIELDS = {
+    "node_id": _ID,
+    "agent_version": _VERSION,
+    "worker_version": Field(str, required=False, nullable=True, high=64),
+    "host": Field(dict, required=False, fields=HOST_FIELDS),
+    "accelerators": Field(list, high=64, items=Field(dict, fields=ACCELERATOR_FIELDS)),
+    "storage_roots": Field(
+        list, required=False, high=32, items=Field(dict, fields=STORAGE_ROOT_FIELDS)
+    ),
+}
+
+_OPT_INT = Field(int, required=False, nullable=True, low=0, high=10**9)
+_OPT_NUM = Field(float, required=False, nullable=True, low=0, high=10**9)
+
+SAMPLE_FIELDS = {
+    "uuid": Field(str, low=1, high=96),
+    "index": Field(int, low=0, high=1023),
+    "utilization_gpu_percent": Field(int, low=0, high=100),
+    "utilization_memory_percent": Field(int, required=False, nullable=True, low=0, high=100),
+    "memory_used_bytes": _BYTES,
+    "memory_total_bytes": _OPT_BYTES,
+    "temperature_c": Field(int, nullable=True, low=0, high=200),
+    "power_w": Field(float, nullable=True, low=0, high=10000),
+    "power_limit_w": _OPT_NUM,
+    "clock_sm_mhz": _OPT_INT,
+    "clock_memory_mhz": _OPT_INT,
+}
+
+TELEMETRY_FIELDS = {
+    "node_id": _ID,
+    "samples": Field(list, low=1, high=64, items=Field(dict, fields=SAMPLE_FIELDS)),
+}
