@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+
 from modelforge_contract import (
     ENROLLMENT_EXPIRY_MAX_SECONDS,
     ENROLLMENT_EXPIRY_MIN_SECONDS,

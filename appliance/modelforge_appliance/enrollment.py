@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import peewee as pw
+
 from modelforge_contract import (
     ENROLLMENT_NOT_REVOCABLE,
     ENROLLMENT_ORIGIN_MISMATCH,

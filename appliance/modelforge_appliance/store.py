@@ -72,7 +72,6 @@ def open_database(url: str) -> pw.Database:
             password=unquote(parts.password) if parts.password else None,
             host=parts.hostname or "127.0.0.1",
             port=parts.port or 5432,
-            autorollback=True,
             connect_timeout=5,
         )
     raise ValueError(f"unsupported database URL scheme {parts.scheme!r}")

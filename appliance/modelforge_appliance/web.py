@@ -10,6 +10,7 @@ from typing import Any
 
 import bottle
 import peewee as pw
+
 from modelforge_contract import (
     API_PREFIX,
     COMPATIBILITY_NEXT_STEPS,
@@ -150,7 +151,7 @@ def _query_int(name: str, default: int | None, low: int, high: int) -> int | Non
 
 def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     """Build the WSGI application for these settings and this store."""
-    app = bottle.Bottle(catchall=True, autojson=False)
+    app = bottle.Bottle(catchall=True)
     app.default_error_handler = _framework_error
     app.install(_api_errors)
     clock = store.clock

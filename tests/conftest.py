@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from modelforge_appliance.clock import ManualClock
+
+from .support import fresh_postgres_database, make_settings, serve
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request, tmp_path):
+    """Each store test runs on a real SQLite file and on the real PostgreSQL server."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/state/modelforge.sqlite3"
+    else:
+        with fresh_postgres_database() as url:
+            yield url
+
+
+@pytest.fixture
+def settings(tmp_path, database_url):
+    return make_settings(tmp_path / "state", database_url)
+
+
+@pytest.fixture
+def sqlite_settings(tmp_path):
+    return make_settings(tmp_path / "state")
+
+
+@pytest.fixture
+def clock():
+    return ManualClock()
+
+
+@pytest.fixture
+def control_plane(settings):
+    """A real waitress server on 127.0.0.1, on SQLite and on PostgreSQL."""
+    with serve(settings) as cp:
+        yield cp
+
+
+@pytest.fixture
+def sqlite_control_plane(sqlite_settings):
+    """A real waitress server on 127.0.0.1 over a SQLite file (tests that need no matrix)."""
+    with serve(sqlite_settings) as cp:
+        yield cp
+
+
+@pytest.fixture
+def clocked_control_plane(settings, clock):
+    """A control plane whose clock the test moves (liveness, expiry)."""
+    with contextlib.ExitStack() as stack:
+        yield stack.enter_context(serve(settings, clock))

@@ -1,0 +1,143 @@
+"""Shared test parts: a real control plane on a loopback port over a real store."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg2
+import pytest
+import requests
+
+from modelforge_appliance import admin_tokens, audit
+from modelforge_appliance.clock import Clock
+from modelforge_appliance.server import create_server
+from modelforge_appliance.settings import Settings, load_settings
+from modelforge_appliance.store import Store
+from modelforge_contract import HEADER_ADMIN_TOKEN, HEADER_AGENT_PROTOCOL, PROTOCOL_VERSION
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+POSTGRES_ENV = "MF_TEST_POSTGRES_URL"
+
+
+def make_settings(state_dir: Path, database_url: str | None = None, **overrides) -> Settings:
+    """Settings built the way production builds them, then adjusted for the test."""
+    env = {"MODELFORGE_STATE_DIR": str(state_dir)}
+    if database_url:
+        env["MODELFORGE_DATABASE_URL"] = database_url
+    return replace(load_settings(env), **overrides)
+
+
+def postgres_admin_url() -> str:
+    """The PostgreSQL server scripts/test started; skip locally, fail in CI, when absent."""
+    url = os.environ.get(POSTGRES_ENV)
+    if not url:
+        message = f"{POSTGRES_ENV} is not set: scripts/test starts PostgreSQL and sets it"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return url
+
+
+@contextlib.contextmanager
+def fresh_postgres_database() -> Iterator[str]:
+    """A new, empty database on the test server; dropped afterwards."""
+    admin_url = postgres_admin_url()
+    name = f"mf_test_{secrets.token_hex(6)}"
+    conn = psycopg2.connect(admin_url)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f'CREATE DATABASE "{name}"')
+        parts = urlsplit(admin_url)
+        yield urlunsplit(parts._replace(path=f"/{name}"))
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,)
+            )
+            cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
+    finally:
+        conn.close()
+
+
+@dataclass
+class ControlPlane:
+    """A control plane served by waitress on 127.0.0.1 for one test."""
+
+    url: str
+    settings: Settings
+    store: Store
+    admin_token: str
+
+    def admin(self, method: str, path: str, **kwargs) -> requests.Response:
+        headers = {HEADER_ADMIN_TOKEN: self.admin_token, **kwargs.pop("headers", {})}
+        return requests.request(method, self.url + path, headers=headers, timeout=30, **kwargs)
+
+    def mint(self, name: str = "GPU Node", expires: int = 900) -> dict:
+        response = self.admin(
+            "POST",
+            "/api/v1/admin/node-enrollments",
+            json={"display_name": name, "expires_in_seconds": expires},
+        )
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    def agent(
+        self, method: str, path: str, credential: str | None = None, **kwargs
+    ) -> requests.Response:
+        headers = {HEADER_AGENT_PROTOCOL: str(PROTOCOL_VERSION), **kwargs.pop("headers", {})}
+        if credential is not None:
+            headers["Authorization"] = f"Bearer {credential}"
+        return requests.request(method, self.url + path, headers=headers, timeout=30, **kwargs)
+
+    def enroll(self, token: str, hostname: str = "gpu-node-1", identity=None, **extra):
+        body = {
+            "token": token,
+            "hostname": hostname,
+            "agent_version": "0.1.0",
+            "accelerator_mode": "cpu",
+            **extra,
+        }
+        if identity is not None:
+            body["identity"] = identity
+        return self.agent("POST", "/api/v1/agent/enroll", json=body)
+
+    def heartbeat(self, credential: str, node_id: str, **kwargs) -> requests.Response:
+        body = {
+            "node_id": node_id,
+            "agent_version": "0.1.0",
+            "health": {"status": "ok", "gpu_probe": "not_applicable"},
+        }
+        return self.agent("POST", "/api/v1/agent/heartbeat", credential, json=body, **kwargs)
+
+
+def new_identity() -> dict:
+    identity_id = secrets.token_hex(8)
+    return {
+        "identity_id": identity_id,
+        "identity_secret": f"mfi_{identity_id}_{secrets.token_urlsafe(32)}",
+    }
+
+
+@contextlib.contextmanager
+def serve(settings: Settings, clock: Clock | None = None) -> Iterator[ControlPlane]:
+    """Migrate the store, mint an admin token and serve on a free loopback port."""
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(settings.database_url, clock or Clock())
+    store.migrate()
+    _, token = admin_tokens.create_admin_token(store, "tests", audit.CLI_ACTOR)
+    server = create_server(settings, store, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        yield ControlPlane(f"http://127.0.0.1:{server.effective_port}", settings, store, token)
+    finally:
+        server.close()
+        thread.join(timeout=5)
+        store.close()
