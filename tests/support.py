@@ -96,7 +96,9 @@ class ControlPlane:
             headers["Authorization"] = f"Bearer {credential}"
         return requests.request(method, self.url + path, headers=headers, timeout=30, **kwargs)
 
-    def enroll(self, token: str, hostname: str = "gpu-node-1", identity=None, **extra):
+    def enroll(
+        self, token: str, hostname: str = "gpu-node-1", identity=None, headers=None, **extra
+    ):
         body = {
             "token": token,
             "hostname": hostname,
@@ -106,7 +108,7 @@ class ControlPlane:
         }
         if identity is not None:
             body["identity"] = identity
-        return self.agent("POST", "/api/v1/agent/enroll", json=body)
+        return self.agent("POST", "/api/v1/agent/enroll", json=body, headers=headers or {})
 
     def heartbeat(self, credential: str, node_id: str, **kwargs) -> requests.Response:
         body = {
