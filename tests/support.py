@@ -17,7 +17,7 @@ import requests
 
 from modelforge_appliance import admin_tokens, audit
 from modelforge_appliance.clock import Clock
-from modelforge_appliance.server import create_server
+from modelforge_appliance.server import create_server, run_until
 from modelforge_appliance.settings import Settings, load_settings
 from modelforge_appliance.store import Store
 from modelforge_contract import HEADER_ADMIN_TOKEN, HEADER_AGENT_PROTOCOL, PROTOCOL_VERSION
@@ -135,11 +135,12 @@ def serve(settings: Settings, clock: Clock | None = None) -> Iterator[ControlPla
     store.migrate()
     _, token = admin_tokens.create_admin_token(store, "tests", audit.CLI_ACTOR)
     server = create_server(settings, store, "127.0.0.1", 0)
-    thread = threading.Thread(target=server.run, daemon=True)
+    stop = threading.Event()
+    thread = threading.Thread(target=run_until, args=(server, stop), daemon=True)
     thread.start()
     try:
         yield ControlPlane(f"http://127.0.0.1:{server.effective_port}", settings, store, token)
     finally:
-        server.close()
+        stop.set()
         thread.join(timeout=5)
         store.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import waitress
 from waitress.server import BaseWSGIServer
@@ -37,3 +38,17 @@ def create_server(settings: Settings, store: Store, host: str, port: int) -> Bas
     """A waitress server bound to host:port (port 0 picks a free one); call ``.run()``."""
     app = make_app(settings, store)
     return waitress.create_server(app, host=host, port=port, **waitress_options(settings))
+
+
+def run_until(server: BaseWSGIServer, stop: threading.Event) -> None:
+    """Serve until ``stop`` is set, then close the server from the serving thread itself.
+
+    Closing from another thread while waitress sits in select() races on the file
+    descriptors; polling a stop flag between short loop turns does not.
+    """
+    try:
+        while not stop.is_set():
+            server.asyncore.loop(timeout=0.1, map=server._map, use_poll=True, count=1)
+    finally:
+        server.close()
+        server.task_dispatcher.shutdown(timeout=5)
