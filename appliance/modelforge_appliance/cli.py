@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +115,7 @@ def serve(obj: Context, listen: str | None) -> None:
     """Serve the control plane (default 127.0.0.1:8000, SQLite under the state directory)."""
     import logging
 
-    from .server import create_server
+    from .server import create_server, run_until
 
     settings = obj.settings
     host, port = (
@@ -136,12 +138,11 @@ def serve(obj: Context, listen: str | None) -> None:
         f"    {bound}/api/v1/admin/node-enrollments",
         err=True,
     )
-    try:
-        server.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.close()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    run_until(server, stop)
+    logging.getLogger("modelforge").info("stopped")
 
 
 @main.group("admin-token")

@@ -71,6 +71,8 @@ def _api_errors(callback: Callable) -> Callable:
         try:
             return callback(*args, **kwargs)
         except ApiError as error:
+            request = bottle.request
+            log.info("%s %s -> %d %s", request.method, request.path, error.status, error.code)
             return error_response(_with_compatibility(error))
         except (pw.OperationalError, pw.InterfaceError) as exc:
             log.error(

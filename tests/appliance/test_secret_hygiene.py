@@ -1,0 +1,159 @@
+"""Invariant 3: after a full enrollment run no secret is readable anywhere it was stored.
+
+A real ``modelforge serve`` process logs at DEBUG; afterwards its log, the raw store
+(the SQLite file with its WAL, or a pg_dump) and every admin answer after the minting
+ones are searched for every secret that was minted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from ..support import new_identity, postgres_admin_url
+
+ADMIN = "X-ModelForge-Admin-Token"
+AGENT = {"X-ModelForge-Agent-Protocol": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cli(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "modelforge_appliance.cli", *args],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+
+
+def wait_healthy(url: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "modelforge serve exited early"
+        try:
+            if requests.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except requests.ConnectionError:
+            time.sleep(0.1)
+    raise AssertionError("modelforge serve never became healthy")
+
+
+def run_scenario(url: str, admin_token: str) -> tuple[list[str], list[str]]:
+    """Mint, enroll, publish, re-enroll and misbehave; return (secrets, later answers)."""
+    admin = {ADMIN: admin_token}
+    secrets = [admin_token]
+
+    def mint() -> str:
+        response = requests.post(
+            f"{url}/api/v1/admin/node-enrollments",
+            json={"display_name": "GPU Node", "expires_in_seconds": 900},
+            headers=admin, timeout=10,
+        )  # fmt: skip
+        assert response.status_code == 201
+        secrets.append(response.json()["token"])
+        return response.json()["token"]
+
+    def enroll(token: str, identity: dict) -> requests.Response:
+        body = {"token": token, "hostname": "gpu-1", "agent_version": "0.1.0",
+                "accelerator_mode": "cpu", "identity": identity}  # fmt: skip
+        return requests.post(f"{url}/api/v1/agent/enroll", json=body, headers=AGENT, timeout=10)
+
+    identity = new_identity()
+    secrets.append(identity["identity_secret"])
+    first_token = mint()
+    first = enroll(first_token, identity).json()
+    secrets.append(first["credential"])
+    node_id = first["node_id"]
+    auth = {**AGENT, "Authorization": f"Bearer {first['credential']}"}
+    beat = {"node_id": node_id, "agent_version": "0.1.0",
+            "health": {"status": "ok", "gpu_probe": "not_applicable"}}  # fmt: skip
+    assert requests.post(f"{url}/api/v1/agent/heartbeat", json=beat, headers=auth, timeout=10).ok
+
+    second = enroll(mint(), identity).json()
+    secrets.append(second["credential"])
+    # Misbehaviour that carries secrets to the server: every one must be refused quietly.
+    forged = {**identity, "identity_secret": f"mfi_{identity['identity_id']}_{'Z' * 43}"}
+    secrets.append(forged["identity_secret"])
+    refusals = [
+        requests.post(f"{url}/api/v1/agent/heartbeat", json=beat, headers=auth, timeout=10),
+        enroll(first_token, identity),
+        enroll(mint(), forged),
+        requests.post(f"{url}/api/v1/agent/heartbeat", data=f"{{{second['credential']}",
+                      headers={**auth, "Content-Type": "application/json"}, timeout=10),
+        requests.post(f"{url}/api/v1/agent/heartbeat", json={**beat, "x": first_token},
+                      headers=auth, timeout=10),
+    ]  # fmt: skip
+    assert all(400 <= r.status_code < 500 for r in refusals)
+    answers = [response.text for response in refusals]
+    for path in ("node-enrollments", "hardware/nodes", f"hardware/nodes/{node_id}",
+                 "audit-events?limit=500"):  # fmt: skip
+        answers.append(requests.get(f"{url}/api/v1/admin/{path}", headers=admin, timeout=10).text)
+    return secrets, answers
+
+
+def serve_scenario(tmp_path: Path, database_url: str | None) -> tuple[list[str], list[str], str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+    env |= {"MODELFORGE_STATE_DIR": str(tmp_path / "state"), "MODELFORGE_LOG_LEVEL": "DEBUG"}
+    if database_url:
+        env["MODELFORGE_DATABASE_URL"] = database_url
+    admin_token = json.loads(cli(env, "init", "--json").stdout)["admin_token"]
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "modelforge_appliance.cli", "serve", "--listen",
+             f"127.0.0.1:{port}"], env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", process)
+            secrets, answers = run_scenario(f"http://127.0.0.1:{port}", admin_token)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=10) == 0
+    return secrets, answers, log_path.read_text()
+
+
+def assert_nowhere(secrets: list[str], places: dict[str, bytes]) -> None:
+    assert len(secrets) >= 8
+    for secret in secrets:
+        for name, content in places.items():
+            assert secret.encode() not in content, f"a secret leaked into {name}"
+            assert secret.split("_", 2)[2].encode() not in content, f"secret part in {name}"
+
+
+def test_no_secret_in_sqlite_file_logs_or_later_answers(tmp_path):
+    secrets, answers, log = serve_scenario(tmp_path, None)
+    state = tmp_path / "state"
+    places = {p.name: p.read_bytes() for p in state.iterdir() if p.is_file()}
+    assert "modelforge.sqlite3" in places
+    places |= {"log": log.encode(), "answers": "\n".join(answers).encode()}
+    assert_nowhere(secrets, places)
+    # The log still says what happened: method, path, status and code of each refusal.
+    assert "POST /api/v1/agent/heartbeat -> 401 CREDENTIAL_REVOKED" in log
+    assert "POST /api/v1/agent/enroll -> 403 IDENTITY_SECRET_MISMATCH" in log
+
+
+def test_no_secret_in_a_postgresql_dump_or_logs(tmp_path):
+    from ..support import fresh_postgres_database
+
+    postgres_admin_url()
+    with fresh_postgres_database() as url:
+        secrets, answers, log = serve_scenario(tmp_path, url)
+        pg_dump = next(Path("/usr/lib/postgresql").glob("*/bin/pg_dump"))
+        dump = subprocess.run(
+            [str(pg_dump), "--dbname", url], capture_output=True, check=True, timeout=60
+        ).stdout
+    assert b"COPY public.credential" in dump
+    assert_nowhere(secrets, {"pg_dump": dump, "log": log.encode(),
+                             "answers": "\n".join(answers).encode()})  # fmt: skip
