@@ -16,6 +16,8 @@ from modelforge_contract import (
     ENROLLMENT_TOKEN_EXPIRED,
     ENROLLMENT_TOKEN_INVALID,
     ENROLLMENT_TOKEN_REVOKED,
+    FIELD_FORMAT,
+    IDENTITY_CONFLICT,
     IDENTITY_SECRET_MISMATCH,
     KIND_ENROLLMENT,
     KIND_IDENTITY,
@@ -281,7 +283,7 @@ def _claim(store: Store, request: EnrollRequest, parsed: tuple[str, str] | None)
     except pw.IntegrityError:
         raise Conflict(
             "another enrollment for this identity is in progress",
-            code="IDENTITY_CONFLICT",
+            code=IDENTITY_CONFLICT,
             next_step="Retry the enrollment with a fresh token.",
         ) from None
     return Enrolled(node=node, credential=secret, reenrolled=reenrolled)
@@ -294,7 +296,7 @@ def _identity_digest(request: EnrollRequest) -> str | None:
     if parsed is None or parsed[0] != request.identity_id:
         raise Invalid(
             "identity.identity_secret is not a well-formed secret for identity.identity_id",
-            code="FIELD_FORMAT",
+            code=FIELD_FORMAT,
             next_step="Let the node agent generate its identity; do not edit the state file.",
         )
     return tokens.digest(parsed[1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from modelforge_contract import DECOMMISSIONED, OFFLINE, ONLINE, PENDING, STALE
+from modelforge_contract import DECOMMISSIONED, INVENTORY_EMPTY, OFFLINE, ONLINE, PENDING, STALE
 
 from .clock import isoformat
 from .errors import Invalid, NotFound
@@ -101,7 +101,7 @@ def record_inventory(store: Store, credential: Credential, inventory: dict[str, 
     if node.accelerator_mode == "nvidia" and not inventory.get("accelerators"):
         raise Invalid(
             "an nvidia node must report at least one accelerator",
-            code="INVENTORY_EMPTY",
+            code=INVENTORY_EMPTY,
             next_step="Run the agent's --preflight; it refuses to start without a GPU.",
         )
     now = store.clock.now()
