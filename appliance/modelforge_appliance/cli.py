@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import re
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,44 +13,17 @@ import click
 from modelforge_contract import (
     ENROLLMENT_EXPIRY_MAX_SECONDS,
     ENROLLMENT_EXPIRY_MIN_SECONDS,
-    EXIT_USAGE,
     PROTOCOL_VERSION,
     __version__,
 )
 
-from . import admin_tokens, audit, enrollment, nodes
-from .logs import configure_logging
-from .settings import ConfigError, Settings, load_settings, parse_listen
-from .store import Store, StoreVersionError
+from . import admin_tokens, audit, enrollment
+from .backup import RestoreRefused, state_lock
+from .cli_support import Context, emit, fail
+from .settings import ConfigError, parse_listen
+from .store import StoreVersionError
 
 FIRST_TOKEN_NAME = "first admin"
-
-
-class Context:
-    def __init__(self, env_file: Path | None) -> None:
-        self.env_file = env_file
-        self._settings: Settings | None = None
-
-    @property
-    def settings(self) -> Settings:
-        if self._settings is None:
-            self._settings = load_settings(env_file=self.env_file)
-            configure_logging(self._settings.log_level)
-        return self._settings
-
-    def store(self) -> Store:
-        from .server import open_store
-
-        return open_store(self.settings)
-
-
-def fail(message: str, code: int = EXIT_USAGE) -> None:
-    click.echo(f"modelforge: {message}", err=True)
-    sys.exit(code)
-
-
-def emit(as_json: bool, payload: Any, text: str) -> None:
-    click.echo(json.dumps(payload, indent=2) if as_json else text)
 
 
 class Group(click.Group):
@@ -61,7 +32,7 @@ class Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (ConfigError, StoreVersionError) as exc:
+        except (ConfigError, StoreVersionError, RestoreRefused) as exc:
             fail(str(exc))
 
 
@@ -141,7 +112,8 @@ def serve(obj: Context, listen: str | None) -> None:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    run_until(server, stop)
+    with state_lock(settings, exclusive=False):  # `modelforge restore` waits for us to stop
+        run_until(server, stop)
     logging.getLogger("modelforge").info("stopped")
 
 
@@ -235,19 +207,10 @@ def enroll(obj: Context, name: str, expires: str, as_json: bool) -> None:
     )
 
 
-@main.command("nodes")
-@click.option("--json", "as_json", is_flag=True, help='Print {"nodes": [...]} as JSON.')
-@click.pass_obj
-def nodes_command(obj: Context, as_json: bool) -> None:
-    """List nodes with their liveness."""
-    rows = nodes.list_nodes(obj.store(), obj.settings)
-    lines = [f"{'NODE ID':38} {'NAME':20} {'HOSTNAME':20} {'LIVENESS':14} LAST HEARTBEAT"]
-    for row in rows:
-        lines.append(
-            f"{row['node_id']:38} {row['display_name'][:20]:20} {row['hostname'][:20]:20} "
-            f"{row['liveness']:14} {row['last_heartbeat_at'] or '-'}"
-        )
-    emit(as_json, {"nodes": rows}, "\n".join(lines))
+from .cli_nodes import alerts_command, backup_command, nodes_group, restore_command  # noqa: E402
+
+for command in (nodes_group, alerts_command, backup_command, restore_command):
+    main.add_command(command)
 
 
 if __name__ == "__main__":

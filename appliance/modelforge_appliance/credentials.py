@@ -12,6 +12,7 @@ from modelforge_contract import (
 )
 
 from . import audit, tokens
+from .clock import isoformat
 from .errors import Forbidden, Unauthorized
 from .models import Credential, Node
 from .store import Store
@@ -118,3 +119,32 @@ def authenticate_node(store: Store, authorization: str | None, node_id: str) -> 
             code=CREDENTIAL_NODE_MISMATCH,
         )
     return credential
+
+
+def credentials_of(store: Store, node: Node) -> dict:
+    """Active and revoked counts with dates; never a digest."""
+    with store.connection():
+        rows = list(
+            Credential.select().where(Credential.node == node).order_by(Credential.created_at)
+        )
+    return {
+        "node_id": node.node_id,
+        "active": sum(1 for row in rows if row.revoked_at is None),
+        "revoked": sum(1 for row in rows if row.revoked_at is not None),
+        "credentials": [
+            {
+                "credential_id": row.credential_id,
+                "created_at": isoformat(row.created_at),
+                "last_used_at": isoformat(row.last_used_at),
+                "revoked_at": isoformat(row.revoked_at),
+                "revoked_reason": row.revoked_reason,
+            }
+            for row in rows
+        ],
+    }
+
+
+def revoke_node_credential(store: Store, node: Node, actor: str) -> list[str]:
+    """Revoke the node's active credential(s) permanently (invariant 5)."""
+    with store.write():
+        return revoke_active_credentials(store, node, actor, "revoked by an administrator")

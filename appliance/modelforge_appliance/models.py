@@ -86,4 +86,25 @@ class AuditEvent(BaseModel):
     detail = pw.TextField()  # JSON; never a secret
 
 
-ALL_MODELS = (SchemaVersion, AdminToken, Node, EnrollmentToken, Credential, AuditEvent)
+class DecommissionConfirmation(BaseModel):
+    """A single-use confirmation that binds an execute to exactly what preview showed."""
+
+    confirmation_id = pw.CharField(primary_key=True, max_length=32)
+    node = pw.ForeignKeyField(Node, backref="decommission_confirmations", on_delete="RESTRICT")
+    digest = pw.CharField(max_length=64)
+    fingerprint = pw.CharField(max_length=64)  # of the node state the preview described
+    created_by = pw.CharField(max_length=120)
+    created_at = pw.DoubleField()
+    expires_at = pw.DoubleField()
+    used_at = pw.DoubleField(null=True)
+
+
+ALL_MODELS = (
+    SchemaVersion,
+    AdminToken,
+    Node,
+    EnrollmentToken,
+    Credential,
+    AuditEvent,
+    DecommissionConfirmation,
+)

@@ -7,6 +7,7 @@ from typing import Any
 
 from modelforge_contract import DECOMMISSIONED, INVENTORY_EMPTY, OFFLINE, ONLINE, PENDING, STALE
 
+from . import audit
 from .clock import isoformat
 from .errors import Invalid, NotFound
 from .models import Credential, Node
@@ -126,3 +127,17 @@ def record_telemetry(store: Store, credential: Credential, samples: list[dict]) 
             Credential.credential_id == credential.credential_id
         ).execute()
     return now
+
+
+def set_cordoned(store: Store, node_id: str, cordoned: bool, actor: str) -> Node:
+    """Cordon (no new work, still monitored) or uncordon a node; audited when it changes."""
+    with store.write():
+        node = Node.get_or_none(Node.node_id == node_id)
+        if node is None:
+            raise NotFound(f"no node {node_id}")
+        if node.cordoned != cordoned:
+            node.cordoned = cordoned
+            node.save()
+            audit.record(store, actor, "node.cordoned" if cordoned else "node.uncordoned",
+                         node_id=node_id)  # fmt: skip
+    return node

@@ -63,6 +63,17 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "A node without a heartbeat for this long is offline. Must exceed the stale threshold.",
     ),
     SettingSpec(
+        "MODELFORGE_INVENTORY_MAX_AGE_SECONDS",
+        "3600",
+        "Readiness and placement treat an inventory older than this as stale; agents "
+        "republish theirs well within it.",
+    ),
+    SettingSpec(
+        "MODELFORGE_TELEMETRY_MAX_AGE_SECONDS",
+        "120",
+        "Readiness of an NVIDIA node needs telemetry younger than this.",
+    ),
+    SettingSpec(
         "MODELFORGE_MAX_BODY_BYTES",
         "1048576",
         "Largest request body accepted; larger bodies are refused with 413 BODY_TOO_LARGE.",
@@ -90,6 +101,8 @@ class Settings:
     heartbeat_interval_seconds: int
     stale_after_seconds: int
     offline_after_seconds: int
+    inventory_max_age_seconds: int
+    telemetry_max_age_seconds: int
     max_body_bytes: int
     threads: int
     log_level: str
@@ -236,6 +249,8 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         heartbeat_interval_seconds=interval,
         stale_after_seconds=stale,
         offline_after_seconds=offline,
+        inventory_max_age_seconds=_int(env, "MODELFORGE_INVENTORY_MAX_AGE_SECONDS", 60, 7 * 86400),
+        telemetry_max_age_seconds=_int(env, "MODELFORGE_TELEMETRY_MAX_AGE_SECONDS", 10, 86400),
         max_body_bytes=_int(env, "MODELFORGE_MAX_BODY_BYTES", 1024, 64 * 1024 * 1024),
         threads=_int(env, "MODELFORGE_THREADS", 1, 256),
         log_level=log_level,

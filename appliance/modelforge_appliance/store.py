@@ -52,7 +52,14 @@ def _m0001_initial(db: pw.Database) -> None:
     )
 
 
-MIGRATIONS: tuple[Migration, ...] = (Migration(1, "initial", _m0001_initial),)
+def _m0002_decommission_confirmations(db: pw.Database) -> None:
+    db.create_tables([models.DecommissionConfirmation])
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "initial", _m0001_initial),
+    Migration(2, "decommission confirmations", _m0002_decommission_confirmations),
+)
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
 

@@ -152,6 +152,8 @@ MINT_FIELDS = {
     "expires_in_seconds": Field(int, low=300, high=86400),
 }
 
+EXECUTE_FIELDS = {"confirmation": Field(str, low=1, high=256)}
+
 ENROLL_FIELDS = {
     "token": Field(str, low=1, high=256),
     "hostname": Field(str, low=1, high=253),

@@ -20,10 +20,18 @@ from modelforge_contract import (
     INTERNAL_ERROR,
     METHOD_NOT_ALLOWED,
     NOT_FOUND,
+    PATH_ADMIN_ALERTS,
     PATH_ADMIN_AUDIT,
     PATH_ADMIN_ENROLLMENT,
     PATH_ADMIN_ENROLLMENTS,
     PATH_ADMIN_NODE,
+    PATH_ADMIN_NODE_CORDON,
+    PATH_ADMIN_NODE_CREDENTIAL,
+    PATH_ADMIN_NODE_CREDENTIALS,
+    PATH_ADMIN_NODE_DECOMMISSION_EXECUTE,
+    PATH_ADMIN_NODE_DECOMMISSION_PREVIEW,
+    PATH_ADMIN_NODE_READINESS,
+    PATH_ADMIN_NODE_UNCORDON,
     PATH_ADMIN_NODES,
     PATH_AGENT_ENROLL,
     PATH_AGENT_HEARTBEAT,
@@ -34,13 +42,14 @@ from modelforge_contract import (
     compatibility_of,
 )
 
-from . import admin_tokens, audit, credentials, enrollment, nodes
+from . import admin_tokens, alerts, audit, credentials, decommission, enrollment, nodes, readiness
 from .clock import isoformat
 from .errors import ApiError, Invalid, StoreUnavailable, UpgradeRequired
 from .settings import Settings, normalize_origin
 from .store import Store
 from .validation import (
     ENROLL_FIELDS,
+    EXECUTE_FIELDS,
     HEARTBEAT_FIELDS,
     INVENTORY_FIELDS,
     MINT_FIELDS,
@@ -228,6 +237,51 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
         admin()
         node = nodes.get_node(store, node_id)
         return json_response(nodes.node_view(node, clock.now(), settings))
+
+    @app.get(PATH_ADMIN_NODE_READINESS)
+    def node_readiness(node_id: str):
+        admin()
+        return json_response(readiness.readiness_of(store, settings, node_id))
+
+    @app.get(PATH_ADMIN_NODE_CREDENTIALS)
+    def node_credentials(node_id: str):
+        admin()
+        return json_response(credentials.credentials_of(store, nodes.get_node(store, node_id)))
+
+    @app.delete(PATH_ADMIN_NODE_CREDENTIAL)
+    def revoke_node_credential(node_id: str):
+        actor = admin()
+        node = nodes.get_node(store, node_id)
+        revoked = credentials.revoke_node_credential(store, node, actor)
+        return json_response({"node_id": node_id, "revoked": revoked})
+
+    @app.post(PATH_ADMIN_NODE_DECOMMISSION_PREVIEW)
+    def decommission_preview(node_id: str):
+        actor = admin()
+        return json_response(decommission.preview(store, node_id, actor))
+
+    @app.post(PATH_ADMIN_NODE_DECOMMISSION_EXECUTE)
+    def decommission_execute(node_id: str):
+        actor = admin()
+        confirmation = body(EXECUTE_FIELDS)["confirmation"]
+        return json_response(decommission.execute(store, node_id, confirmation, actor))
+
+    @app.post(PATH_ADMIN_NODE_CORDON)
+    def cordon(node_id: str):
+        actor = admin()
+        node = nodes.set_cordoned(store, node_id, True, actor)
+        return json_response(nodes.node_view(node, clock.now(), settings))
+
+    @app.post(PATH_ADMIN_NODE_UNCORDON)
+    def uncordon(node_id: str):
+        actor = admin()
+        node = nodes.set_cordoned(store, node_id, False, actor)
+        return json_response(nodes.node_view(node, clock.now(), settings))
+
+    @app.get(PATH_ADMIN_ALERTS)
+    def list_alerts():
+        admin()
+        return json_response({"alerts": alerts.active_alerts(store, settings)})
 
     @app.get(PATH_ADMIN_AUDIT)
     def audit_events():

@@ -1,0 +1,43 @@
+"""What every ``modelforge`` subcommand shares: lazily loaded settings and store, output."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from modelforge_contract import EXIT_USAGE
+
+from .logs import configure_logging
+from .settings import Settings, load_settings
+from .store import Store
+
+
+class Context:
+    def __init__(self, env_file: Path | None) -> None:
+        self.env_file = env_file
+        self._settings: Settings | None = None
+
+    @property
+    def settings(self) -> Settings:
+        if self._settings is None:
+            self._settings = load_settings(env_file=self.env_file)
+            configure_logging(self._settings.log_level)
+        return self._settings
+
+    def store(self) -> Store:
+        from .server import open_store
+
+        return open_store(self.settings)
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> None:
+    click.echo(f"modelforge: {message}", err=True)
+    sys.exit(code)
+
+
+def emit(as_json: bool, payload: Any, text: str) -> None:
+    click.echo(json.dumps(payload, indent=2) if as_json else text)

@@ -1,0 +1,136 @@
+"""Audited two-step retirement of a node: preview exactly what will happen, then execute it.
+
+No API deletes or hand-edits a node row; a decommissioned node stays as history,
+its credentials refused, its identity retired and its hostname free for a new node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from modelforge_contract import (
+    CONFIRMATION_INVALID,
+    CONFIRMATION_STALE,
+    CONFIRMATION_USED,
+    KIND_DECOMMISSION,
+    NODE_DECOMMISSIONED,
+)
+
+from . import audit, credentials, tokens
+from .clock import isoformat
+from .errors import Conflict, Invalid
+from .models import Credential, DecommissionConfirmation, Node
+from .store import Store
+
+CONFIRMATION_LIFETIME_SECONDS = 600
+
+
+def planned_effects(node: Node) -> dict[str, Any]:
+    """What execute will do to node as it is now."""
+    active = [
+        row.credential_id
+        for row in Credential.select(Credential.credential_id)
+        .where((Credential.node == node) & Credential.revoked_at.is_null())
+        .order_by(Credential.credential_id)
+    ]
+    return {
+        "credentials_revoked": active,
+        # Work leasing is not built yet: no node can hold a lease to return.
+        "leases_returned": [],
+        "identity_retired": node.identity_id,
+        "hostname_freed": node.hostname,
+    }
+
+
+def _fingerprint(node: Node, effects: dict[str, Any]) -> str:
+    state = {"effects": effects, "decommissioned_at": node.decommissioned_at,
+             "enrolled_at": node.enrolled_at}  # fmt: skip
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+
+
+def _refuse_if_decommissioned(node: Node) -> None:
+    if node.decommissioned_at is not None:
+        raise Conflict(f"node {node.node_id} is already decommissioned", code=NODE_DECOMMISSIONED,
+                       next_step="Nothing to do; enroll replacement hardware as a new node.")  # fmt: skip
+
+
+def _locked_node(store: Store, node_id: str) -> Node:
+    from .nodes import get_node
+
+    query = Node.select().where(Node.node_id == node_id)
+    node = (query if store.is_sqlite else query.for_update()).first()
+    return node if node is not None else get_node(store, node_id)  # raises NotFound
+
+
+def preview(store: Store, node_id: str, actor: str) -> dict[str, Any]:
+    """Describe the decommission and hand out a single-use confirmation for exactly it."""
+    confirmation_id, confirmation = tokens.mint_secret(KIND_DECOMMISSION)
+    now = store.clock.now()
+    with store.write():
+        node = _locked_node(store, node_id)
+        _refuse_if_decommissioned(node)
+        effects = planned_effects(node)
+        DecommissionConfirmation.create(
+            confirmation_id=confirmation_id,
+            node=node,
+            digest=tokens.digest(confirmation),
+            fingerprint=_fingerprint(node, effects),
+            created_by=actor,
+            created_at=now,
+            expires_at=now + CONFIRMATION_LIFETIME_SECONDS,
+        )
+        audit.record(store, actor, "node.decommission_previewed", node_id=node_id,
+                     confirmation_id=confirmation_id, effects=effects)  # fmt: skip
+    return {
+        "node_id": node_id,
+        "effects": effects,
+        "confirmation": confirmation,
+        "expires_at": isoformat(now + CONFIRMATION_LIFETIME_SECONDS),
+    }
+
+
+def execute(store: Store, node_id: str, confirmation: str, actor: str) -> dict[str, Any]:
+    """Do exactly what the preview said, in one transaction, or refuse and change nothing."""
+    parsed = tokens.parse(confirmation, KIND_DECOMMISSION)
+    invalid = Invalid("the confirmation is not one issued by a preview of this node",
+                      code=CONFIRMATION_INVALID,
+                      next_step="Run the decommission preview again and use its confirmation.")  # fmt: skip
+    if parsed is None:
+        raise invalid
+    confirmation_id, secret = parsed
+    now = store.clock.now()
+    with store.write():
+        row = DecommissionConfirmation.get_or_none(
+            DecommissionConfirmation.confirmation_id == confirmation_id
+        )
+        if row is None or row.node_id != node_id or not tokens.digest_matches(secret, row.digest):
+            raise invalid
+        if row.used_at is not None:
+            raise Conflict("this confirmation was already used", code=CONFIRMATION_USED,
+                           next_step="Run the decommission preview again.")  # fmt: skip
+        node = _locked_node(store, node_id)
+        _refuse_if_decommissioned(node)
+        effects = planned_effects(node)
+        if row.expires_at <= now or row.fingerprint != _fingerprint(node, effects):
+            raise Conflict("the node changed since the preview, or the confirmation expired",
+                           code=CONFIRMATION_STALE,
+                           next_step="Run the decommission preview again and review it.")  # fmt: skip
+        # Single use even under concurrency: the row count decides.
+        used = (
+            DecommissionConfirmation.update(used_at=now)
+            .where(
+                (DecommissionConfirmation.confirmation_id == confirmation_id)
+                & DecommissionConfirmation.used_at.is_null()
+            )
+            .execute()
+        )
+        if used != 1:
+            raise Conflict("this confirmation was already used", code=CONFIRMATION_USED,
+                           next_step="Run the decommission preview again.")  # fmt: skip
+        credentials.revoke_active_credentials(store, node, actor, "decommissioned")
+        Node.update(decommissioned_at=now, cordoned=True).where(Node.node_id == node_id).execute()
+        audit.record(store, actor, "node.decommissioned", node_id=node_id,
+                     confirmation_id=confirmation_id, effects=effects)  # fmt: skip
+    return {"node_id": node_id, "decommissioned_at": isoformat(now), "effects": effects}
