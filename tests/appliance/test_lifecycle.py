@@ -1,0 +1,336 @@
+"""Node lifecycle (issue 4): readiness, revocation, recovery, decommission, cordon, alerts."""
+
+from __future__ import annotations
+
+import pytest
+
+from modelforge_appliance.models import Node
+from modelforge_contract import (
+    CONFIRMATION_INVALID,
+    CONFIRMATION_STALE,
+    CONFIRMATION_USED,
+    CREDENTIAL_NODE_MISMATCH,
+    CREDENTIAL_REVOKED,
+    NODE_DECOMMISSIONED,
+)
+
+from ..support import new_identity
+
+NODES = "/api/v1/admin/hardware/nodes"
+ACCELERATOR = {
+    "index": 0,
+    "name": "NVIDIA H100 80GB HBM3",
+    "uuid": "GPU-4f1c2e7a-0000-0000-0000-000000000001",
+    "memory_total_bytes": 85520809984,
+    "driver_version": "550.54.15",
+    "cuda_version": "12.4",
+    "pci_bus_id": "00000000:18:00.0",
+    "mig_mode": "disabled",
+}
+SAMPLE = {
+    "uuid": ACCELERATOR["uuid"],
+    "index": 0,
+    "utilization_gpu_percent": 3,
+    "memory_used_bytes": 1048576,
+    "temperature_c": 35,
+    "power_w": 70.5,
+}
+
+
+class Agent:
+    """What a node agent sends, driven step by step by the test."""
+
+    def __init__(self, cp, mode: str = "nvidia", hostname: str = "gpu-a") -> None:
+        self.cp, self.mode, self.hostname = cp, mode, hostname
+        self.identity = new_identity()
+        self.enroll()
+
+    def enroll(self):
+        response = self.cp.enroll(self.cp.mint()["token"], hostname=self.hostname,
+                                  identity=self.identity, accelerator_mode=self.mode)  # fmt: skip
+        assert response.status_code == 201, response.text
+        self.node_id = response.json()["node_id"]
+        self.credential = response.json()["credential"]
+        return response.json()
+
+    def heartbeat(self, credential=None, status="ok", gpu_probe="ok"):
+        body = {"node_id": self.node_id, "agent_version": "0.1.0",
+                "health": {"status": status, "gpu_probe": gpu_probe}}  # fmt: skip
+        return self.cp.agent("POST", "/api/v1/agent/heartbeat", credential or self.credential,
+                             json=body)  # fmt: skip
+
+    def inventory(self):
+        accelerators = [ACCELERATOR] if self.mode == "nvidia" else []
+        body = {"node_id": self.node_id, "agent_version": "0.1.0", "accelerators": accelerators}
+        return self.cp.agent("PUT", "/api/v1/agent/inventory", self.credential, json=body)
+
+    def telemetry(self):
+        body = {"node_id": self.node_id, "samples": [SAMPLE]}
+        return self.cp.agent("POST", "/api/v1/agent/telemetry", self.credential, json=body)
+
+    def publish_all(self):
+        for response in (self.heartbeat(), self.inventory(), self.telemetry()):
+            assert response.status_code == 200, response.text
+
+
+def readiness(cp, node_id: str) -> dict:
+    response = cp.admin("GET", f"{NODES}/{node_id}/readiness")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def failing(answer: dict) -> set[str]:
+    return {check["name"] for check in answer["checks"] if not check["ok"]}
+
+
+def error_code(response) -> str:
+    return response.json()["error"]["code"]
+
+
+# -- readiness -------------------------------------------------------------------
+
+
+def test_a_connected_node_is_not_ready_until_every_check_passes(clocked_control_plane):
+    cp = clocked_control_plane
+    agent = Agent(cp)
+    assert failing(readiness(cp, agent.node_id)) == {
+        "connection", "inventory_age", "agent_health", "telemetry_age"
+    }  # fmt: skip
+    assert agent.heartbeat().status_code == 200
+    assert failing(readiness(cp, agent.node_id)) == {"inventory_age", "telemetry_age"}
+    agent.publish_all()
+    answer = readiness(cp, agent.node_id)
+    assert answer == {**answer, "ready": True, "node_id": agent.node_id}
+    assert [c["name"] for c in answer["checks"]] == [
+        "connection", "inventory_age", "protocol", "agent_health", "telemetry_age"
+    ]  # fmt: skip
+
+
+def _stale_connection(cp, clock, agent):
+    clock.advance(cp.settings.stale_after_seconds)
+    agent.inventory(), agent.telemetry()
+
+
+def _old_inventory(cp, clock, agent):
+    clock.advance(cp.settings.inventory_max_age_seconds + 1)
+    agent.heartbeat(), agent.telemetry()
+
+
+def _old_protocol(cp, clock, agent):
+    with cp.store.connection():
+        Node.update(protocol_version=0).where(Node.node_id == agent.node_id).execute()
+
+
+def _degraded(cp, clock, agent):
+    agent.heartbeat(status="degraded", gpu_probe="failed")
+
+
+def _old_telemetry(cp, clock, agent):
+    clock.advance(cp.settings.telemetry_max_age_seconds + 1)
+    agent.heartbeat()
+
+
+def _new_credential_unused(cp, clock, agent):
+    agent.enroll()  # re-enrolled: the heartbeat on record was sent with the old credential
+
+
+@pytest.mark.parametrize(
+    ("break_it", "check", "detail"),
+    [
+        (_stale_connection, "connection", "stale"),
+        (_new_credential_unused, "connection", "current credential"),
+        (_old_inventory, "inventory_age", "old"),
+        (_old_protocol, "protocol", "TOO_OLD"),
+        (_degraded, "agent_health", "degraded"),
+        (_old_telemetry, "telemetry_age", "old"),
+    ],
+)
+def test_each_failing_check_names_its_next_step(
+    clocked_control_plane, clock, break_it, check, detail
+):
+    cp = clocked_control_plane
+    agent = Agent(cp)
+    agent.publish_all()
+    assert readiness(cp, agent.node_id)["ready"] is True
+    break_it(cp, clock, agent)
+    answer = readiness(cp, agent.node_id)
+    assert answer["ready"] is False
+    failed = [c for c in answer["checks"] if not c["ok"]]
+    assert {c["name"] for c in failed} >= {check}
+    named = next(c for c in failed if c["name"] == check)
+    assert detail in named["detail"]
+    assert named["next_step"]
+
+
+def test_telemetry_is_not_applicable_to_a_cpu_node(sqlite_control_plane):
+    cp = sqlite_control_plane
+    agent = Agent(cp, mode="cpu")
+    assert agent.heartbeat(gpu_probe="not_applicable").status_code == 200
+    assert agent.inventory().status_code == 200
+    answer = readiness(cp, agent.node_id)
+    telemetry = next(c for c in answer["checks"] if c["name"] == "telemetry_age")
+    assert telemetry["ok"] and "not applicable" in telemetry["detail"]
+    assert answer["ready"] is True
+
+
+def test_readiness_is_tied_to_the_exact_node_id(sqlite_control_plane):
+    cp = sqlite_control_plane
+    ready, other = Agent(cp, mode="cpu"), Agent(cp, mode="cpu", hostname="gpu-b")
+    ready.heartbeat(gpu_probe="not_applicable"), ready.inventory()
+    assert readiness(cp, ready.node_id)["ready"] is True
+    assert readiness(cp, other.node_id)["ready"] is False
+    assert cp.admin("GET", f"{NODES}/{ready.node_id[:-1]}x/readiness").status_code == 404
+
+
+# -- the runbook's diagnosis table and its recoveries ------------------------------
+
+
+def test_revoked_credential_gets_401_and_reenrollment_recovers_the_same_node(control_plane):
+    cp = control_plane
+    agent = Agent(cp)
+    agent.publish_all()
+    old = agent.credential
+    revoked = cp.admin("DELETE", f"{NODES}/{agent.node_id}/credential")
+    assert revoked.json()["revoked"] and revoked.status_code == 200
+
+    refused = agent.heartbeat()
+    assert (refused.status_code, error_code(refused)) == (401, CREDENTIAL_REVOKED)
+    counts = cp.admin("GET", f"{NODES}/{agent.node_id}/credentials").json()
+    assert (counts["active"], counts["revoked"]) == (0, 1)
+    assert "digest" not in str(counts)
+
+    node_id = agent.node_id
+    assert agent.enroll()["reenrolled"] is True
+    assert agent.node_id == node_id
+    assert agent.heartbeat().status_code == 200
+    assert agent.heartbeat(credential=old).status_code == 401  # revoked stays revoked
+    view = cp.admin("GET", f"{NODES}/{node_id}").json()
+    assert view["accelerators"] == [ACCELERATOR]  # history and accelerators intact
+    history = cp.admin("GET", "/api/v1/admin/audit-events", params={"node_id": node_id}).json()
+    assert {"enrollment.claimed", "enrollment.reenrolled"} <= {
+        e["action"] for e in history["events"]
+    }  # fmt: skip
+    # Inventory is re-collected before the node is ready again.
+    assert "inventory_age" in failing(readiness(cp, node_id))
+    agent.inventory(), agent.telemetry()
+    assert readiness(cp, node_id)["ready"] is True
+
+
+def test_credential_of_another_node_gets_403(sqlite_control_plane):
+    cp = sqlite_control_plane
+    a, b = Agent(cp), Agent(cp, hostname="gpu-b")
+    refused = a.heartbeat(credential=b.credential)
+    assert (refused.status_code, error_code(refused)) == (403, CREDENTIAL_NODE_MISMATCH)
+
+
+def test_a_silent_agent_goes_stale_then_offline_with_an_alert_that_clears(
+    clocked_control_plane, clock
+):
+    cp = clocked_control_plane
+    agent = Agent(cp)
+    agent.publish_all()
+    last_used = cp.admin("GET", f"{NODES}/{agent.node_id}/credentials").json()
+    alerts = lambda: cp.admin("GET", "/api/v1/admin/alerts").json()["alerts"]  # noqa: E731
+    assert alerts() == []
+    clock.advance(cp.settings.stale_after_seconds)
+    assert [(a["kind"], a["severity"]) for a in alerts()] == [("node_stale", "warning")]
+    clock.advance(cp.settings.offline_after_seconds - cp.settings.stale_after_seconds)
+    assert [(a["kind"], a["node_id"]) for a in alerts()] == [("node_offline", agent.node_id)]
+    assert cp.admin("GET", f"{NODES}/{agent.node_id}").json()["liveness"] == "offline"
+    # No requests while it was down: the credential was not used since.
+    assert cp.admin("GET", f"{NODES}/{agent.node_id}/credentials").json() == last_used
+    assert agent.heartbeat().status_code == 200
+    assert alerts() == []
+
+
+# -- decommission ------------------------------------------------------------------
+
+
+def preview(cp, node_id):
+    response = cp.admin("POST", f"{NODES}/{node_id}/decommission/preview")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def execute(cp, node_id, confirmation):
+    return cp.admin("POST", f"{NODES}/{node_id}/decommission/execute",
+                    json={"confirmation": confirmation})  # fmt: skip
+
+
+def test_decommission_does_exactly_what_the_preview_said(control_plane):
+    cp = control_plane
+    old = Agent(cp, hostname="gpu-a")
+    old.publish_all()
+    replacement = Agent(cp, hostname="gpu-a")  # identity lost: a new node claims the hostname
+    kinds = [a["kind"] for a in cp.admin("GET", "/api/v1/admin/alerts").json()["alerts"]]
+    assert kinds == ["hostname_conflict"]
+
+    plan = preview(cp, old.node_id)
+    credential_id = old.credential.split("_")[1]
+    assert plan["effects"] == {
+        "credentials_revoked": [credential_id],
+        "leases_returned": [],
+        "identity_retired": old.identity["identity_id"],
+        "hostname_freed": "gpu-a",
+    }
+    done = execute(cp, old.node_id, plan["confirmation"])
+    assert done.status_code == 200, done.text
+    assert done.json()["effects"] == plan["effects"]
+
+    assert cp.admin("GET", f"{NODES}/{old.node_id}").json()["liveness"] == "decommissioned"
+    assert (old.heartbeat().status_code, error_code(old.heartbeat())) == (401, CREDENTIAL_REVOKED)
+    again = cp.enroll(cp.mint()["token"], hostname="gpu-a", identity=old.identity)
+    assert (again.status_code, error_code(again)) == (403, NODE_DECOMMISSIONED)
+    assert cp.admin("GET", "/api/v1/admin/alerts").json()["alerts"] == []  # hostname is free
+    assert replacement.heartbeat().status_code == 200
+
+    chain = cp.admin("GET", "/api/v1/admin/audit-events",
+                     params={"node_id": old.node_id, "limit": 3}).json()["events"]  # fmt: skip
+    assert [e["action"] for e in reversed(chain)] == [
+        "node.decommission_previewed", "credential.revoked", "node.decommissioned"
+    ]  # fmt: skip
+    assert plan["confirmation"] not in str(chain)
+
+    reused = execute(cp, old.node_id, plan["confirmation"])
+    assert (reused.status_code, error_code(reused)) == (409, CONFIRMATION_USED)
+    assert cp.admin("POST", f"{NODES}/{old.node_id}/decommission/preview").status_code == 409
+
+
+def test_stale_foreign_or_expired_confirmations_change_nothing(clocked_control_plane, clock):
+    cp = clocked_control_plane
+    agent, other = Agent(cp), Agent(cp, hostname="gpu-b")
+    before = cp.admin("GET", f"{NODES}/{agent.node_id}/credentials").json()
+
+    foreign = preview(cp, other.node_id)["confirmation"]
+    refused = execute(cp, agent.node_id, foreign)
+    assert (refused.status_code, error_code(refused)) == (400, CONFIRMATION_INVALID)
+    garbage = execute(cp, agent.node_id, "mfd_0123456789abcdef_" + "x" * 43)
+    assert error_code(garbage) == CONFIRMATION_INVALID
+
+    stale = preview(cp, agent.node_id)["confirmation"]
+    agent.enroll()  # the node changed: a new credential exists that the preview did not list
+    refused = execute(cp, agent.node_id, stale)
+    assert (refused.status_code, error_code(refused)) == (409, CONFIRMATION_STALE)
+
+    expired = preview(cp, agent.node_id)["confirmation"]
+    clock.advance(601)
+    refused = execute(cp, agent.node_id, expired)
+    assert (refused.status_code, error_code(refused)) == (409, CONFIRMATION_STALE)
+
+    after = cp.admin("GET", f"{NODES}/{agent.node_id}").json()
+    assert after["liveness"] != "decommissioned"
+    assert cp.admin("GET", f"{NODES}/{agent.node_id}/credentials").json()["active"] == 1
+    assert before["active"] == 1
+
+
+def test_cordon_and_uncordon_are_audited(sqlite_control_plane):
+    cp = sqlite_control_plane
+    agent = Agent(cp, mode="cpu")
+    assert cp.admin("POST", f"{NODES}/{agent.node_id}/cordon").json()["cordoned"] is True
+    assert cp.admin("POST", f"{NODES}/{agent.node_id}/cordon").json()["cordoned"] is True
+    assert agent.heartbeat(gpu_probe="not_applicable").status_code == 200  # still monitored
+    assert cp.admin("POST", f"{NODES}/{agent.node_id}/uncordon").json()["cordoned"] is False
+    events = cp.admin("GET", "/api/v1/admin/audit-events",
+                      params={"node_id": agent.node_id}).json()["events"]  # fmt: skip
+    assert [e["action"] for e in events[:2]] == ["node.uncordoned", "node.cordoned"]
+    assert cp.admin("POST", f"{NODES}/nope/cordon").status_code == 404
