@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from . import alerts, audit, backup, credentials, decommission, nodes, readiness
-from .cli_support import Context, emit, fail
+from .cli_support import Context, confirmed, emit, fail
 from .clock import Clock
 from .errors import ApiError
 
@@ -140,7 +140,7 @@ def decommission_command(obj: Context, node_id: str, yes: bool, as_json: bool) -
                        f"  return leases:      {len(effects['leases_returned'])}\n"
                        f"  retire identity:    {effects['identity_retired'] or 'none'}\n"
                        f"  free hostname:      {effects['hostname_freed']}")  # fmt: skip
-        if not yes and not click.confirm("Execute?", default=False):
+        if not yes and not confirmed("Execute?"):
             fail("nothing was changed", code=1)
         done = decommission.execute(store, node_id, plan["confirmation"], audit.CLI_ACTOR)
     except ApiError as exc:
@@ -175,9 +175,7 @@ def backup_command(obj: Context, path: Path, as_json: bool) -> None:
 @click.pass_obj
 def restore_command(obj: Context, path: Path, yes: bool, as_json: bool) -> None:
     """Replace the store with a backup (the control plane must be stopped)."""
-    if not yes and not click.confirm(
-        f"Replace the store in {obj.settings.state_dir} with {path}?", default=False
-    ):
+    if not yes and not confirmed(f"Replace the store in {obj.settings.state_dir} with {path}?"):
         fail("nothing was changed", code=1)
     done = backup.restore(obj.settings, path, Clock())
     emit(as_json, done, f"Restored the store from {done['restored_from']}; kept "

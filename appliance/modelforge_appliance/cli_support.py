@@ -20,6 +20,7 @@ class Context:
     def __init__(self, env_file: Path | None) -> None:
         self.env_file = env_file
         self._settings: Settings | None = None
+        self._store: Store | None = None
 
     @property
     def settings(self) -> Settings:
@@ -29,9 +30,12 @@ class Context:
         return self._settings
 
     def store(self) -> Store:
+        """The one store of this command, opened and migrated on first use."""
         from .server import open_store
 
-        return open_store(self.settings)
+        if self._store is None:
+            self._store = open_store(self.settings)
+        return self._store
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:
@@ -41,3 +45,12 @@ def fail(message: str, code: int = EXIT_USAGE) -> None:
 
 def emit(as_json: bool, payload: Any, text: str) -> None:
     click.echo(json.dumps(payload, indent=2) if as_json else text)
+
+
+def confirmed(question: str) -> bool:
+    """Ask on the terminal; no answer (closed stdin, Ctrl-D) means no."""
+    try:
+        return click.confirm(question, default=False)
+    except click.Abort:
+        click.echo("", err=True)
+        return False

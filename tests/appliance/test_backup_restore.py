@@ -1,0 +1,168 @@
+"""Backup while serving, restore while stopped: the runbook's restore path, end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import requests
+
+from ..support import new_identity
+from .test_secret_hygiene import free_port, wait_healthy
+
+NODES = "/api/v1/admin/hardware/nodes"
+AGENT = {"X-ModelForge-Agent-Protocol": "1"}
+
+
+class Host:
+    """A control-plane host: its state directory and the ``modelforge`` CLI on it."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+        self.env["MODELFORGE_STATE_DIR"] = str(tmp_path / "state")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp_path / "serve.log"
+        self.admin = {"X-ModelForge-Admin-Token": json.loads(self.cli("init", "--json").stdout)[
+            "admin_token"]}  # fmt: skip
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            [sys.executable, "-m", "modelforge_appliance.cli", *args],
+            env=self.env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        if check:
+            assert result.returncode == 0, result.stderr
+        return result
+
+    @contextmanager
+    def serving(self):
+        with self.log.open("a") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "modelforge_appliance.cli", "serve", "--listen",
+                 f"127.0.0.1:{self.port}"], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            try:
+                wait_healthy(self.url, process)
+                yield
+            finally:
+                process.send_signal(signal.SIGTERM)
+                assert process.wait(timeout=10) == 0
+
+    def enroll(self, hostname: str) -> dict:
+        minted = requests.post(f"{self.url}/api/v1/admin/node-enrollments", headers=self.admin,
+                               json={"display_name": hostname, "expires_in_seconds": 900},
+                               timeout=10).json()  # fmt: skip
+        body = {"token": minted["token"], "hostname": hostname, "agent_version": "0.1.0",
+                "accelerator_mode": "cpu", "identity": new_identity()}  # fmt: skip
+        response = requests.post(f"{self.url}/api/v1/agent/enroll", json=body, headers=AGENT,
+                                 timeout=10)  # fmt: skip
+        assert response.status_code == 201
+        return response.json()
+
+    def publish(self, node: dict, what: str = "heartbeat") -> int:
+        headers = {**AGENT, "Authorization": f"Bearer {node['credential']}"}
+        if what == "heartbeat":
+            body = {"node_id": node["node_id"], "agent_version": "0.1.0",
+                    "health": {"status": "ok", "gpu_probe": "not_applicable"}}  # fmt: skip
+            return requests.post(f"{self.url}/api/v1/agent/heartbeat", json=body,
+                                 headers=headers, timeout=10).status_code  # fmt: skip
+        body = {"node_id": node["node_id"], "agent_version": "0.1.0", "accelerators": []}
+        return requests.put(f"{self.url}/api/v1/agent/inventory", json=body, headers=headers,
+                            timeout=10).status_code  # fmt: skip
+
+    def get(self, path: str) -> requests.Response:
+        return requests.get(self.url + path, headers=self.admin, timeout=10)
+
+
+def test_restore_brings_back_what_existed_and_keeps_later_revocations(tmp_path):
+    host = Host(tmp_path)
+    backup = tmp_path / "backups" / "modelforge-backup.sqlite3"
+    backup.parent.mkdir()
+    with host.serving():
+        kept, later_revoked = host.enroll("gpu-a"), host.enroll("gpu-c")
+        for node in (kept, later_revoked):
+            assert host.publish(node) == 200 and host.publish(node, "inventory") == 200
+        # Online backup while serving and under writes.
+        assert json.loads(host.cli("backup", str(backup), "--json").stdout)["schema_version"] >= 1
+        assert backup.stat().st_mode & 0o777 == 0o600
+        newcomer = host.enroll("gpu-b")
+        assert requests.delete(f"{host.url}{NODES}/{later_revoked['node_id']}/credential",
+                               headers=host.admin, timeout=10).status_code == 200  # fmt: skip
+        refused = host.cli("restore", str(backup), "--yes", check=False)
+        assert refused.returncode == 2
+        assert "stop it" in refused.stderr
+
+    restored = json.loads(host.cli("restore", str(backup), "--yes", "--json").stdout)
+    assert restored["revocations_kept"] == 1
+
+    with host.serving():
+        # The node that existed reconnects on its own with its restored credential.
+        assert host.publish(kept) == 200
+        # The node that did not exist is gone, and so is its credential.
+        assert host.get(f"{NODES}/{newcomer['node_id']}").status_code == 404
+        assert host.publish(newcomer) == 401
+        # A revocation made after the backup survives the restore (invariant 5).
+        assert host.publish(later_revoked) == 401
+        # Inventory is stale until the agent measures and publishes again.
+        checks = {c["name"]: c for c in host.get(f"{NODES}/{kept['node_id']}/readiness").json()[
+            "checks"]}  # fmt: skip
+        assert not checks["inventory_age"]["ok"]
+        assert "restore" in checks["inventory_age"]["detail"]
+        assert host.publish(kept, "inventory") == 200
+        assert host.get(f"{NODES}/{kept['node_id']}/readiness").json()["ready"] is True
+        events = host.get("/api/v1/admin/audit-events").json()["events"]
+        assert "store.restored" in {e["action"] for e in events}
+
+
+def test_restore_refuses_a_file_that_is_not_a_backup(tmp_path):
+    host = Host(tmp_path)
+    junk = tmp_path / "junk.sqlite3"
+    junk.write_bytes(b"not a database at all" * 100)
+    result = host.cli("restore", str(junk), "--yes", check=False)
+    assert result.returncode == 2
+    assert "not a ModelForge backup" in result.stderr
+    missing = host.cli("restore", str(tmp_path / "nope"), "--yes", check=False)
+    assert missing.returncode == 2
+
+
+def test_restore_asks_before_replacing(tmp_path):
+    host = Host(tmp_path)
+    backup = tmp_path / "b.sqlite3"
+    host.cli("backup", str(backup))
+    result = host.cli("restore", str(backup), check=False)  # no --yes, no answer on stdin
+    assert result.returncode == 1
+    assert "nothing was changed" in result.stderr
+
+
+def test_nodes_cli_readiness_revoke_cordon_decommission(tmp_path):
+    host = Host(tmp_path)
+    with host.serving():
+        node = host.enroll("gpu-a")
+        assert host.publish(node) == 200
+    node_id = node["node_id"]
+    listed = json.loads(host.cli("nodes", "--json").stdout)["nodes"]
+    assert [n["node_id"] for n in listed] == [node_id]
+    not_ready = host.cli("nodes", "readiness", node_id, check=False)
+    assert not_ready.returncode == 1 and "NOT READY" in not_ready.stdout
+    assert "next:" in not_ready.stdout
+    cordoned = json.loads(host.cli("nodes", "cordon", node_id, "--json").stdout)
+    assert cordoned["cordoned"] is True
+    revoked = json.loads(host.cli("nodes", "revoke", node_id, "--json").stdout)
+    assert len(revoked["revoked"]) == 1
+    creds = json.loads(host.cli("nodes", "credentials", node_id, "--json").stdout)
+    assert (creds["active"], creds["revoked"]) == (0, 1)
+    declined = host.cli("nodes", "decommission", node_id, check=False)
+    assert declined.returncode == 1 and "free hostname:      gpu-a" in declined.stdout
+    done = json.loads(host.cli("nodes", "decommission", node_id, "--yes", "--json").stdout)
+    assert done["effects"]["hostname_freed"] == "gpu-a"
+    shown = json.loads(host.cli("nodes", "show", node_id, "--json").stdout)
+    assert shown["liveness"] == "decommissioned"
+    unknown = host.cli("nodes", "readiness", "no-such-node", check=False)
+    assert unknown.returncode == 2 and "no node no-such-node" in unknown.stderr
+    assert "No active alerts." in host.cli("alerts").stdout
