@@ -19,6 +19,7 @@ from modelforge_contract import (
 )
 
 from . import admin_tokens, audit, enrollment, nodes
+from .doctor import doctor
 from .logs import configure_logging
 from .settings import ConfigError, Settings, load_settings, parse_listen
 from .store import Store, StoreVersionError
@@ -248,6 +249,8 @@ def nodes_command(obj: Context, as_json: bool) -> None:
         )
     emit(as_json, {"nodes": rows}, "\n".join(lines))
 
+
+main.add_command(doctor)
 
 if __name__ == "__main__":
     main()
