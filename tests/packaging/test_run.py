@@ -137,8 +137,13 @@ def test_agent_pyz_enrolls_in_cpu_mode_and_comes_online(served_appliance, agent_
     )
     log_path = tmp_path / "agent.log"
     with log_path.open("w") as log:
+        # No terminal: the agent must take the token from the environment, never prompt.
         agent = subprocess.Popen(
-            pyz_command(installed), env=env, stdout=log, stderr=subprocess.STDOUT
+            pyz_command(installed),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + 60
