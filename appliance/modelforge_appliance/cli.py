@@ -20,6 +20,7 @@ from modelforge_contract import (
 from . import admin_tokens, audit, enrollment
 from .backup import RestoreRefused, state_lock
 from .cli_support import Context, emit, fail
+from .doctor import doctor
 from .settings import ConfigError, parse_listen
 from .store import StoreVersionError
 
@@ -209,9 +210,8 @@ def enroll(obj: Context, name: str, expires: str, as_json: bool) -> None:
 
 from .cli_nodes import alerts_command, backup_command, nodes_group, restore_command  # noqa: E402
 
-for command in (nodes_group, alerts_command, backup_command, restore_command):
+for command in (nodes_group, alerts_command, backup_command, restore_command, doctor):
     main.add_command(command)
-
 
 if __name__ == "__main__":
     main()

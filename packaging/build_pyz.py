@@ -1,0 +1,364 @@
+#!/usr/bin/env python3
+"""Build dist/modelforge.pyz and dist/modelforge-node-agent.pyz with shiv.
+
+    python3 packaging/build_pyz.py                 # both
+    python3 packaging/build_pyz.py appliance       # or: agent
+
+Standard library only, so it runs before any virtualenv exists. Each pyz is made
+from exactly one hash-locked requirement set (packaging/requirements-*.txt,
+installed with --require-hashes) plus the first-party import packages it needs,
+so the dependency split is decided here and checked before the archive is written.
+
+Reproducible: the same commit and SOURCE_DATE_EPOCH give byte-identical files.
+SOURCE_DATE_EPOCH defaults to the commit time of HEAD. The staging tree is
+normalised before shiv zips it (sorted, one timestamp, fixed modes, no .pyc, no
+console-script shims whose shebang would name the build interpreter), and shiv's
+build id is derived from the staged content, so a changed file always gets a
+fresh extraction directory under SHIV_ROOT and an unchanged one never does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("build_pyz")
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGING = ROOT / "packaging"
+DEFAULT_INDEX_URL = "https://pypi.org/simple"
+# Shebang of both archives: the wheels inside (psycopg2-binary, charset-normalizer)
+# are built for CPython 3.11, so the archive names that interpreter.
+SHEBANG = "/usr/bin/env python3.11"
+# Published as an sdist only; built from its hash-checked sdist with the locked
+# setuptools. NO_SQLITE=1 keeps it pure Python (its optional C extension would
+# embed build paths and is not used by ModelForge).
+SDIST_ONLY = ("peewee",)
+# Import packages and where setup.cfg keeps them.
+SOURCE_DIRS = {
+    "modelforge_contract": ROOT / "contract" / "modelforge_contract",
+    "modelforge_appliance": ROOT / "appliance" / "modelforge_appliance",
+    "modelforge_node_agent": ROOT / "agent" / "modelforge_node_agent",
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    output: str
+    entry_point: str
+    requirements: str
+    packages: tuple[str, ...]
+    # Top-level names that must not be in the archive (DESIGN §1: the split).
+    forbidden: tuple[str, ...]
+
+
+TARGETS = {
+    "appliance": Target(
+        name="appliance",
+        output="modelforge.pyz",
+        entry_point="modelforge_appliance.cli:main",
+        requirements="requirements-appliance.txt",
+        packages=("modelforge_contract", "modelforge_appliance"),
+        forbidden=("pynvml", "docker", "requests", "modelforge_node_agent", "modelforge_worker"),
+    ),
+    "agent": Target(
+        name="agent",
+        output="modelforge-node-agent.pyz",
+        entry_point="modelforge_node_agent.main:main",
+        requirements="requirements-agent.txt",
+        packages=("modelforge_contract", "modelforge_node_agent"),
+        forbidden=(
+            "bottle",
+            "peewee",
+            "playhouse",
+            "bcrypt",
+            "waitress",
+            "psycopg2",
+            "modelforge_appliance",
+            "modelforge_worker",
+        ),
+    ),
+}
+
+
+class BuildError(Exception):
+    """The build cannot go on; the message says why and what to do."""
+
+
+def run(argv: list[str], **kwargs) -> None:
+    log.debug("running %s", " ".join(argv))
+    result = subprocess.run(argv, check=False, **kwargs)
+    if result.returncode != 0:
+        raise BuildError(f"{Path(argv[0]).name} {argv[1:4]} … exited {result.returncode}")
+
+
+def source_date_epoch() -> int:
+    """SOURCE_DATE_EPOCH, else the commit time of HEAD, else 1980-01-01 (the zip minimum)."""
+    if os.environ.get("SOURCE_DATE_EPOCH"):
+        return int(os.environ["SOURCE_DATE_EPOCH"])
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "log", "-1", "--format=%ct"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return int(out)
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        log.warning("no SOURCE_DATE_EPOCH and no git commit; using 1980-01-01")
+        return 315532800
+
+
+def project_version() -> str:
+    text = (SOURCE_DIRS["modelforge_contract"] / "__init__.py").read_text(encoding="utf-8")
+    match = re.search(r'^__version__ = "([^"]+)"', text, re.M)
+    if match is None:
+        raise BuildError("modelforge_contract/__init__.py has no __version__")
+    return match.group(1)
+
+
+def pip_args(index_url: str, pip_cache: Path) -> list[str]:
+    # --isolated: no user or site pip configuration (mirrors, find-links) changes what
+    # is installed; the hashes in the lock files are PyPI's.
+    return [
+        "-m",
+        "pip",
+        "--isolated",
+        "--disable-pip-version-check",
+        "--no-input",
+        "install",
+        "--index-url",
+        index_url,
+        "--cache-dir",
+        str(pip_cache),
+        "--require-hashes",
+        "--no-deps",
+    ]
+
+
+def ensure_tools(work_dir: Path, index_url: str, pip_cache: Path) -> Path:
+    """A virtualenv with the locked shiv, pip, setuptools and wheel; reused while the lock is unchanged."""
+    tools = work_dir / "tools"
+    lock = PACKAGING / "requirements-build.txt"
+    want = f"{sys.version_info[0]}.{sys.version_info[1]} {sha256_file(lock)}"
+    stamp = tools / ".modelforge-build-tools"
+    if stamp.is_file() and stamp.read_text() == want:
+        return tools / "bin" / "python"
+    log.info("installing the build tools (shiv) into %s", tools)
+    shutil.rmtree(tools, ignore_errors=True)
+    run([sys.executable, "-m", "venv", str(tools)])
+    python = tools / "bin" / "python"
+    run([str(python), *pip_args(index_url, pip_cache), "--quiet", "-r", str(lock)])
+    stamp.write_text(want)
+    return python
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_entry_point(target: Target) -> None:
+    module, _, function = target.entry_point.partition(":")
+    package, _, rest = module.partition(".")
+    path = SOURCE_DIRS[package].joinpath(*rest.split(".")).with_suffix(".py")
+    if not path.is_file():
+        raise BuildError(
+            f"entry point {target.entry_point} is missing: {path.relative_to(ROOT)} does not "
+            f"exist, so {target.output} cannot be built"
+        )
+    if not re.search(rf"^def {function}\(", path.read_text(encoding="utf-8"), re.M):
+        raise BuildError(
+            f"entry point {target.entry_point} is missing: {path.relative_to(ROOT)} defines "
+            f"no top-level {function}()"
+        )
+
+
+def install_dependencies(
+    python: Path, target: Target, staging: Path, index_url: str, pip_cache: Path
+) -> None:
+    env = {**os.environ, "NO_SQLITE": "1", "PYTHONHASHSEED": "0"}
+    env.pop("PIP_REQUIRE_VIRTUALENV", None)
+    argv = [
+        str(python),
+        *pip_args(index_url, pip_cache),
+        "--quiet",
+        "--no-compile",
+        "--no-build-isolation",
+        "--no-warn-script-location",
+        "--only-binary",
+        ":all:",
+        *[arg for name in SDIST_ONLY for arg in ("--no-binary", name)],
+        "--target",
+        str(staging),
+        "-r",
+        str(PACKAGING / target.requirements),
+    ]
+    run(argv, env=env)
+
+
+def copy_first_party(target: Target, staging: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo", "*~", ".*.swp")
+    for package in target.packages:
+        shutil.copytree(SOURCE_DIRS[package], staging / package, ignore=ignore)
+
+
+def normalise(staging: Path) -> None:
+    """Remove what would differ between two builds of the same commit."""
+    # Console-script shims carry the build interpreter in their shebang; shiv runs
+    # the entry point itself, so they are dead weight. Their RECORD lines go too.
+    shutil.rmtree(staging / "bin", ignore_errors=True)
+    for record in staging.glob("*.dist-info/RECORD"):
+        lines = record.read_text(encoding="utf-8").splitlines(keepends=True)
+        record.write_text("".join(line for line in lines if not line.startswith("../")))
+    for cache in sorted(staging.rglob("__pycache__"), reverse=True):
+        shutil.rmtree(cache)
+    for path in staging.rglob("*"):
+        if path.is_symlink():
+            raise BuildError(f"unexpected symlink in the staging tree: {path}")
+        if path.is_dir():
+            path.chmod(0o755)
+        else:
+            path.chmod(0o755 if path.stat().st_mode & 0o111 else 0o644)
+
+
+def check_staging(target: Target, staging: Path, build_dirs: tuple[Path, ...]) -> None:
+    """The split and the path-freedom are checked here, before anything is shipped."""
+    present = {path.name for path in staging.iterdir()}
+    top_level = {name.removesuffix(".py") for name in present}
+    leaked = sorted(set(target.forbidden) & top_level)
+    if leaked:
+        raise BuildError(
+            f"{target.output} would carry {', '.join(leaked)}; fix the requirement set"
+        )
+    for path in staging.rglob("*"):
+        if path.is_file() and path.suffix != ".so":
+            data = path.read_bytes()
+            for build_dir in build_dirs:
+                if str(build_dir).encode() in data:
+                    raise BuildError(
+                        f"{path.relative_to(staging)} names the build directory {build_dir}; "
+                        "the archive would not be reproducible"
+                    )
+
+
+def content_id(staging: Path) -> str:
+    """SHA-256 over every staged path and its bytes, in sorted order."""
+    digest = hashlib.sha256()
+    for path in sorted(staging.rglob("*"), key=lambda p: p.relative_to(staging).as_posix()):
+        if path.is_file():
+            digest.update(path.relative_to(staging).as_posix().encode() + b"\0")
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def build(
+    target: Target, dist: Path, work_dir: Path, index_url: str, pip_cache: Path, epoch: int
+) -> Path:
+    started = time.monotonic()
+    check_entry_point(target)
+    python = ensure_tools(work_dir, index_url, pip_cache)
+    staging = work_dir / target.name / "site-packages"
+    shutil.rmtree(staging.parent, ignore_errors=True)
+    staging.mkdir(parents=True)
+    install_dependencies(python, target, staging, index_url, pip_cache)
+    copy_first_party(target, staging)
+    normalise(staging)
+    check_staging(target, staging, (work_dir.resolve(), ROOT, pip_cache.resolve()))
+
+    version = project_version()
+    build_id = f"{version}-{content_id(staging)[:32]}"
+    dist.mkdir(parents=True, exist_ok=True)
+    output = dist / target.output
+    partial = dist / f".{target.output}.partial"
+    env = {**os.environ, "SOURCE_DATE_EPOCH": str(epoch), "PYTHONHASHSEED": "0"}
+    argv = [
+        str(python),
+        "-m",
+        "shiv",
+        "--site-packages",
+        str(staging),
+        "--entry-point",
+        target.entry_point,
+        "--output-file",
+        str(partial),
+        "--python",
+        SHEBANG,
+        "--reproducible",
+        "--compressed",
+        "--build-id",
+        build_id,
+    ]
+    # shiv warns on stderr whenever --build-id is given; ours is derived from content.
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise BuildError(f"shiv failed for {target.output}:\n{result.stdout}{result.stderr}")
+    partial.chmod(0o755)
+    partial.replace(output)
+    log.info(
+        "built %s (%.1f MiB, sha256 %s, build id %s) in %.1fs",
+        output,
+        output.stat().st_size / (1 << 20),
+        sha256_file(output),
+        build_id,
+        time.monotonic() - started,
+    )
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("targets", nargs="*", help="appliance, agent (default: both)")
+    parser.add_argument("--dist", type=Path, default=ROOT / "dist", help="output directory")
+    parser.add_argument(
+        "--work-dir", type=Path, default=ROOT / "build" / "pyz", help="staging and tools"
+    )
+    parser.add_argument(
+        "--pip-cache",
+        type=Path,
+        default=None,
+        help="pip's download and wheel cache (default: WORK_DIR/pip-cache)",
+    )
+    parser.add_argument(
+        "--index-url", default=DEFAULT_INDEX_URL, help="package index holding the locked files"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.targets) - set(TARGETS))
+    if unknown:
+        parser.error(f"unknown target {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="build_pyz: %(message)s"
+    )
+    # Modes of staged and tool files feed the archive; fix them regardless of the caller.
+    os.umask(0o022)
+    if sys.version_info[:2] != (3, 11):
+        log.error("run this with Python 3.11 (the pyz files target CPython 3.11)")
+        return 2
+    work_dir = args.work_dir.absolute()
+    pip_cache = (args.pip_cache or work_dir / "pip-cache").absolute()
+    epoch = source_date_epoch()
+    try:
+        for name in args.targets or list(TARGETS):
+            build(TARGETS[name], args.dist.absolute(), work_dir, args.index_url, pip_cache, epoch)
+    except BuildError as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

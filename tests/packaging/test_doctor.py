@@ -1,0 +1,154 @@
+"""`modelforge doctor` flags what would stop a first start, each with its fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from modelforge_appliance import doctor
+from tests.support import IN_CI
+
+from .conftest import ROOT, clean_env, free_port
+
+OTHER_UID = 65534  # nobody
+
+
+def run_doctor(state_dir: Path, *args: str, **env: str) -> tuple[int, dict]:
+    result = subprocess.run(
+        [sys.executable, "-m", "modelforge_appliance.cli", "doctor", "--json", *args],
+        env=clean_env(MODELFORGE_STATE_DIR=str(state_dir), **env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return result.returncode, json.loads(result.stdout)
+
+
+def failed(report: dict) -> dict[str, dict]:
+    return {check["name"]: check for check in report["checks"] if not check["ok"]}
+
+
+@pytest.fixture
+def initialised(tmp_path) -> Path:
+    """A state directory and store made by `modelforge init`, as the first start would."""
+    state_dir = tmp_path / "state"
+    result = subprocess.run(
+        [sys.executable, "-m", "modelforge_appliance.cli", "init", "--json"],
+        env=clean_env(MODELFORGE_STATE_DIR=str(state_dir)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return state_dir
+
+
+def test_doctor_passes_on_an_initialised_host(initialised):
+    code, report = run_doctor(initialised, "--listen", f"127.0.0.1:{free_port()}")
+    assert failed(report) == {}
+    assert code == 0 and report["ok"] is True
+    assert {check["name"] for check in report["checks"]} == {
+        "python",
+        "settings",
+        "state_dir",
+        "listen",
+        "store",
+        "clock",
+    }
+
+
+def test_doctor_flags_a_state_dir_owned_by_another_user(initialised):
+    if os.geteuid() != 0:
+        message = "needs root to chown the state directory to another user"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    os.chown(initialised, OTHER_UID, OTHER_UID)
+    code, report = run_doctor(initialised, "--listen", f"127.0.0.1:{free_port()}")
+    assert code == 1
+    problem = failed(report)["state_dir"]
+    assert "owned by" in problem["detail"]
+    assert problem["fix"].startswith(f"chown -R root: {initialised}")
+
+
+def test_doctor_flags_a_state_dir_others_can_read(initialised):
+    initialised.chmod(0o750)
+    code, report = run_doctor(initialised, "--listen", f"127.0.0.1:{free_port()}")
+    assert code == 1
+    assert failed(report)["state_dir"]["fix"] == f"chmod 0700 {initialised}"
+
+
+def test_doctor_flags_a_taken_port(initialised):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        code, report = run_doctor(initialised, MODELFORGE_LISTEN=f"127.0.0.1:{port}")
+    assert code == 1
+    problem = failed(report)["listen"]
+    assert f"127.0.0.1:{port} is already in use" in problem["detail"]
+    assert "MODELFORGE_LISTEN" in problem["fix"]
+    assert set(failed(report)) == {"listen"}
+
+
+def test_doctor_flags_thresholds_out_of_order(initialised):
+    code, report = run_doctor(
+        initialised,
+        MODELFORGE_NODE_STALE_AFTER_SECONDS="60",
+        MODELFORGE_NODE_OFFLINE_AFTER_SECONDS="45",
+    )
+    assert code == 1
+    problem = failed(report)["settings"]
+    assert "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS (45)" in problem["detail"]
+    assert problem["fix"].startswith("set MODELFORGE_NODE_OFFLINE_AFTER_SECONDS above 60")
+
+
+def test_doctor_flags_a_missing_store_without_creating_it(tmp_path):
+    state_dir = tmp_path / "never-initialised"
+    code, report = run_doctor(state_dir, "--listen", f"127.0.0.1:{free_port()}")
+    assert code == 1
+    assert set(failed(report)) == {"state_dir", "store"}
+    assert "modelforge init" in failed(report)["store"]["fix"]
+    assert not state_dir.exists()
+
+
+def test_doctor_text_output_names_each_fix(initialised):
+    initialised.chmod(0o755)
+    result = subprocess.run(
+        [sys.executable, "-m", "modelforge_appliance.cli", "doctor"],
+        env=clean_env(MODELFORGE_STATE_DIR=str(initialised)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert f"fix: chmod 0700 {initialised}" in result.stdout
+
+
+def test_clock_checks():
+    jan_2025 = 1_735_689_600.0
+    assert doctor.check_clock(jan_2025, None).ok
+    assert doctor.check_clock(jan_2025, jan_2025 - 3600).ok
+    assert not doctor.check_clock(86_400.0, None).ok  # 1970: no RTC battery
+    behind = doctor.check_clock(jan_2025, jan_2025 + 3600)
+    assert not behind.ok and "behind the newest record" in behind.detail
+    assert not doctor.check_clock(jan_2025 + 10 * 365 * 86400, jan_2025).ok
+
+
+def test_python_check_matches_requires_python():
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    major, minor = doctor.SUPPORTED_PYTHON
+    assert requires == f">={major}.{minor},<{major}.{minor + 1}"
+    assert doctor.check_python((major, minor, 9)).ok
+    wrong = doctor.check_python((major, minor + 1, 0))
+    assert not wrong.ok and f"python{major}.{minor}" in wrong.fix

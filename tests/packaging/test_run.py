@@ -1,0 +1,166 @@
+"""The archives run as an operator runs them: from a read-only install directory, with
+the shiv cache in SHIV_ROOT, the control plane answering /healthz and a cpu-mode agent
+enrolling against it end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+from modelforge_contract import HEADER_ADMIN_TOKEN, PATH_ADMIN_ENROLLMENTS, PATH_ADMIN_NODES
+
+from .conftest import clean_env, free_port, pyz_command, stop, wait_for
+
+
+@dataclass
+class ServedAppliance:
+    url: str
+    admin_token: str
+    install_dir: Path
+    install_listing: list[str]
+    shiv_root: Path
+
+    def admin(self, method: str, path: str, **kwargs) -> requests.Response:
+        headers = {HEADER_ADMIN_TOKEN: self.admin_token}
+        return requests.request(method, self.url + path, headers=headers, timeout=30, **kwargs)
+
+
+def read_only_install(pyz: Path, directory: Path) -> Path:
+    """Copy the archive into a directory nobody may write (as /opt/modelforge is under
+    ProtectSystem=strict)."""
+    directory.mkdir(parents=True)
+    installed = directory / pyz.name
+    shutil.copyfile(pyz, installed)
+    installed.chmod(0o555)
+    directory.chmod(0o555)
+    return installed
+
+
+@pytest.fixture(scope="module")
+def served_appliance(appliance_pyz, tmp_path_factory) -> Iterator[ServedAppliance]:
+    base = tmp_path_factory.mktemp("appliance")
+    installed = read_only_install(appliance_pyz, base / "opt")
+    # HOME is unwritable too: shiv must use SHIV_ROOT, never ~/.shiv.
+    home = base / "home"
+    home.mkdir(mode=0o555)
+    env = clean_env(
+        SHIV_ROOT=str(base / "cache"),
+        MODELFORGE_STATE_DIR=str(base / "state"),
+        HOME=str(home),
+    )
+    init = subprocess.run(
+        pyz_command(installed, "init", "--json"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert init.returncode == 0, init.stderr
+    admin_token = json.loads(init.stdout)["admin_token"]
+    assert admin_token
+
+    port = free_port()
+    doctor = subprocess.run(
+        pyz_command(installed, "doctor", "--json", "--listen", f"127.0.0.1:{port}"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+
+    log_path = base / "serve.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            pyz_command(installed, "serve", "--listen", f"127.0.0.1:{port}"),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(url + "/healthz", process, log_path)
+        yield ServedAppliance(
+            url=url,
+            admin_token=admin_token,
+            install_dir=installed.parent,
+            install_listing=[installed.name],
+            shiv_root=base / "cache",
+        )
+    finally:
+        stop(process)
+        installed.parent.chmod(0o755)
+
+
+def test_appliance_pyz_serves_healthz_from_a_read_only_copy(served_appliance):
+    response = requests.get(served_appliance.url + "/healthz", timeout=10)
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+    # Nothing was written next to the archive; shiv unpacked into SHIV_ROOT.
+    assert sorted(os.listdir(served_appliance.install_dir)) == served_appliance.install_listing
+    assert stat.S_IMODE(served_appliance.install_dir.stat().st_mode) == 0o555
+    unpacked = [path.name for path in served_appliance.shiv_root.iterdir() if path.is_dir()]
+    assert [name for name in unpacked if name.startswith("modelforge.pyz_")], unpacked
+
+
+def test_agent_pyz_enrolls_in_cpu_mode_and_comes_online(served_appliance, agent_pyz, tmp_path):
+    minted = served_appliance.admin(
+        "POST",
+        PATH_ADMIN_ENROLLMENTS,
+        json={"display_name": "pyz e2e", "expires_in_seconds": 900},
+    )
+    assert minted.status_code == 201, minted.text
+    hostname = f"pyz-e2e-{tmp_path.name[-12:]}".lower().replace("_", "-")
+    installed = read_only_install(agent_pyz, tmp_path / "opt")
+    home = tmp_path / "home"
+    home.mkdir(mode=0o555)
+    env = clean_env(
+        SHIV_ROOT=str(tmp_path / "cache"),
+        HOME=str(home),
+        MODELFORGE_AGENT_CONTROL_PLANE_URL=served_appliance.url,
+        MODELFORGE_AGENT_ENROLLMENT_TOKEN=minted.json()["token"],
+        MODELFORGE_AGENT_HOSTNAME=hostname,
+        MODELFORGE_AGENT_ACCELERATOR_MODE="cpu",
+        MODELFORGE_AGENT_STATE_VOLUME=str(tmp_path / "agent-state"),
+    )
+    log_path = tmp_path / "agent.log"
+    with log_path.open("w") as log:
+        # No terminal: the agent must take the token from the environment, never prompt.
+        agent = subprocess.Popen(
+            pyz_command(installed),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        node = None
+        while time.monotonic() < deadline:
+            if agent.poll() is not None:
+                pytest.fail(f"the agent exited {agent.returncode}:\n{log_path.read_text()}")
+            fleet = served_appliance.admin("GET", PATH_ADMIN_NODES)
+            assert fleet.status_code == 200, fleet.text
+            node = next((n for n in fleet.json()["nodes"] if n["hostname"] == hostname), None)
+            if node is not None and node["liveness"] == "online":
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"node never came online (last seen: {node}):\n{log_path.read_text()}")
+    finally:
+        stop(agent)
+        installed.parent.chmod(0o755)
+    # The token never reaches the log.
+    assert minted.json()["token"] not in log_path.read_text()
