@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from modelforge_contract import (
     CREDENTIAL_INVALID,
     CREDENTIAL_MISSING,
@@ -76,7 +78,24 @@ def bearer_secret(authorization: str | None) -> str:
     return value.strip()
 
 
-def authenticate_node(store: Store, authorization: str | None, node_id: str) -> Credential:
+@dataclass(frozen=True)
+class Caller:
+    """An agent request's authenticated credential and the node it may speak for."""
+
+    credential_id: str
+    node_id: str
+    accelerator_mode: str
+
+
+# The heartbeat path runs this for every call: one indexed read, no model objects.
+_CALLER_SQL = (
+    "SELECT c.digest, c.revoked_at, n.node_id, n.decommissioned_at, n.accelerator_mode "
+    "FROM credential AS c JOIN node AS n ON n.node_id = c.node_id "
+    "WHERE c.credential_id = ?"
+)
+
+
+def authenticate_node(store: Store, authorization: str | None, node_id: str) -> Caller:
     """The credential for this request, authorised for node_id (DESIGN §2.4).
 
     401: unknown, malformed or revoked. 403: it authenticates but names another
@@ -93,32 +112,30 @@ def authenticate_node(store: Store, authorization: str | None, node_id: str) -> 
         raise invalid
     credential_id, secret = parsed
     with store.connection():
-        credential = (
-            Credential.select(Credential, Node)
-            .join(Node)
-            .where(Credential.credential_id == credential_id)
-            .first()
-        )
-    if credential is None or not tokens.digest_matches(secret, credential.digest):
+        row = store.db.execute_sql(
+            _CALLER_SQL.replace("?", store.db.param), (credential_id,)
+        ).fetchone()
+    if row is None or not tokens.digest_matches(secret, row[0]):
         raise invalid
-    if credential.revoked_at is not None:
+    _, revoked_at, owner, decommissioned_at, accelerator_mode = row
+    if revoked_at is not None:
         raise Unauthorized(
             "the node credential has been revoked; revoked credentials stay refused",
             code=CREDENTIAL_REVOKED,
             next_step=_REENROLL,
         )
-    if credential.node.decommissioned_at is not None:
+    if decommissioned_at is not None:
         raise Forbidden(
             "the node this credential belongs to is decommissioned",
             code=NODE_DECOMMISSIONED,
             next_step="Enroll the hardware as a new node if it should return to service.",
         )
-    if credential.node.node_id != node_id:
+    if owner != node_id:
         raise Forbidden(
             "the credential authenticates but belongs to another node",
             code=CREDENTIAL_NODE_MISMATCH,
         )
-    return credential
+    return Caller(credential_id, owner, accelerator_mode)
 
 
 def credentials_of(store: Store, node: Node) -> dict:

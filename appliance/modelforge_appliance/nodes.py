@@ -9,6 +9,7 @@ from modelforge_contract import DECOMMISSIONED, INVENTORY_EMPTY, OFFLINE, ONLINE
 
 from . import audit
 from .clock import isoformat
+from .credentials import Caller
 from .errors import Invalid, NotFound
 from .models import Credential, Node
 from .settings import Settings
@@ -78,28 +79,9 @@ def _dump(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def record_heartbeat(
-    store: Store, credential: Credential, *, agent_version: str, protocol: int, health: dict
-) -> float:
-    """Stamp the node's heartbeat with the control plane's clock; return that time."""
-    now = store.clock.now()
-    with store.write():
-        Node.update(
-            last_heartbeat_at=now,
-            agent_version=agent_version,
-            protocol_version=protocol,
-            health=_dump(health),
-        ).where(Node.node_id == credential.node.node_id).execute()
-        Credential.update(last_used_at=now).where(
-            Credential.credential_id == credential.credential_id
-        ).execute()
-    return now
-
-
-def record_inventory(store: Store, credential: Credential, inventory: dict[str, Any]) -> float:
-    node = credential.node
+def record_inventory(store: Store, caller: Caller, inventory: dict[str, Any]) -> float:
     # Invariant 9: an nvidia node never publishes an empty inventory.
-    if node.accelerator_mode == "nvidia" and not inventory.get("accelerators"):
+    if caller.accelerator_mode == "nvidia" and not inventory.get("accelerators"):
         raise Invalid(
             "an nvidia node must report at least one accelerator",
             code=INVENTORY_EMPTY,
@@ -109,24 +91,27 @@ def record_inventory(store: Store, credential: Credential, inventory: dict[str, 
     stored = {key: value for key, value in inventory.items() if key != "node_id"}
     with store.write():
         Node.update(inventory=_dump(stored), inventory_at=now).where(
-            Node.node_id == node.node_id
+            Node.node_id == caller.node_id
         ).execute()
-        Credential.update(last_used_at=now).where(
-            Credential.credential_id == credential.credential_id
-        ).execute()
+        _mark_used(caller, now)
     return now
 
 
-def record_telemetry(store: Store, credential: Credential, samples: list[dict]) -> float:
+def record_telemetry(store: Store, caller: Caller, samples: list[dict]) -> float:
     now = store.clock.now()
     with store.write():
         Node.update(telemetry=_dump({"samples": samples}), telemetry_at=now).where(
-            Node.node_id == credential.node.node_id
+            Node.node_id == caller.node_id
         ).execute()
-        Credential.update(last_used_at=now).where(
-            Credential.credential_id == credential.credential_id
-        ).execute()
+        _mark_used(caller, now)
     return now
+
+
+def _mark_used(caller: Caller, now: float) -> None:
+    Credential.update(last_used_at=now).where(
+        (Credential.credential_id == caller.credential_id)
+        & (Credential.last_used_at.is_null() | (Credential.last_used_at < now))
+    ).execute()
 
 
 def set_cordoned(store: Store, node_id: str, cordoned: bool, actor: str) -> Node:

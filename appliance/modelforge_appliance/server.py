@@ -37,7 +37,9 @@ def waitress_options(settings: Settings) -> dict:
 def create_server(settings: Settings, store: Store, host: str, port: int) -> BaseWSGIServer:
     """A waitress server bound to host:port (port 0 picks a free one); call ``.run()``."""
     app = make_app(settings, store)
-    return waitress.create_server(app, host=host, port=port, **waitress_options(settings))
+    server = waitress.create_server(app, host=host, port=port, **waitress_options(settings))
+    server.heartbeats = app.heartbeats  # started and stopped by run_until
+    return server
 
 
 def run_until(server: BaseWSGIServer, stop: threading.Event) -> None:
@@ -46,9 +48,12 @@ def run_until(server: BaseWSGIServer, stop: threading.Event) -> None:
     Closing from another thread while waitress sits in select() races on the file
     descriptors; polling a stop flag between short loop turns does not.
     """
+    heartbeats = server.heartbeats
+    heartbeats.start()
     try:
         while not stop.is_set():
             server.asyncore.loop(timeout=0.1, map=server._map, use_poll=True, count=1)
     finally:
         server.close()
         server.task_dispatcher.shutdown(timeout=5)
+        heartbeats.stop()  # acknowledged heartbeats reach the store before we exit

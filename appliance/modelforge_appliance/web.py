@@ -45,6 +45,7 @@ from modelforge_contract import (
 from . import admin_tokens, alerts, audit, credentials, decommission, enrollment, nodes, readiness
 from .clock import isoformat
 from .errors import ApiError, Invalid, StoreUnavailable, UpgradeRequired
+from .heartbeats import HeartbeatBuffer
 from .settings import Settings, normalize_origin
 from .store import Store
 from .validation import (
@@ -161,8 +162,13 @@ def _query_int(name: str, default: int | None, low: int, high: int) -> int | Non
 
 
 def make_app(settings: Settings, store: Store) -> bottle.Bottle:
-    """Build the WSGI application for these settings and this store."""
+    """Build the WSGI application for these settings and this store.
+
+    ``app.heartbeats`` is the heartbeat buffer; whoever serves the app starts and stops it
+    (``server.run_until``).
+    """
     app = bottle.Bottle(catchall=True)
+    heartbeats = app.heartbeats = HeartbeatBuffer(store)
     app.default_error_handler = _framework_error
     app.install(_api_errors)
     clock = store.clock
@@ -171,6 +177,8 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
         return parse_body(bottle.request.environ, settings.max_body_bytes, fields)
 
     def admin() -> str:
+        """Authenticate the admin; flush heartbeats so every answer sees the acknowledged ones."""
+        heartbeats.flush()
         token = admin_tokens.authenticate_admin(
             store, bottle.request.get_header(HEADER_ADMIN_TOKEN)
         )
@@ -326,10 +334,9 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     def heartbeat():
         protocol = agent_protocol()
         fields = body(HEARTBEAT_FIELDS)
-        credential = agent_credential(fields["node_id"])
-        at = nodes.record_heartbeat(
-            store,
-            credential,
+        caller = agent_credential(fields["node_id"])
+        at = heartbeats.record(
+            caller,
             agent_version=fields["agent_version"],
             protocol=protocol,
             health=fields["health"],
@@ -346,16 +353,16 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     def inventory():
         agent_protocol()
         fields = body(INVENTORY_FIELDS)
-        credential = agent_credential(fields["node_id"])
-        at = nodes.record_inventory(store, credential, fields)
+        caller = agent_credential(fields["node_id"])
+        at = nodes.record_inventory(store, caller, fields)
         return json_response({"server_time": isoformat(at), "compatibility": COMPATIBLE})
 
     @app.post(PATH_AGENT_TELEMETRY)
     def telemetry():
         agent_protocol()
         fields = body(TELEMETRY_FIELDS)
-        credential = agent_credential(fields["node_id"])
-        at = nodes.record_telemetry(store, credential, fields["samples"])
+        caller = agent_credential(fields["node_id"])
+        at = nodes.record_telemetry(store, caller, fields["samples"])
         return json_response({"server_time": isoformat(at), "compatibility": COMPATIBLE})
 
     return app
