@@ -35,7 +35,6 @@ log = logging.getLogger("build_pyz")
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGING = ROOT / "packaging"
-DEFAULT_INDEX_URL = "https://pypi.org/simple"
 # Shebang of both archives: the wheels inside (psycopg2-binary, charset-normalizer)
 # are built for CPython 3.11, so the archive names that interpreter.
 SHEBANG = "/usr/bin/env python3.11"
@@ -127,9 +126,10 @@ def project_version() -> str:
     return match.group(1)
 
 
-def pip_args(index_url: str, pip_cache: Path) -> list[str]:
+def pip_args(index_url: str | None, pip_cache: Path) -> list[str]:
     # --isolated: no user or site pip configuration (mirrors, find-links) changes what
-    # is installed; the hashes in the lock files are PyPI's.
+    # is installed; the hashes in the lock files are PyPI's, pip's default index.
+    index = ["--index-url", index_url] if index_url else []
     return [
         "-m",
         "pip",
@@ -137,8 +137,7 @@ def pip_args(index_url: str, pip_cache: Path) -> list[str]:
         "--disable-pip-version-check",
         "--no-input",
         "install",
-        "--index-url",
-        index_url,
+        *index,
         "--cache-dir",
         str(pip_cache),
         "--require-hashes",
@@ -146,7 +145,7 @@ def pip_args(index_url: str, pip_cache: Path) -> list[str]:
     ]
 
 
-def ensure_tools(work_dir: Path, index_url: str, pip_cache: Path) -> Path:
+def ensure_tools(work_dir: Path, index_url: str | None, pip_cache: Path) -> Path:
     """A virtualenv with the locked shiv, pip, setuptools and wheel; reused while the lock is unchanged."""
     tools = work_dir / "tools"
     lock = PACKAGING / "requirements-build.txt"
@@ -188,7 +187,7 @@ def check_entry_point(target: Target) -> None:
 
 
 def install_dependencies(
-    python: Path, target: Target, staging: Path, index_url: str, pip_cache: Path
+    python: Path, target: Target, staging: Path, index_url: str | None, pip_cache: Path
 ) -> None:
     env = {**os.environ, "NO_SQLITE": "1", "PYTHONHASHSEED": "0"}
     env.pop("PIP_REQUIRE_VIRTUALENV", None)
@@ -266,7 +265,7 @@ def content_id(staging: Path) -> str:
 
 
 def build(
-    target: Target, dist: Path, work_dir: Path, index_url: str, pip_cache: Path, epoch: int
+    target: Target, dist: Path, work_dir: Path, index_url: str | None, pip_cache: Path, epoch: int
 ) -> Path:
     started = time.monotonic()
     check_entry_point(target)
@@ -333,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         help="pip's download and wheel cache (default: WORK_DIR/pip-cache)",
     )
     parser.add_argument(
-        "--index-url", default=DEFAULT_INDEX_URL, help="package index holding the locked files"
+        "--index-url",
+        default=None,
+        help="package index holding the locked files (default: pip's default index, PyPI)",
     )
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)

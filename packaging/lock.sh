@@ -11,10 +11,10 @@ trap 'rm -rf "$tools"' EXIT
 export PIP_CONFIG_FILE=/dev/null
 unset PIP_FIND_LINKS PIP_EXTRA_INDEX_URL PIP_INDEX_URL PIP_CONSTRAINT
 python3.11 -m venv "$tools"
-"$tools/bin/pip" install --quiet --index-url https://pypi.org/simple pip-tools==7.6.2
+"$tools/bin/pip" install --quiet pip-tools==7.6.2
 export CUSTOM_COMPILE_COMMAND="packaging/lock.sh"
 for name in appliance agent build; do
     "$tools/bin/pip-compile" --quiet --generate-hashes --allow-unsafe --strip-extras \
-        --no-emit-index-url --index-url https://pypi.org/simple \
+        --no-emit-index-url \
         --output-file "packaging/requirements-$name.txt" "packaging/requirements-$name.in"
 done
