@@ -226,7 +226,8 @@ _OPT_NUM = Field(float, required=False, nullable=True, low=0, high=10**9)
 SAMPLE_FIELDS = {
     "uuid": Field(str, low=1, high=96),
     "index": Field(int, low=0, high=1023),
-    "utilization_gpu_percent": Field(int, low=0, high=100),
+    # NVML reports no whole-GPU utilisation while MIG is enabled: null then.
+    "utilization_gpu_percent": Field(int, nullable=True, low=0, high=100),
     "utilization_memory_percent": Field(int, required=False, nullable=True, low=0, high=100),
     "memory_used_bytes": _BYTES,
     "memory_total_bytes": _OPT_BYTES,

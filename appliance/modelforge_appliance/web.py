@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ from modelforge_contract import (
     PATH_AGENT_INVENTORY,
     PATH_AGENT_TELEMETRY,
     PATH_HEALTHZ,
+    PATH_METRICS,
     QUERY_INVALID,
     compatibility_of,
 )
@@ -46,6 +48,8 @@ from . import admin_tokens, alerts, audit, credentials, decommission, enrollment
 from .clock import isoformat
 from .errors import ApiError, Invalid, StoreUnavailable, UpgradeRequired
 from .heartbeats import HeartbeatBuffer
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import Metrics
 from .settings import Settings, normalize_origin
 from .store import Store
 from .validation import (
@@ -73,27 +77,36 @@ def error_response(error: ApiError) -> bottle.HTTPResponse:
     return json_response(error.body(), error.status)
 
 
-def _api_errors(callback: Callable) -> Callable:
-    """Render domain errors, and a store that stopped answering, in the one error shape."""
+def _answering(metrics: Metrics) -> Callable:
+    """A bottle plugin: time every route, and render its errors in the one error shape."""
 
-    @functools.wraps(callback)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return callback(*args, **kwargs)
-        except ApiError as error:
+    def plugin(callback: Callable) -> Callable:
+        @functools.wraps(callback)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            response = _api_errors(callback, args, kwargs)
             request = bottle.request
-            log.info("%s %s -> %d %s", request.method, request.path, error.status, error.code)
-            return error_response(_with_compatibility(error))
-        except (pw.OperationalError, pw.InterfaceError) as exc:
-            log.error(
-                "store error on %s %s: %s",
-                bottle.request.method,
-                bottle.request.path,
-                type(exc).__name__,
-            )
-            return error_response(StoreUnavailable("the store did not answer"))
+            metrics.latency.labels(request.method, request.route.rule, str(response.status_code)
+                                   ).observe(time.perf_counter() - began)  # fmt: skip
+            return response
 
-    return wrapper
+        return wrapper
+
+    return plugin
+
+
+def _api_errors(callback: Callable, args: tuple, kwargs: dict) -> bottle.HTTPResponse:
+    """Render domain errors, and a store that stopped answering, in the one error shape."""
+    try:
+        return callback(*args, **kwargs)
+    except ApiError as error:
+        request = bottle.request
+        log.info("%s %s -> %d %s", request.method, request.path, error.status, error.code)
+        return error_response(_with_compatibility(error))
+    except (pw.OperationalError, pw.InterfaceError) as exc:
+        log.error("store error on %s %s: %s", bottle.request.method, bottle.request.path,
+                  type(exc).__name__)  # fmt: skip
+        return error_response(StoreUnavailable("the store did not answer"))
 
 
 def _with_compatibility(error: ApiError) -> ApiError:
@@ -170,7 +183,8 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     app = bottle.Bottle(catchall=True)
     heartbeats = app.heartbeats = HeartbeatBuffer(store)
     app.default_error_handler = _framework_error
-    app.install(_api_errors)
+    metrics = app.metrics = Metrics(store, settings)
+    app.install(_answering(metrics))
     clock = store.clock
 
     def body(fields: dict[str, Field]) -> dict[str, Any]:
@@ -199,6 +213,27 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     def agent_credential(node_id: str):
         return credentials.authenticate_node(
             store, bottle.request.get_header("Authorization"), node_id
+        )
+
+    def claim(store: Store, request: enrollment.EnrollRequest) -> enrollment.Enrolled:
+        try:
+            enrolled = enrollment.claim_token(store, request)
+        except ApiError as refusal:
+            metrics.enrollments.labels(refusal.code).inc()
+            raise
+        metrics.enrollments.labels("REENROLLED" if enrolled.reenrolled else "ENROLLED").inc()
+        return enrolled
+
+    @app.get(PATH_METRICS)
+    def prometheus_metrics():
+        # Prometheus sends `authorization: {credentials: mfa_…}` as a Bearer header.
+        bearer = bottle.request.get_header("Authorization", "")
+        header = bottle.request.get_header(HEADER_ADMIN_TOKEN) or bearer.removeprefix("Bearer ")
+        admin_tokens.authenticate_admin(store, header or None)
+        heartbeats.flush()
+        return bottle.HTTPResponse(
+            metrics.exposition(),
+            headers={"Content-Type": METRICS_CONTENT_TYPE, "Cache-Control": "no-store"},
         )
 
     @app.get(PATH_HEALTHZ)
@@ -306,7 +341,7 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
         protocol = agent_protocol()
         fields = body(ENROLL_FIELDS)
         identity = fields.get("identity") or {}
-        enrolled = enrollment.claim_token(
+        enrolled = claim(
             store,
             enrollment.EnrollRequest(
                 token=fields["token"],
@@ -335,6 +370,7 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
         protocol = agent_protocol()
         fields = body(HEARTBEAT_FIELDS)
         caller = agent_credential(fields["node_id"])
+        metrics.heartbeats.inc()
         at = heartbeats.record(
             caller,
             agent_version=fields["agent_version"],

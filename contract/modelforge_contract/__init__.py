@@ -57,6 +57,7 @@ HEADER_AUTHORIZATION = "Authorization"
 # -- paths ------------------------------------------------------------------
 
 PATH_HEALTHZ = "/healthz"
+PATH_METRICS = "/metrics"
 PATH_ADMIN_ENROLLMENTS = f"{API_PREFIX}/admin/node-enrollments"
 PATH_ADMIN_ENROLLMENT = f"{API_PREFIX}/admin/node-enrollments/<enrollment_id>"
 PATH_ADMIN_NODES = f"{API_PREFIX}/admin/hardware/nodes"

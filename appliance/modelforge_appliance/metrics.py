@@ -1,0 +1,72 @@
+"""Prometheus metrics of one control plane, served at ``GET /metrics`` to admins.
+
+Each app has its own registry, so several apps in one process (tests) never share
+counters. Nodes by liveness are computed at scrape time, like every other liveness.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from modelforge_contract import LIVENESS_STATES
+
+from .models import Node
+from .nodes import liveness_of
+from .settings import Settings
+from .store import Store
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _NodesByLiveness(Collector):
+    def __init__(self, store: Store, settings: Settings) -> None:
+        self.store, self.settings = store, settings
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "modelforge_nodes", "Nodes by liveness, computed at scrape time.", labels=["liveness"]
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """Names only: registering must not query the store."""
+        yield self._family()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self.store.connection():
+            rows = list(Node.select(Node.last_heartbeat_at, Node.decommissioned_at))
+        now = self.store.clock.now()
+        tally = Tally(liveness_of(row, now, self.settings) for row in rows)
+        family = self._family()
+        for state in LIVENESS_STATES:
+            family.add_metric([state], tally.get(state, 0))
+        yield family
+
+
+class Metrics:
+    """The counters the web layer moves, and the registry that exposes them."""
+
+    def __init__(self, store: Store, settings: Settings) -> None:
+        self.registry = CollectorRegistry()
+        self.heartbeats = Counter(
+            "modelforge_heartbeats_received", "Heartbeats accepted from agents.",
+            registry=self.registry,
+        )  # fmt: skip
+        self.enrollments = Counter(
+            "modelforge_enrollment_outcomes", "Enrollment attempts by outcome code.",
+            ["code"], registry=self.registry,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "modelforge_request_duration_seconds", "Time to answer a request, by route.",
+            ["method", "route", "status"], registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        )  # fmt: skip
+        self.registry.register(_NodesByLiveness(store, settings))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
