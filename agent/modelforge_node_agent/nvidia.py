@@ -191,7 +191,8 @@ class Nvml:
                     samples.append(self._sample(index, handle))
                 except nvml.NVMLError as exc:
                     raise PreflightFailure(
-                        NVIDIA_TELEMETRY_UNAVAILABLE, f"GPU {index}: {exc}"
+                        NVIDIA_TELEMETRY_UNAVAILABLE,
+                        f"GPU {index}: {exc}{_mig_hint(inventory, index)}",
                     ) from None
         check_telemetry_matches(inventory, samples)
         return samples
@@ -285,6 +286,13 @@ def run_preflight(settings: AgentSettings) -> PreflightResult:
         nvml.close()
         raise
     return PreflightResult("nvidia", nvml, accelerators, samples)
+
+
+def _mig_hint(inventory: list[dict[str, Any]], index: int) -> str:
+    if any(gpu["index"] == index and gpu.get("mig_mode") == "enabled" for gpu in inventory):
+        # NVML has no whole-GPU utilization in MIG mode, and the telemetry contract needs it.
+        return " (MIG is enabled on this GPU; NVML reports no whole-GPU utilization in MIG mode)"
+    return ""
 
 
 def _text(value: bytes | str) -> str:
