@@ -156,8 +156,14 @@ class RestartableControlPlane:
 
     def stop(self) -> None:
         if self.server is not None:
+            # As when the process dies: the listening socket *and* every open keep-alive
+            # connection go away (server.close() alone leaves those channels served).
             self.server.close()
+            for channel in list(self.server._map.values()):
+                channel.close()
+            self.server.task_dispatcher.shutdown()
             self._thread.join(timeout=5)
+            assert not self._thread.is_alive(), "the control plane did not stop"
             self.server = None
         if self.store is not None:
             self.store.close()
