@@ -126,6 +126,11 @@ def save_state(state_volume: Path, state: NodeState) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temp_name)
         raise StateError(f"cannot write {path} ({exc.strerror})") from None
+    except BaseException:
+        # SIGTERM lands here as an exception: the old file is intact; drop the half-written one.
+        with contextlib.suppress(OSError):
+            os.unlink(temp_name)
+        raise
     _fsync_directory(state_volume)
 
 
