@@ -126,6 +126,10 @@ CONFIRMATION_STALE = "CONFIRMATION_STALE"
 INVENTORY_EMPTY = "INVENTORY_EMPTY"
 STORE_UNAVAILABLE = "STORE_UNAVAILABLE"
 INTERNAL_ERROR = "INTERNAL_ERROR"
+# Used by the control plane as literals (enrollment.py, nodes.py); named here so the
+# agent can recognise them.
+IDENTITY_CONFLICT = "IDENTITY_CONFLICT"
+INVENTORY_EMPTY = "INVENTORY_EMPTY"
 # Field errors are "FIELD_<REASON>" with the field path in the message,
 # e.g. FIELD_REQUIRED, FIELD_TYPE, FIELD_UNKNOWN, FIELD_RANGE, FIELD_CHOICE.
 FIELD_REQUIRED = "FIELD_REQUIRED"
@@ -148,6 +152,9 @@ EXIT_USAGE = 2
 EXIT_NVIDIA_PREFLIGHT = 3
 EXIT_ENROLLMENT_REFUSED = 4
 EXIT_PROTOCOL_INCOMPATIBLE = 5
+# The node agent stops here when the control plane refuses its credential (401/403 after
+# enrollment): retrying cannot help, re-enrolling does.
+EXIT_CREDENTIAL_REFUSED = 6
 
 # -- secrets ----------------------------------------------------------------
 # A secret reads "<kind>_<lookup id>_<random>". The lookup id is not secret and

@@ -1,0 +1,295 @@
+"""The publishing loop: heartbeat, inventory and telemetry, each on its own thread.
+
+Each publication retries transport failures on its own backoff (1 s … 16 s,
+reset on success), so a slow or failing one never starves the others. A
+refused credential (401/403) or an incompatible protocol (426) is terminal:
+the first publication to see one stops them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import platform
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from modelforge_contract import (
+    EXIT_PROTOCOL_INCOMPATIBLE,
+    PATH_AGENT_HEARTBEAT,
+    PATH_AGENT_INVENTORY,
+    PATH_AGENT_TELEMETRY,
+)
+
+from . import __version__
+from .backoff import BACKOFF_STEPS, Backoff, seconds
+from .client import ControlPlaneClient, Refused, TransportFailure, incompatible_message
+from .identity import NodeState
+from .nvidia import PreflightFailure, PreflightResult
+from .refusals import AgentExit, credential_refused
+from .settings import AgentSettings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_INTERVAL = 10
+Wait = Callable[[float], bool]  # sleeps; True when the agent is stopping
+
+
+def call_with_backoff(
+    client: ControlPlaneClient,
+    method: str,
+    path: str,
+    make_body: Callable[[], dict[str, Any]],
+    *,
+    stop: threading.Event,
+    wait: Wait,
+    steps: Sequence[float] = BACKOFF_STEPS,
+    retry_refusal: Callable[[Refused], bool],
+    authenticated: bool = True,
+) -> dict[str, Any] | None:
+    """The answer once a call succeeds; None when stopped; Refused when not to retry."""
+    backoff = Backoff(steps)
+    while not stop.is_set():
+        try:
+            return_value = client.call(method, path, make_body(), authenticated=authenticated)
+        except TransportFailure as failure:
+            problem, code = failure.describe(), None
+        except Refused as refusal:
+            if not retry_refusal(refusal):
+                raise
+            problem, code = refusal.describe(), refusal.code
+        else:
+            if backoff.failures:
+                log.info("%s %s succeeded after %d failed tries", method, path, backoff.failures)
+            return return_value
+        step, delay = backoff.next_step()
+        suffix = f"; error code {code}" if code else ""
+        log.warning("%s (backoff %s): retry in %s%s", problem, backoff.span, seconds(step), suffix)
+        if wait(delay):
+            break
+    return None
+
+
+class Health:
+    """What the heartbeat says about the agent and its GPU probe (thread-safe)."""
+
+    def __init__(self, gpu_expected: bool) -> None:
+        self._lock = threading.Lock()
+        self.gpu_expected = gpu_expected
+        self.failure: PreflightFailure | None = None
+        self.started = time.monotonic()
+
+    def gpu_ok(self) -> None:
+        with self._lock:
+            if self.failure is not None:
+                log.info("NVML reads work again; reporting healthy")
+            self.failure = None
+
+    def gpu_failed(self, failure: PreflightFailure) -> None:
+        with self._lock:
+            if self.failure is None or self.failure.detail != failure.detail:
+                log.warning("%s; reporting degraded health, nothing invented", failure)
+            self.failure = failure
+
+    def body(self) -> dict[str, Any]:
+        with self._lock:
+            failure = self.failure
+        if not self.gpu_expected:
+            probe, preflight = "not_applicable", "not_applicable"
+        else:
+            probe, preflight = ("failed" if failure else "ok"), "passed"
+        return {
+            "status": "degraded" if failure else "ok",
+            "gpu_probe": probe,
+            "preflight": preflight,
+            "message": str(failure)[:500] if failure else None,
+            "uptime_seconds": round(time.monotonic() - self.started, 1),
+        }
+
+
+def host_facts() -> dict[str, Any]:
+    try:
+        os_name = platform.freedesktop_os_release().get("PRETTY_NAME") or platform.system()
+    except OSError:
+        os_name = platform.system()
+    facts: dict[str, Any] = {"os": os_name[:200], "kernel": platform.release()[:200]}
+    if os.cpu_count():
+        facts["cpu_count"] = os.cpu_count()
+    # Not every platform says; the field is optional.
+    with contextlib.suppress(ValueError, OSError):
+        facts["memory_total_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return facts
+
+
+def _fingerprint(inventory: dict[str, Any]) -> str:
+    """What counts as a change: everything but the free space, which moves all the time."""
+    stable = {
+        **inventory,
+        "storage_roots": [
+            {k: v for k, v in root.items() if k != "free_bytes"}
+            for root in inventory.get("storage_roots", [])
+        ],
+    }
+    return json.dumps(stable, sort_keys=True)
+
+
+class Publisher:
+    """Runs the three publications until stopped or refused; ``run()`` returns the outcome."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        state: NodeState,
+        client: ControlPlaneClient,
+        preflight: PreflightResult,
+        stop: threading.Event,
+        *,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        steps: Sequence[float] = BACKOFF_STEPS,
+        wait: Wait | None = None,
+    ) -> None:
+        self.settings, self.state, self.client = settings, state, client
+        self.preflight, self.stop, self.steps = preflight, stop, steps
+        self.wait: Wait = wait or stop.wait
+        self.heartbeat_interval = heartbeat_interval
+        self.health = Health(preflight.nvml is not None)
+        self.accelerators = list(preflight.accelerators)
+        self._outcome: AgentExit | None = None
+        self.refused_code: str | None = None
+        self._lock = threading.Lock()
+
+    # -- shared ------------------------------------------------------------------
+
+    def _finish(self, outcome: AgentExit, refused_code: str | None = None) -> None:
+        with self._lock:
+            if self._outcome is None:
+                self._outcome, self.refused_code = outcome, refused_code
+        self.stop.set()
+
+    def _publish(
+        self, method: str, path: str, make_body: Callable[[], dict[str, Any]]
+    ) -> dict[str, Any] | None:
+        try:
+            return call_with_backoff(
+                self.client,
+                method,
+                path,
+                make_body,
+                stop=self.stop,
+                wait=self.wait,
+                steps=self.steps,
+                retry_refusal=lambda r: not (r.credential_refused or r.protocol_incompatible),
+            )
+        except Refused as refusal:
+            log.error("%s", refusal.describe())
+            if refusal.protocol_incompatible:
+                outcome = AgentExit(EXIT_PROTOCOL_INCOMPATIBLE, incompatible_message(refusal))
+                self._finish(outcome)
+            else:
+                self._finish(credential_refused(refusal.code), refusal.code or "HTTP_REFUSED")
+            return None
+
+    # -- the three publications ----------------------------------------------------
+
+    def heartbeat_loop(self) -> None:
+        body = lambda: {  # noqa: E731 - rebuilt per try so health and uptime are current
+            "node_id": self.state.node_id,
+            "agent_version": __version__,
+            "health": self.health.body(),
+        }
+        while True:
+            answer = self._publish("POST", PATH_AGENT_HEARTBEAT, body)
+            if answer is None:
+                return
+            interval = answer.get("heartbeat_interval_seconds")
+            if isinstance(interval, int | float) and 1 <= interval <= 3600:
+                self.heartbeat_interval = interval
+            if self.stop.wait(self.heartbeat_interval):
+                return
+
+    def read_inventory(self) -> dict[str, Any]:
+        nvml = self.preflight.nvml
+        accelerators = nvml.read_inventory() if nvml else []
+        self.accelerators = accelerators
+        roots = []
+        try:
+            usage = shutil.disk_usage(self.settings.state_volume)
+            roots.append(
+                {
+                    "path": str(self.settings.state_volume),
+                    "role": "state",
+                    "total_bytes": usage.total,
+                    "free_bytes": usage.free,
+                }
+            )
+        except OSError as exc:
+            log.warning("cannot measure the state volume: %s", exc.strerror)
+        return {
+            "node_id": self.state.node_id,
+            "agent_version": __version__,
+            "host": host_facts(),
+            "accelerators": accelerators,
+            "storage_roots": roots,
+        }
+
+    def inventory_loop(self) -> None:
+        published = None
+        while True:
+            try:
+                inventory = self.read_inventory()
+            except PreflightFailure as failure:
+                self.health.gpu_failed(failure)
+                inventory = None
+            if inventory is not None and _fingerprint(inventory) != published:
+                if self._publish("PUT", PATH_AGENT_INVENTORY, lambda body=inventory: body) is None:
+                    return
+                published = _fingerprint(inventory)
+                log.info("inventory published: %d accelerator(s)", len(inventory["accelerators"]))
+            if self.stop.wait(self.settings.inventory_interval_seconds):
+                return
+
+    def telemetry_body(self) -> dict[str, Any]:
+        samples = self.preflight.nvml.read_telemetry(self.accelerators)
+        self.health.gpu_ok()
+        return {"node_id": self.state.node_id, "samples": samples}
+
+    def telemetry_loop(self) -> None:
+        while True:
+            try:
+                if self._publish("POST", PATH_AGENT_TELEMETRY, self.telemetry_body) is None:
+                    return
+            except PreflightFailure as failure:
+                # Invariant 9: a failed read is reported as degraded health, never as numbers.
+                self.health.gpu_failed(failure)
+            if self.stop.wait(self.settings.telemetry_interval_seconds):
+                return
+
+    # -- running -------------------------------------------------------------------
+
+    def start(self) -> list[threading.Thread]:
+        loops = [self.heartbeat_loop, self.inventory_loop]
+        if self.preflight.nvml is not None:
+            loops.append(self.telemetry_loop)
+        threads = [threading.Thread(target=loop, name=loop.__name__, daemon=True) for loop in loops]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def run(self, poll: float = 0.2) -> AgentExit | None:
+        """Publish until ``stop`` is set; the terminal refusal, if one stopped it."""
+        threads = self.start()
+        try:
+            while not self.stop.wait(poll):
+                pass
+        finally:
+            self.stop.set()
+            # Threads blocked in a call are daemons; do not hold up a SIGTERM for them.
+            deadline = time.monotonic() + 0.5
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        return self._outcome

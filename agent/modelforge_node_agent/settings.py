@@ -1,0 +1,309 @@
+"""Node Agent settings: the only agent module that reads ``os.environ``.
+
+Every variable is declared once in ``SETTINGS`` with its default and meaning;
+``--help`` prints them and ``docs/node-agent.md`` must list each (a test checks).
+A bad value raises ``ConfigError`` naming the variable; the CLI exits 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from modelforge_contract import ACCELERATOR_MODES, EXIT_USAGE, KIND_ENROLLMENT, split_secret
+
+PREFIX = "MODELFORGE_AGENT_"
+# The host name the documentation uses in examples; an agent pointed at it was copied
+# from the docs without being edited, and would only ever log DNS failures.
+PLACEHOLDER_HOST = "modelforge.example.internal"
+DEFAULT_STATE_VOLUME = "/var/lib/modelforge-node-agent"
+
+
+@dataclass(frozen=True)
+class SettingSpec:
+    name: str
+    default: str | None
+    meaning: str
+
+
+SETTINGS: tuple[SettingSpec, ...] = (
+    SettingSpec(
+        "MODELFORGE_AGENT_CONTROL_PLANE_URL",
+        None,
+        "scheme://host[:port] of the control plane API, exactly the origin the enrollment "
+        "token was minted for. Required to run; not needed for --preflight.",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_ENROLLMENT_TOKEN",
+        None,
+        "Single-use enrollment token (mfe_…), needed only until the node is enrolled. Once "
+        "a credential is stored the agent ignores it and says it can be removed.",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_HOSTNAME",
+        None,
+        "Host name this node reports. Defaults to the machine's host name.",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_ACCELERATOR_MODE",
+        "nvidia",
+        "nvidia: require NVML, at least one GPU and matching telemetry (exit 3 otherwise). "
+        "cpu: a CPU-only node; NVML is never loaded. auto: behave as nvidia when /dev/nvidia* "
+        "or NVIDIA_VISIBLE_DEVICES is seen, as cpu otherwise.",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_TLS_VERIFY",
+        "true",
+        "Verify the control plane's TLS certificate. false is allowed but logs a warning on "
+        "every start; fix the certificate (MODELFORGE_AGENT_CA_CERT_PATH) instead.",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_STATE_VOLUME",
+        DEFAULT_STATE_VOLUME,
+        "Durable directory holding identity.json (identity, node id, credential; mode 0600). "
+        "Losing it makes the host enroll as a new node.",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_IDENTITY_MODE",
+        "persisted",
+        "persisted: keep the node identity in the state volume (the only mode).",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_CA_CERT_PATH",
+        None,
+        "PEM bundle of a private certificate authority to trust for the control plane. The "
+        "certificate's host name is still verified.",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_CONTROL_PLANE_HOST_ADDRESS",
+        None,
+        "Connect to this IP address or host name instead of resolving the URL's host, while "
+        "still sending and verifying the URL's host name (split DNS, /etc/hosts-free setups).",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_TELEMETRY_INTERVAL_SECONDS",
+        "15",
+        "How often NVML telemetry is sampled and published (nvidia mode).",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_INVENTORY_INTERVAL_SECONDS",
+        "300",
+        "How often the inventory is re-read; it is published at start and when it changes.",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_DEVICE_DIR",
+        "/dev",
+        "Where auto mode looks for nvidia* device nodes.",
+    ),
+    SettingSpec("MODELFORGE_AGENT_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
+)
+KNOWN_NAMES = frozenset(spec.name for spec in SETTINGS)
+_DEFAULTS = {spec.name: spec.default for spec in SETTINGS}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class ConfigError(Exception):
+    """A setting is wrong; the CLI prints the one-line message and exits 2."""
+
+    exit_code = EXIT_USAGE
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    control_plane_url: str | None
+    enrollment_token: str | None
+    hostname: str
+    accelerator_mode: str
+    tls_verify: bool
+    state_volume: Path
+    identity_mode: str
+    ca_cert_path: Path | None
+    control_plane_host_address: str | None
+    telemetry_interval_seconds: int
+    inventory_interval_seconds: int
+    device_dir: Path
+    log_level: str
+    # Observed, not ours: the NVIDIA container toolkit sets it when GPUs are requested.
+    nvidia_visible_devices: str | None = None
+
+    def __repr__(self) -> str:
+        # The token is a secret; keep it out of any repr that reaches a log or traceback.
+        token = "set" if self.enrollment_token else "unset"
+        return f"AgentSettings(control_plane_url={self.control_plane_url!r}, token={token})"
+
+    @property
+    def tls_verify_value(self) -> bool | str:
+        """What requests takes as ``verify``: a CA bundle path, or on/off."""
+        if not self.tls_verify:
+            return False
+        return str(self.ca_cert_path) if self.ca_cert_path else True
+
+    def require_control_plane(self) -> str:
+        if not self.control_plane_url:
+            raise ConfigError(
+                "MODELFORGE_AGENT_CONTROL_PLANE_URL is not set; set it to the control plane's "
+                "API origin (shown when the enrollment token was minted)"
+            )
+        return self.control_plane_url
+
+
+def nearest_setting(name: str) -> str | None:
+    matches = difflib.get_close_matches(name, sorted(KNOWN_NAMES), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def _value(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return _DEFAULTS[name]
+    return raw.strip()
+
+
+def _bool(env: Mapping[str, str], name: str) -> bool:
+    raw = (_value(env, name) or "").lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not true or false")
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int, maximum: int) -> int:
+    raw = _value(env, name) or ""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a whole number") from None
+    if not minimum <= value <= maximum:
+        raise ConfigError(f"{name}={value} is outside {minimum}..{maximum}")
+    return value
+
+
+def parse_control_plane_url(raw: str) -> str:
+    """The URL without a trailing slash, or ConfigError naming what is wrong."""
+    name = "MODELFORGE_AGENT_CONTROL_PLANE_URL"
+    parts = urlsplit(raw)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{name}={raw!r} is not http(s)://host[:port]")
+    try:
+        parts.port  # noqa: B018 - parsing the port raises on a bad one
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} has an invalid port") from None
+    if parts.username or parts.password or parts.query or parts.fragment:
+        raise ConfigError(f"{name}={raw!r} must not carry a user, query or fragment")
+    if parts.path not in ("", "/"):
+        raise ConfigError(f"{name}={raw!r} must be the origin only, without a path")
+    host = parts.hostname.lower().rstrip(".")
+    if host == PLACEHOLDER_HOST or host.endswith("." + PLACEHOLDER_HOST):
+        raise ConfigError(
+            f"{name} points at {PLACEHOLDER_HOST}, the placeholder from the documentation; "
+            "set it to the real address of your control plane (the API origin shown when "
+            "the enrollment token was minted)"
+        )
+    return raw.rstrip("/")
+
+
+def _host_address(raw: str | None) -> str | None:
+    if raw is None:
+        return None
+    name = "MODELFORGE_AGENT_CONTROL_PLANE_HOST_ADDRESS"
+    address = raw.strip("[]")
+    if not address or any(ch in address for ch in "/@?# ") or "://" in raw:
+        raise ConfigError(f"{name}={raw!r} must be a bare IP address or host name")
+    return address
+
+
+def _token(raw: str | None) -> str | None:
+    if raw is None:
+        return None
+    # Never echo the value: a mistyped token is still mostly a secret.
+    if split_secret(raw, KIND_ENROLLMENT) is None:
+        raise ConfigError(
+            "MODELFORGE_AGENT_ENROLLMENT_TOKEN is not an enrollment token (expected "
+            f"{KIND_ENROLLMENT}_…); paste the token exactly as the console showed it"
+        )
+    return raw.strip()
+
+
+def _hostname(raw: str | None) -> str:
+    hostname = raw or socket.gethostname()
+    if not 1 <= len(hostname) <= 253 or any(ord(ch) < 33 for ch in hostname):
+        raise ConfigError(
+            f"MODELFORGE_AGENT_HOSTNAME={hostname!r} must be 1-253 characters without spaces"
+        )
+    return hostname
+
+
+def check_names(env: Mapping[str, str]) -> None:
+    for name in sorted(env):
+        if name.startswith(PREFIX) and name not in KNOWN_NAMES:
+            hint = nearest_setting(name)
+            suffix = f"; did you mean {hint}?" if hint else "; see --help for the known names"
+            raise ConfigError(f"unknown setting {name}{suffix}")
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> AgentSettings:
+    """Parse and validate every MODELFORGE_AGENT_* variable once; raise ConfigError."""
+    env = dict(os.environ if env is None else env)
+    check_names(env)
+
+    url = _value(env, "MODELFORGE_AGENT_CONTROL_PLANE_URL")
+    mode = (_value(env, "MODELFORGE_AGENT_ACCELERATOR_MODE") or "").lower()
+    if mode not in ACCELERATOR_MODES:
+        raise ConfigError(
+            f"MODELFORGE_AGENT_ACCELERATOR_MODE={mode!r} is not one of "
+            f"{', '.join(ACCELERATOR_MODES)}"
+        )
+    identity_mode = (_value(env, "MODELFORGE_AGENT_IDENTITY_MODE") or "").lower()
+    if identity_mode != "persisted":
+        raise ConfigError(
+            f"MODELFORGE_AGENT_IDENTITY_MODE={identity_mode!r} is not supported; use persisted"
+        )
+    tls_verify = _bool(env, "MODELFORGE_AGENT_TLS_VERIFY")
+    ca_raw = _value(env, "MODELFORGE_AGENT_CA_CERT_PATH")
+    ca_cert_path = Path(ca_raw).expanduser() if ca_raw else None
+    if ca_cert_path is not None:
+        if not ca_cert_path.is_file() or not os.access(ca_cert_path, os.R_OK):
+            raise ConfigError(
+                f"MODELFORGE_AGENT_CA_CERT_PATH={ca_raw!r} is not a readable file; mount the "
+                "private CA's PEM bundle there"
+            )
+        if not tls_verify:
+            raise ConfigError(
+                "MODELFORGE_AGENT_CA_CERT_PATH is set but MODELFORGE_AGENT_TLS_VERIFY=false "
+                "would ignore it; set MODELFORGE_AGENT_TLS_VERIFY=true"
+            )
+    log_level = (_value(env, "MODELFORGE_AGENT_LOG_LEVEL") or "").upper()
+    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(
+            f"MODELFORGE_AGENT_LOG_LEVEL={log_level!r} is not DEBUG, INFO, WARNING or ERROR"
+        )
+    state_raw = _value(env, "MODELFORGE_AGENT_STATE_VOLUME") or DEFAULT_STATE_VOLUME
+    return AgentSettings(
+        control_plane_url=parse_control_plane_url(url) if url else None,
+        enrollment_token=_token(_value(env, "MODELFORGE_AGENT_ENROLLMENT_TOKEN")),
+        hostname=_hostname(_value(env, "MODELFORGE_AGENT_HOSTNAME")),
+        accelerator_mode=mode,
+        tls_verify=tls_verify,
+        state_volume=Path(state_raw).expanduser().absolute(),
+        identity_mode=identity_mode,
+        ca_cert_path=ca_cert_path,
+        control_plane_host_address=_host_address(
+            _value(env, "MODELFORGE_AGENT_CONTROL_PLANE_HOST_ADDRESS")
+        ),
+        telemetry_interval_seconds=_int(
+            env, "MODELFORGE_AGENT_TELEMETRY_INTERVAL_SECONDS", 1, 3600
+        ),
+        inventory_interval_seconds=_int(
+            env, "MODELFORGE_AGENT_INVENTORY_INTERVAL_SECONDS", 1, 86400
+        ),
+        device_dir=Path(_value(env, "MODELFORGE_AGENT_DEVICE_DIR") or "/dev"),
+        log_level=log_level,
+        nvidia_visible_devices=env.get("NVIDIA_VISIBLE_DEVICES"),
+    )

@@ -1,0 +1,56 @@
+"""Fixtures for the agent suite: the compiled test NVML library, agent processes, control planes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from tests.support import IN_CI, make_settings
+
+from .nvml import NVML_SOURCE
+from .processes import RestartableControlPlane
+
+
+@pytest.fixture(scope="session")
+def fake_nvml_dir(tmp_path_factory):
+    """A directory holding libnvidia-ml.so.1 built from tests/nvml/fake_nvml.c."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        message = "no C compiler: scripts/test installs gcc"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    out = tmp_path_factory.mktemp("nvml")
+    subprocess.run(
+        [
+            compiler,
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            "-o",
+            str(out / "libnvidia-ml.so.1"),
+            str(NVML_SOURCE),
+        ],
+        check=True,
+    )
+    return out
+
+
+@pytest.fixture
+def restartable_control_plane(tmp_path):
+    """A control plane on a fixed loopback port over one SQLite file, that a test can stop."""
+    settings = make_settings(
+        tmp_path / "cp",
+        heartbeat_interval_seconds=1,
+        stale_after_seconds=2,
+        offline_after_seconds=4,
+    )
+    plane = RestartableControlPlane(settings)
+    try:
+        yield plane
+    finally:
+        plane.stop()

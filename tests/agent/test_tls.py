@@ -1,0 +1,182 @@
+"""TLS: verification on by default, a private CA, and a pinned host address that keeps the name."""
+
+from __future__ import annotations
+
+import shutil
+import ssl
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from modelforge_node_agent.client import ControlPlaneClient, TransportFailure
+from modelforge_node_agent.settings import load_settings
+from modelforge_node_agent.transport import make_session
+
+from .processes import AgentProcess, agent_env, free_port
+
+NAME = "cp.modelforge.test"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A private CA and two server certificates it signed: one for NAME, one for another name."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to mint test certificates")
+    d = tmp_path_factory.mktemp("pki")
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=ModelForge Test CA",
+    )
+    for stem, host in (("server", NAME), ("other", "other.modelforge.test")):
+        (d / f"{stem}.ext").write_text(f"subjectAltName=DNS:{host}\n")
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{stem}.key",
+            "-out",
+            f"{stem}.csr",
+            "-subj",
+            f"/CN={host}",
+        )
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{stem}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{stem}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            f"{stem}.ext",
+        )
+    return d
+
+
+class TlsServer(ThreadingHTTPServer):
+    """HTTPS on 127.0.0.1 that records the SNI name and Host header of each request."""
+
+    daemon_threads = True
+
+    def __init__(self, cert, key):
+        self.seen: list[tuple[str | None, str | None]] = []
+        self.sni: list[str | None] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(handler):  # noqa: N805
+                handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+                outer.seen.append((outer.sni[-1] if outer.sni else None, handler.headers["Host"]))
+                body = b'{"compatibility": "COMPATIBLE"}'
+                handler.send_response(200)
+                handler.send_header("Content-Type", "application/json")
+                handler.send_header("Content-Length", str(len(body)))
+                handler.end_headers()
+                handler.wfile.write(body)
+
+            def log_message(handler, *args):  # noqa: N805
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        context.sni_callback = lambda sock, name, ctx: self.sni.append(name)
+        self.socket = context.wrap_socket(self.socket, server_side=True)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def port(self):
+        return self.server_address[1]
+
+
+@pytest.fixture
+def tls_server(pki):
+    servers = []
+
+    def start(stem="server"):
+        server = TlsServer(pki / f"{stem}.pem", pki / f"{stem}.key")
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def call(server, **env):
+    settings = load_settings(
+        {
+            "MODELFORGE_AGENT_CONTROL_PLANE_URL": f"https://{NAME}:{server.port}",
+            "MODELFORGE_AGENT_CONTROL_PLANE_HOST_ADDRESS": "127.0.0.1",
+            **env,
+        }
+    )
+    client = ControlPlaneClient(settings.control_plane_url, make_session(settings))
+    return client.call("POST", "/api/v1/agent/heartbeat", {})
+
+
+def test_private_ca_with_host_address_verifies_the_url_host(pki, tls_server):
+    server = tls_server()
+    assert call(server, MODELFORGE_AGENT_CA_CERT_PATH=str(pki / "ca.pem")) == {
+        "compatibility": "COMPATIBLE"
+    }
+    # Dialled 127.0.0.1, but the handshake and the Host header named the URL's host.
+    assert server.seen == [(NAME, f"{NAME}:{server.port}")]
+
+
+def test_verification_is_on_by_default(tls_server):
+    with pytest.raises(TransportFailure) as failure:
+        call(tls_server())
+    assert failure.value.describe() == "TLSError on POST /api/v1/agent/heartbeat"
+
+
+def test_hostname_is_still_verified_with_a_private_ca(pki, tls_server):
+    server = tls_server("other")  # signed by the trusted CA, for another name
+    with pytest.raises(TransportFailure) as failure:
+        call(server, MODELFORGE_AGENT_CA_CERT_PATH=str(pki / "ca.pem"))
+    assert failure.value.name == "TLSError"
+    assert server.seen == []
+
+
+def test_tls_verify_false_works_and_warns_on_every_start(tls_server, tmp_path):
+    server = tls_server("other")
+    assert call(server, MODELFORGE_AGENT_TLS_VERIFY="false") == {"compatibility": "COMPATIBLE"}
+    env = agent_env(
+        control_plane_url=f"https://{NAME}:{free_port()}",
+        control_plane_host_address="127.0.0.1",
+        tls_verify="false",
+        enrollment_token="mfe_0123456789abcdef_" + "G" * 43,
+        accelerator_mode="cpu",
+        state_volume=tmp_path / "state",
+    )
+    for attempt in range(2):
+        with AgentProcess(env, tmp_path / f"start{attempt}.log") as agent:
+            agent.wait_for_log("ConnectError on POST /api/v1/agent/enroll")
+            agent.terminate()
+            assert "WARNING MODELFORGE_AGENT_TLS_VERIFY=false" in agent.log()
