@@ -55,5 +55,7 @@ def run_until(server: BaseWSGIServer, stop: threading.Event) -> None:
             server.asyncore.loop(timeout=0.1, map=server._map, use_poll=True, count=1)
     finally:
         server.close()
+        for channel in list(server._map.values()):  # open keep-alive connections go too
+            channel.close()
         server.task_dispatcher.shutdown(timeout=5)
         heartbeats.stop()  # acknowledged heartbeats reach the store before we exit

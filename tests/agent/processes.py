@@ -17,7 +17,7 @@ from typing import Any
 
 from modelforge_appliance import admin_tokens, audit, nodes
 from modelforge_appliance.clock import Clock
-from modelforge_appliance.server import create_server
+from modelforge_appliance.server import create_server, run_until
 from modelforge_appliance.settings import Settings
 from modelforge_appliance.store import Store
 from tests.support import ControlPlane
@@ -151,18 +151,17 @@ class RestartableControlPlane:
         self.store = Store(self.settings.database_url, Clock())
         self.store.migrate()
         self.server = create_server(self.settings, self.store, "127.0.0.1", self.port)
-        self._thread = threading.Thread(target=self.server.run, daemon=True)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=run_until, args=(self.server, self._stop),
+                                        daemon=True)  # fmt: skip
         self._thread.start()
 
     def stop(self) -> None:
         if self.server is not None:
-            # As when the process dies: the listening socket *and* every open keep-alive
-            # connection go away (server.close() alone leaves those channels served).
-            self.server.close()
-            for channel in list(self.server._map.values()):
-                channel.close()
-            self.server.task_dispatcher.shutdown()
-            self._thread.join(timeout=5)
+            # As when the process stops: the listening socket and every open keep-alive
+            # connection go away, and acknowledged heartbeats are written.
+            self._stop.set()
+            self._thread.join(timeout=10)
             assert not self._thread.is_alive(), "the control plane did not stop"
             self.server = None
         if self.store is not None:
@@ -172,6 +171,7 @@ class RestartableControlPlane:
     def nodes(self) -> list[dict[str, Any]]:
         """The fleet with liveness, read from the store (also while the server is down)."""
         if self.store is not None:
+            self.server.heartbeats.flush()  # as every admin read does
             return nodes.list_nodes(self.store, self.settings)
         # The appliance binds its models to one global database, so only one Store may be
         # open per process: open one for this read only while the server is stopped.
