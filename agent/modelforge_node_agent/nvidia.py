@@ -188,7 +188,7 @@ class Nvml:
                 raise PreflightFailure(NVIDIA_TELEMETRY_UNAVAILABLE, failure.detail) from None
             for index, handle in enumerate(handles):
                 try:
-                    samples.append(self._sample(index, handle))
+                    samples.append(self._sample(index, handle, _mig_enabled(inventory, index)))
                 except nvml.NVMLError as exc:
                     raise PreflightFailure(
                         NVIDIA_TELEMETRY_UNAVAILABLE,
@@ -197,9 +197,12 @@ class Nvml:
         check_telemetry_matches(inventory, samples)
         return samples
 
-    def _sample(self, index: int, handle: Any) -> dict[str, Any]:
+    def _sample(self, index: int, handle: Any, mig_enabled: bool) -> dict[str, Any]:
         nvml = self.module
-        utilization = nvml.nvmlDeviceGetUtilizationRates(handle)
+        # In MIG mode NVML has no whole-GPU utilization: that, and only that, is sent as
+        # null. Anywhere else a missing utilization fails closed.
+        read = self._optional if mig_enabled else (lambda call, *args: call(*args))
+        utilization = read(nvml.nvmlDeviceGetUtilizationRates, handle)
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
         temperature = self._optional(
             nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU
@@ -208,8 +211,8 @@ class Nvml:
         sample: dict[str, Any] = {
             "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
             "index": index,
-            "utilization_gpu_percent": int(utilization.gpu),
-            "utilization_memory_percent": int(utilization.memory),
+            "utilization_gpu_percent": None if utilization is None else int(utilization.gpu),
+            "utilization_memory_percent": None if utilization is None else int(utilization.memory),
             "memory_used_bytes": int(memory.used),
             "memory_total_bytes": int(memory.total),
             "temperature_c": None if temperature is None else int(temperature),
@@ -245,7 +248,7 @@ def check_telemetry_matches(inventory: list[dict[str, Any]], samples: list[dict[
         if sample["memory_used_bytes"] > sample["memory_total_bytes"]:
             problems.append("memory used exceeds memory total")
         for key in ("utilization_gpu_percent", "utilization_memory_percent"):
-            if not 0 <= sample[key] <= 100:
+            if sample[key] is not None and not 0 <= sample[key] <= 100:
                 problems.append(f"{key} is {sample[key]}")
         if sample["temperature_c"] is not None and not 0 <= sample["temperature_c"] <= 200:
             problems.append(f"temperature is {sample['temperature_c']} C")
@@ -288,11 +291,12 @@ def run_preflight(settings: AgentSettings) -> PreflightResult:
     return PreflightResult("nvidia", nvml, accelerators, samples)
 
 
+def _mig_enabled(inventory: list[dict[str, Any]], index: int) -> bool:
+    return any(gpu["index"] == index and gpu.get("mig_mode") == "enabled" for gpu in inventory)
+
+
 def _mig_hint(inventory: list[dict[str, Any]], index: int) -> str:
-    if any(gpu["index"] == index and gpu.get("mig_mode") == "enabled" for gpu in inventory):
-        # NVML has no whole-GPU utilization in MIG mode, and the telemetry contract needs it.
-        return " (MIG is enabled on this GPU; NVML reports no whole-GPU utilization in MIG mode)"
-    return ""
+    return " (MIG is enabled on this GPU)" if _mig_enabled(inventory, index) else ""
 
 
 def _text(value: bytes | str) -> str:

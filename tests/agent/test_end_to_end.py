@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import re
 
-from modelforge_appliance import credentials
-from modelforge_appliance.models import Node
 from modelforge_contract import (
     EXIT_CREDENTIAL_REFUSED,
     EXIT_ENROLLMENT_REFUSED,
@@ -164,10 +162,10 @@ def test_revoked_credential_stops_the_agent_then_reenrolling_keeps_the_node(
             ),
             what="online with its inventory",
         )
-        store = cp.store
-        with store.write():
-            row = Node.get(Node.node_id == node["node_id"])
-            credentials.revoke_active_credentials(store, row, "admin:tests", "revoked by test")
+        revoked = cp.plane.admin(
+            "DELETE", f"/api/v1/admin/hardware/nodes/{node['node_id']}/credential"
+        )
+        assert revoked.status_code == 200 and len(revoked.json()["revoked"]) == 1
         assert agent.wait(timeout=10) == EXIT_CREDENTIAL_REFUSED
         log = agent.log()
     # One refused call, then the agent stopped (cpu mode: only the heartbeat was still calling).

@@ -128,11 +128,18 @@ def test_unsupported_power_reading_is_left_out_not_invented(fake_nvml_dir, tmp_p
     assert "nvmlDeviceGetPowerUsage" in calls
 
 
-def test_mig_gpu_without_utilization_fails_closed(fake_nvml_dir, tmp_path):
+def test_mig_gpu_reports_null_utilization_and_passes(fake_nvml_dir, tmp_path):
     result, output, _ = preflight(fake_nvml_dir, tmp_path, a100_mig(), "nvidia", False)
+    assert result.returncode == EXIT_OK, output
+
+
+def test_utilization_missing_outside_mig_fails_closed(fake_nvml_dir, tmp_path):
+    host = with_failure(
+        consumer_rtx_4090(), "nvmlDeviceGetUtilizationRates", "NVML_ERROR_NOT_SUPPORTED"
+    )
+    result, output, _ = preflight(fake_nvml_dir, tmp_path, host, "nvidia", False)
     assert result.returncode == EXIT_NVIDIA_PREFLIGHT, output
     assert output.count("NVIDIA_TELEMETRY_UNAVAILABLE") == 1
-    assert "MIG" in output
 
 
 def test_lost_gpu_is_device_not_found(fake_nvml_dir, tmp_path):
