@@ -21,6 +21,7 @@ from typing import Any
 
 from modelforge_contract import (
     EXIT_PROTOCOL_INCOMPATIBLE,
+    INVENTORY_REFRESH_SECONDS,
     PATH_AGENT_HEARTBEAT,
     PATH_AGENT_INVENTORY,
     PATH_AGENT_TELEMETRY,
@@ -238,17 +239,20 @@ class Publisher:
         }
 
     def inventory_loop(self) -> None:
-        published = None
+        published, published_at = None, float("-inf")
         while True:
             try:
                 inventory = self.read_inventory()
             except PreflightFailure as failure:
                 self.health.gpu_failed(failure)
                 inventory = None
-            if inventory is not None and _fingerprint(inventory) != published:
+            # On change, and also unchanged once per refresh period, so the control plane
+            # sees a fresh measurement (its readiness refuses an inventory that is too old).
+            due = time.monotonic() - published_at >= INVENTORY_REFRESH_SECONDS
+            if inventory is not None and (due or _fingerprint(inventory) != published):
                 if self._publish("PUT", PATH_AGENT_INVENTORY, lambda body=inventory: body) is None:
                     return
-                published = _fingerprint(inventory)
+                published, published_at = _fingerprint(inventory), time.monotonic()
                 log.info("inventory published: %d accelerator(s)", len(inventory["accelerators"]))
             if self.stop.wait(self.settings.inventory_interval_seconds):
                 return

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from modelforge_contract import EXIT_USAGE
+from modelforge_contract import EXIT_USAGE, INVENTORY_REFRESH_SECONDS
 
 # Prefixes that belong to other ModelForge programs (the agent, the worker,
 # compose files); the control plane leaves them alone.
@@ -249,7 +249,9 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         heartbeat_interval_seconds=interval,
         stale_after_seconds=stale,
         offline_after_seconds=offline,
-        inventory_max_age_seconds=_int(env, "MODELFORGE_INVENTORY_MAX_AGE_SECONDS", 60, 7 * 86400),
+        inventory_max_age_seconds=_int(
+            env, "MODELFORGE_INVENTORY_MAX_AGE_SECONDS", INVENTORY_REFRESH_SECONDS + 1, 7 * 86400
+        ),
         telemetry_max_age_seconds=_int(env, "MODELFORGE_TELEMETRY_MAX_AGE_SECONDS", 10, 86400),
         max_body_bytes=_int(env, "MODELFORGE_MAX_BODY_BYTES", 1024, 64 * 1024 * 1024),
         threads=_int(env, "MODELFORGE_THREADS", 1, 256),

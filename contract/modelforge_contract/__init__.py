@@ -93,6 +93,10 @@ ALERT_NODE_STALE = "node_stale"
 ALERT_HOSTNAME_CONFLICT = "hostname_conflict"
 HEALTH_STATUSES = ("ok", "degraded", "failing")
 
+# Agents republish an unchanged inventory this often; the control plane's
+# MODELFORGE_INVENTORY_MAX_AGE_SECONDS must stay above it.
+INVENTORY_REFRESH_SECONDS = 1800
+
 ENROLLMENT_EXPIRY_MIN_SECONDS = 300
 ENROLLMENT_EXPIRY_MAX_SECONDS = 86400
 ENROLLMENT_EXPIRY_CHOICES = (300, 900, 3600, 86400)
