@@ -49,16 +49,19 @@ class Host:
             )  # fmt: skip
             try:
                 wait_healthy(self.url, process)
-                yield
+                yield process
             finally:
-                process.send_signal(signal.SIGTERM)
-                assert process.wait(timeout=10) == 0
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+                    assert process.wait(timeout=10) == 0
+
+    def mint(self, name: str = "gpu") -> str:
+        return requests.post(f"{self.url}/api/v1/admin/node-enrollments", headers=self.admin,
+                             json={"display_name": name, "expires_in_seconds": 900},
+                             timeout=10).json()["token"]  # fmt: skip
 
     def enroll(self, hostname: str) -> dict:
-        minted = requests.post(f"{self.url}/api/v1/admin/node-enrollments", headers=self.admin,
-                               json={"display_name": hostname, "expires_in_seconds": 900},
-                               timeout=10).json()  # fmt: skip
-        body = {"token": minted["token"], "hostname": hostname, "agent_version": "0.1.0",
+        body = {"token": self.mint(hostname), "hostname": hostname, "agent_version": "0.1.0",
                 "accelerator_mode": "cpu", "identity": new_identity()}  # fmt: skip
         response = requests.post(f"{self.url}/api/v1/agent/enroll", json=body, headers=AGENT,
                                  timeout=10)  # fmt: skip
