@@ -1,0 +1,38 @@
+"""Run the installed ``modelforge-release`` and the real ``sha256sum`` side by side."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+RELEASE = Path(sys.executable).with_name("modelforge-release")
+
+
+def release(*args: str | os.PathLike, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(RELEASE), *map(str, args)], cwd=cwd, capture_output=True, timeout=120
+    )
+
+
+def sha256sum(*args: str | os.PathLike, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["sha256sum", *map(str, args)], cwd=cwd, capture_output=True, timeout=120)
+
+
+def make_files(directory: Path, contents: dict[str, bytes]) -> list[Path]:
+    paths = []
+    for name, data in contents.items():
+        path = directory / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        paths.append(path)
+    return paths
+
+
+RELEASE_FILES = {
+    "modelforge-0.1.0-images.tar": os.urandom(300_000),
+    "modelforge-0.1.0-manifest.json": b'{"images": []}\n',
+    "modelforge.pyz": os.urandom(70_000),
+    "modelforge-node-agent.pyz": b"",  # an empty file has a well-known sum
+}
