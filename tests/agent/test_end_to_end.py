@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 from modelforge_contract import (
     EXIT_CREDENTIAL_REFUSED,
@@ -80,6 +82,10 @@ def test_enroll_publish_restart_and_new_identity(
         assert node["accelerators"][0]["memory_total_bytes"] == 85520809984
         assert len(node["telemetry"]["samples"]) == 8
         assert node["health"]["gpu_probe"] == "ok"
+        # Process arguments are world-readable: the token and credential are never in them.
+        cmdline = Path(f"/proc/{agent.process.pid}/cmdline").read_text()
+        state = json.loads((tmp_path / "state" / "identity.json").read_text())
+        assert token not in cmdline and state["credential"] not in cmdline
         beat = node["last_heartbeat_at"]
         wait_until(lambda: only_node(cp)["last_heartbeat_at"] != beat, what="a second heartbeat")
         status, took = agent.terminate()

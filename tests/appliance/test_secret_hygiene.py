@@ -97,8 +97,12 @@ def run_scenario(url: str, admin_token: str) -> tuple[list[str], list[str]]:
     assert all(400 <= r.status_code < 500 for r in refusals)
     answers = [response.text for response in refusals]
     for path in ("node-enrollments", "hardware/nodes", f"hardware/nodes/{node_id}",
-                 "audit-events?limit=500"):  # fmt: skip
+                 f"hardware/nodes/{node_id}/credentials", f"hardware/nodes/{node_id}/readiness",
+                 "alerts", "audit-events?limit=500"):  # fmt: skip
         answers.append(requests.get(f"{url}/api/v1/admin/{path}", headers=admin, timeout=10).text)
+    metrics = requests.get(f"{url}/metrics", headers=admin, timeout=10)
+    assert "modelforge_heartbeats_received_total" in metrics.text
+    answers.append(metrics.text)
     return secrets, answers
 
 
@@ -118,6 +122,8 @@ def serve_scenario(tmp_path: Path, database_url: str | None) -> tuple[list[str],
         try:
             wait_healthy(f"http://127.0.0.1:{port}", process)
             secrets, answers = run_scenario(f"http://127.0.0.1:{port}", admin_token)
+            # Process arguments are world-readable: nothing secret may be in them.
+            answers.append(Path(f"/proc/{process.pid}/cmdline").read_bytes().decode())
         finally:
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=10) == 0

@@ -1,0 +1,135 @@
+"""Hypothesis over every endpoint: paths, methods, headers, bodies, lengths and encodings.
+
+No answer is a 5xx, none hangs, every error has the one JSON shape, and a refused
+request leaves the store exactly as it was.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import string
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ..support import make_settings, new_identity, serve
+from .test_bad_input import snapshot
+
+CODE = re.compile(r"^[A-Z][A-Z0-9_]+$")
+ROUTES = [
+    "/healthz",
+    "/metrics",
+    "/api/v1/admin/node-enrollments",
+    "/api/v1/admin/node-enrollments/{enrollment}",
+    "/api/v1/admin/hardware/nodes",
+    "/api/v1/admin/hardware/nodes/{node}",
+    "/api/v1/admin/hardware/nodes/{node}/readiness",
+    "/api/v1/admin/hardware/nodes/{node}/credentials",
+    "/api/v1/admin/hardware/nodes/{node}/credential",
+    "/api/v1/admin/hardware/nodes/{node}/decommission/preview",
+    "/api/v1/admin/hardware/nodes/{node}/decommission/execute",
+    "/api/v1/admin/hardware/nodes/{node}/cordon",
+    "/api/v1/admin/hardware/nodes/{node}/uncordon",
+    "/api/v1/admin/alerts",
+    "/api/v1/admin/audit-events",
+    "/api/v1/agent/enroll",
+    "/api/v1/agent/heartbeat",
+    "/api/v1/agent/inventory",
+    "/api/v1/agent/telemetry",
+]
+HEADER_TEXT = st.text(alphabet=string.printable.strip() + " ", max_size=120)
+JSON_LEAVES = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A served control plane with one enrolled node and one pending token."""
+    with serve(make_settings(tmp_path_factory.mktemp("fuzz") / "state")) as cp:
+        minted = cp.mint()
+        node = cp.enroll(cp.mint()["token"], identity=new_identity()).json()
+        yield cp, node, minted
+
+
+def bodies(node: dict, minted: dict):
+    """Well-shaped bodies with one field replaced, random JSON, and random bytes."""
+    shaped = [
+        {"display_name": "n", "expires_in_seconds": 900},
+        {"token": minted["token"], "hostname": "h", "agent_version": "1",
+         "accelerator_mode": "cpu"},
+        {"node_id": node["node_id"], "agent_version": "1",
+         "health": {"status": "ok", "gpu_probe": "ok"}},
+        {"node_id": node["node_id"], "agent_version": "1", "accelerators": []},
+        {"node_id": node["node_id"], "samples": [{"uuid": "GPU-1", "index": 0}]},
+        {"confirmation": "mfd_0000000000000000_" + "x" * 43},
+    ]  # fmt: skip
+    mutated = st.tuples(st.sampled_from(shaped), st.text(max_size=20), JSON_VALUES).map(
+        lambda t: json.dumps({**t[0], t[1]: t[2]}).encode()
+    )
+    return st.one_of(
+        mutated,
+        JSON_VALUES.map(lambda v: json.dumps(v).encode()),
+        st.binary(max_size=2048),
+        st.text(max_size=512).map(lambda t: t.encode("utf-8", "surrogatepass")),
+        st.just(b""),
+    )
+
+
+@st.composite
+def requests_(draw, node: dict, minted: dict):
+    route = draw(st.sampled_from(ROUTES))
+    filler = st.sampled_from([node["node_id"], minted["enrollment_id"]]) | st.text(
+        alphabet=string.ascii_letters + string.digits + "-_.~%", min_size=1, max_size=40
+    )
+    path = route.format(node=draw(filler), enrollment=draw(filler))
+    if draw(st.booleans()):
+        path += "?" + draw(st.text(alphabet=string.ascii_letters + "=&%0123456789-", max_size=40))
+    headers = {}
+    for name, values in [
+        ("X-ModelForge-Admin-Token", st.sampled_from(["ADMIN"]) | HEADER_TEXT),
+        ("Authorization", st.sampled_from(["Bearer CRED", "Bearer ", "Basic x"]) | HEADER_TEXT),
+        ("X-ModelForge-Agent-Protocol", st.sampled_from(["1", "0", "2", "x", ""]) | HEADER_TEXT),
+        ("Content-Type", st.sampled_from(["application/json", "text/plain", ""]) | HEADER_TEXT),
+    ]:
+        if draw(st.booleans()):
+            headers[name] = draw(values)
+    method = draw(st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD"]))
+    return method, path, headers, draw(bodies(node, minted))
+
+
+def _real(headers: dict, cp, node: dict) -> dict:
+    swap = {"ADMIN": cp.admin_token, "CRED": node["credential"]}
+    return {k: " ".join(swap.get(part, part) for part in v.split(" ")) for k, v in headers.items()}
+
+
+@settings(max_examples=400, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@given(data=st.data())
+def test_no_request_gets_a_5xx_hangs_or_changes_the_store_when_refused(world, data):
+    cp, node, minted = world
+    method, path, headers, body = data.draw(requests_(node, minted))
+    before = snapshot(cp.store)
+    # http.client sends what it is given: no client-side tidying of headers or bodies.
+    conn = http.client.HTTPConnection("127.0.0.1", int(cp.url.rsplit(":", 1)[1]), timeout=10)
+    try:
+        conn.request(method, path, body=body, headers=_real(headers, cp, node))
+        response = conn.getresponse()
+        text = response.read()
+    finally:
+        conn.close()
+    assert response.status < 500, (method, path, text)
+    if response.status >= 400:
+        if method != "HEAD":
+            error = json.loads(text)["error"]
+            assert set(error) == {"code", "message", "next_step"}
+            assert CODE.match(error["code"])
+        assert snapshot(cp.store) == before, (method, path, response.status)
