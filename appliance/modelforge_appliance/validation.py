@@ -7,6 +7,7 @@ Every refusal names the field (``identity.identity_secret``) and carries a
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from modelforge_contract import (
 
 from .errors import ApiError, Invalid, TooLarge
 
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f]")  # any control character but tab
 _TYPE_NAMES = {
     str: "a string",
     int: "an integer",
@@ -74,7 +76,7 @@ def check_value(value: Any, spec: Field, path: str) -> Any:
             return None
         raise _fail(FIELD_TYPE, path, "must not be null")
     _check_type(value, spec, path)
-    if isinstance(value, str) and any(ord(ch) < 32 and ch not in "\t" for ch in value):
+    if isinstance(value, str) and _CONTROL.search(value):
         raise _fail(FIELD_TYPE, path, "must not contain control characters")
     if spec.choices is not None and value not in spec.choices:
         raise _fail(FIELD_CHOICE, path, f"must be one of {', '.join(map(str, spec.choices))}")
