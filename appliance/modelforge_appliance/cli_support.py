@@ -10,8 +10,8 @@ from typing import Any
 import click
 
 from modelforge_contract import EXIT_USAGE
+from modelforge_contract.logs import configure_logging
 
-from .logs import configure_logging
 from .settings import Settings, load_settings
 from .store import Store
 
@@ -26,7 +26,9 @@ class Context:
     def settings(self) -> Settings:
         if self._settings is None:
             self._settings = load_settings(env_file=self.env_file)
-            configure_logging(self._settings.log_level)
+            configure_logging(
+                self._settings.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s"
+            )
         return self._settings
 
     def store(self) -> Store:
