@@ -122,8 +122,15 @@ def run_load(label, port, server_pid, path, method, bodies, headers_list, client
     for worker in workers:
         worker.join()
     latencies = [ms for _, _, chunk in gathered for ms in chunk]
-    return Result(label, sum(g[0] for g in gathered), sum(g[1] for g in gathered), seconds,
-                  latencies, cpu_after - cpu_before, rss)  # fmt: skip
+    return Result(
+        label,
+        sum(g[0] for g in gathered),
+        sum(g[1] for g in gathered),
+        seconds,
+        latencies,
+        cpu_after - cpu_before,
+        rss,
+    )
 
 
 def modelforge_env(state_dir: str, **extra: str) -> dict:
@@ -137,8 +144,11 @@ def modelforge_env(state_dir: str, **extra: str) -> dict:
 def modelforge(env: dict, *args: str) -> str:
     return subprocess.run(
         [sys.executable, "-m", "modelforge_appliance.cli", *args],
-        env=env, check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
 
 
 def temp_state() -> str:

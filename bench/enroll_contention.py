@@ -24,14 +24,24 @@ from _load import free_port, json_body, modelforge, modelforge_env, temp_state, 
 
 
 def claim(port: int, token: str, index: int, barrier, results) -> None:
-    body = json_body({"token": token, "hostname": f"racer-{index}", "agent_version": "bench",
-                      "accelerator_mode": "cpu"})  # fmt: skip
+    body = json_body(
+        {
+            "token": token,
+            "hostname": f"racer-{index}",
+            "agent_version": "bench",
+            "accelerator_mode": "cpu",
+        }
+    )
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     conn.connect()
     barrier.wait(timeout=120)
     began = time.perf_counter()
-    conn.request("POST", "/api/v1/agent/enroll", body=body,
-                 headers={"Content-Type": "application/json", "X-ModelForge-Agent-Protocol": "1"})  # fmt: skip
+    conn.request(
+        "POST",
+        "/api/v1/agent/enroll",
+        body=body,
+        headers={"Content-Type": "application/json", "X-ModelForge-Agent-Protocol": "1"},
+    )
     response = conn.getresponse()
     answer = json.loads(response.read())
     code = answer.get("error", {}).get("code")
@@ -43,21 +53,34 @@ def run(label: str, claims: int, database_url: str | None) -> None:
     env = modelforge_env(temp_state(), **extra)
     admin = json.loads(modelforge(env, "init", "--json"))["admin_token"]
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "modelforge_appliance.cli", "serve",
-                               "--listen", f"127.0.0.1:{port}"], env=env,
-                              stderr=subprocess.DEVNULL)  # fmt: skip
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "modelforge_appliance.cli",
+            "serve",
+            "--listen",
+            f"127.0.0.1:{port}",
+        ],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_until_serving(port, server)
         conn = http.client.HTTPConnection("127.0.0.1", port)
-        conn.request("POST", "/api/v1/admin/node-enrollments",
-                     body=json_body({"display_name": "race", "expires_in_seconds": 900}),
-                     headers={"X-ModelForge-Admin-Token": admin,
-                              "Content-Type": "application/json"})  # fmt: skip
+        conn.request(
+            "POST",
+            "/api/v1/admin/node-enrollments",
+            body=json_body({"display_name": "race", "expires_in_seconds": 900}),
+            headers={"X-ModelForge-Admin-Token": admin, "Content-Type": "application/json"},
+        )
         token = json.loads(conn.getresponse().read())["token"]
         context = multiprocessing.get_context("fork")
         barrier, results = context.Barrier(claims + 1), context.Queue()
-        workers = [context.Process(target=claim, args=(port, token, i, barrier, results))
-                   for i in range(claims)]  # fmt: skip
+        workers = [
+            context.Process(target=claim, args=(port, token, i, barrier, results))
+            for i in range(claims)
+        ]
         for worker in workers:
             worker.start()
         barrier.wait(timeout=120)
@@ -77,9 +100,11 @@ def run(label: str, claims: int, database_url: str | None) -> None:
     refusals = sorted(ms for status, _, ms in outcomes if status != 201)
     codes = sorted({code for _, code, _ in outcomes if code})
     p = lambda q: refusals[min(len(refusals) - 1, int(len(refusals) * q))]  # noqa: E731
-    print(f"{label:10} {claims} claims in {total:.2f}s: {len(winners)} winner, "
-          f"{len(refusals)} refused {codes}, {len(nodes)} node(s); refusal latency "
-          f"p50 {p(0.5):.1f} ms, p99 {p(0.99):.1f} ms, max {refusals[-1]:.1f} ms")  # fmt: skip
+    print(
+        f"{label:10} {claims} claims in {total:.2f}s: {len(winners)} winner, "
+        f"{len(refusals)} refused {codes}, {len(nodes)} node(s); refusal latency "
+        f"p50 {p(0.5):.1f} ms, p99 {p(0.99):.1f} ms, max {refusals[-1]:.1f} ms"
+    )
     if len(winners) != 1 or len(nodes) != 1:
         raise SystemExit(f"{label}: expected exactly one winner and one node")
 

@@ -56,7 +56,7 @@ def enroll_nodes(url: str, admin: str, count: int) -> list[tuple[str, str]]:
                     "agent_version": "bench",
                     "accelerator_mode": "cpu",
                 }
-            ),  # fmt: skip
+            ),
             headers={"X-ModelForge-Agent-Protocol": "1", "Content-Type": "application/json"},
         )
         answer = json.load(urllib.request.urlopen(request))
@@ -67,10 +67,22 @@ def enroll_nodes(url: str, admin: str, count: int) -> list[tuple[str, str]]:
 def heartbeat_requests(nodes):
     bodies, headers = [], []
     for node_id, credential in nodes:
-        bodies.append(json_body({"node_id": node_id, "agent_version": "bench",
-                                 "health": {"status": "ok", "gpu_probe": "not_applicable"}}))  # fmt: skip
-        headers.append({"Authorization": f"Bearer {credential}", "Content-Type": "application/json",
-                        "X-ModelForge-Agent-Protocol": "1"})  # fmt: skip
+        bodies.append(
+            json_body(
+                {
+                    "node_id": node_id,
+                    "agent_version": "bench",
+                    "health": {"status": "ok", "gpu_probe": "not_applicable"},
+                }
+            )
+        )
+        headers.append(
+            {
+                "Authorization": f"Bearer {credential}",
+                "Content-Type": "application/json",
+                "X-ModelForge-Agent-Protocol": "1",
+            }
+        )
     return bodies, headers
 
 
@@ -86,8 +98,17 @@ def main() -> None:
     env = modelforge_env(state, MODELFORGE_THREADS=str(args.threads))
     admin = json.loads(modelforge(env, "init", "--json"))["admin_token"]
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "modelforge_appliance.cli", "serve",
-                               "--listen", f"127.0.0.1:{port}"], env=env)  # fmt: skip
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "modelforge_appliance.cli",
+            "serve",
+            "--listen",
+            f"127.0.0.1:{port}",
+        ],
+        env=env,
+    )
     floor_port = free_port()
     floor = subprocess.Popen([sys.executable, "-c", FLOOR_APP, str(floor_port), str(args.threads)])
     try:
@@ -98,19 +119,39 @@ def main() -> None:
         print(f"enrolled {len(nodes)} nodes in {time.monotonic() - began:.1f}s", flush=True)
         bodies, headers = heartbeat_requests(nodes)
         path = "/api/v1/agent/heartbeat"
-        floor_result = run_load("bare bottle+waitress", floor_port, floor.pid, path, "POST",
-                                bodies, headers, args.clients, args.seconds)  # fmt: skip
-        result = run_load("modelforge heartbeat", port, server.pid, path, "POST", bodies,
-                          headers, args.clients, args.seconds)  # fmt: skip
+        floor_result = run_load(
+            "bare bottle+waitress",
+            floor_port,
+            floor.pid,
+            path,
+            "POST",
+            bodies,
+            headers,
+            args.clients,
+            args.seconds,
+        )
+        result = run_load(
+            "modelforge heartbeat",
+            port,
+            server.pid,
+            path,
+            "POST",
+            bodies,
+            headers,
+            args.clients,
+            args.seconds,
+        )
     finally:
         for process in (server, floor):
             process.terminate()
             process.wait(timeout=10)
     print(floor_result.line())
     print(result.line())
-    print(f"ratio to the floor: {result.rate / floor_result.rate:.2f}  "
-          f"({args.nodes} nodes, {args.clients} clients, {args.threads} threads, "
-          f"{args.seconds:.0f}s each)")  # fmt: skip
+    print(
+        f"ratio to the floor: {result.rate / floor_result.rate:.2f}  "
+        f"({args.nodes} nodes, {args.clients} clients, {args.threads} threads, "
+        f"{args.seconds:.0f}s each)"
+    )
     if result.errors:
         raise SystemExit(f"{result.errors} heartbeats failed")
 

@@ -104,10 +104,14 @@ def report(size_mib: int, sha: Run, ours: Run) -> float:
     size = size_mib << 20
     sha_rate, our_rate = size / sha.seconds / 1e6, size / ours.seconds / 1e6
     ratio = our_rate / sha_rate
-    print(f"{size_mib:5d} MiB  sha256sum          {sha_rate:7.0f} MB/s  {sha.seconds:6.3f} s  "
-          f"peak RSS {sha.peak_rss_bytes / 2**20:6.1f} MiB")  # fmt: skip
-    print(f"{size_mib:5d} MiB  verify-sums        {our_rate:7.0f} MB/s  {ours.seconds:6.3f} s  "
-          f"peak RSS {ours.peak_rss_bytes / 2**20:6.1f} MiB")  # fmt: skip
+    print(
+        f"{size_mib:5d} MiB  sha256sum          {sha_rate:7.0f} MB/s  {sha.seconds:6.3f} s  "
+        f"peak RSS {sha.peak_rss_bytes / 2**20:6.1f} MiB"
+    )
+    print(
+        f"{size_mib:5d} MiB  verify-sums        {our_rate:7.0f} MB/s  {ours.seconds:6.3f} s  "
+        f"peak RSS {ours.peak_rss_bytes / 2**20:6.1f} MiB"
+    )
     print(f"{size_mib:5d} MiB  ratio verify-sums / sha256sum: {ratio:.2f} (target >= 0.9)")
     return ratio
 
@@ -129,16 +133,20 @@ def main() -> None:
         }
     finally:
         shutil.rmtree(directory)
-    print(f"best of {args.runs}, page cache warm; MB = 10^6 bytes; "
-          f"{os.cpu_count()} CPUs, {shutil.which('sha256sum')}")  # fmt: skip
+    print(
+        f"best of {args.runs}, page cache warm; MB = 10^6 bytes; "
+        f"{os.cpu_count()} CPUs, {shutil.which('sha256sum')}"
+    )
     ratio = report(args.size_mib, *results[args.size_mib])
     report(args.flat_mib, *results[args.flat_mib])
     big, small = results[args.size_mib][1], results[args.flat_mib][1]
-    print(f"verify-sums peak RSS: {big.peak_rss_bytes / 2**20:.1f} MiB at {args.size_mib} MiB, "
-          f"{small.peak_rss_bytes / 2**20:.1f} MiB at {args.flat_mib} MiB "
-          f"(difference {(big.peak_rss_bytes - small.peak_rss_bytes) / 2**20:+.1f} MiB); "
-          f"this launcher's own peak, below which no child reads: "
-          f"{own_peak_rss_bytes() / 2**20:.1f} MiB")  # fmt: skip
+    print(
+        f"verify-sums peak RSS: {big.peak_rss_bytes / 2**20:.1f} MiB at {args.size_mib} MiB, "
+        f"{small.peak_rss_bytes / 2**20:.1f} MiB at {args.flat_mib} MiB "
+        f"(difference {(big.peak_rss_bytes - small.peak_rss_bytes) / 2**20:+.1f} MiB); "
+        f"this launcher's own peak, below which no child reads: "
+        f"{own_peak_rss_bytes() / 2**20:.1f} MiB"
+    )
     if ratio < 0.9:
         print("below the 0.9 target", file=sys.stderr)
 

@@ -23,8 +23,12 @@ def compose_config(path: Path, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
     return subprocess.run(
         [binary, "-f", str(path), "config"],
-        env={**clean, **env}, capture_output=True, text=True, timeout=60, cwd=ROOT,
-    )  # fmt: skip
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
 
 
 def test_node_recovery_compose_file_is_valid_and_needs_a_control_plane_url():

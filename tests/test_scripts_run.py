@@ -27,9 +27,12 @@ def run_once(state_dir: Path, log_path: Path) -> str:
     env |= {"MODELFORGE_STATE_DIR": str(state_dir), "MODELFORGE_LISTEN": f"127.0.0.1:{port}"}
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [str(ROOT / "scripts" / "run")], env=env, stdout=log, stderr=subprocess.STDOUT,
+            [str(ROOT / "scripts" / "run")],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             deadline = time.monotonic() + 300  # a fresh clone installs its virtualenv first
             while True:

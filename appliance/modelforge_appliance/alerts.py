@@ -35,23 +35,40 @@ def active_alerts(store: Store, settings: Settings) -> list[dict[str, Any]]:
         by_hostname[node.hostname.lower()].append(node)
         liveness = liveness_of(node, now, settings)
         if liveness == OFFLINE:
-            alerts.append(_alert(ALERT_NODE_OFFLINE, "critical", node,
-                                 node.last_heartbeat_at + settings.offline_after_seconds,
-                                 "the node has not heartbeated for longer than "
-                                 f"{settings.offline_after_seconds}s",
-                                 "Follow docs/runbooks/node-loss.md."))  # fmt: skip
+            alerts.append(
+                _alert(
+                    ALERT_NODE_OFFLINE,
+                    "critical",
+                    node,
+                    node.last_heartbeat_at + settings.offline_after_seconds,
+                    "the node has not heartbeated for longer than "
+                    f"{settings.offline_after_seconds}s",
+                    "Follow docs/runbooks/node-loss.md.",
+                )
+            )
         elif liveness == STALE:
-            alerts.append(_alert(ALERT_NODE_STALE, "warning", node,
-                                 node.last_heartbeat_at + settings.stale_after_seconds,
-                                 "the node's heartbeats are late",
-                                 "Check the agent's log and its connection to the control plane."))  # fmt: skip
+            alerts.append(
+                _alert(
+                    ALERT_NODE_STALE,
+                    "warning",
+                    node,
+                    node.last_heartbeat_at + settings.stale_after_seconds,
+                    "the node's heartbeats are late",
+                    "Check the agent's log and its connection to the control plane.",
+                )
+            )
     for hostname, claimants in sorted(by_hostname.items()):
         if len(claimants) > 1:
             newest = max(claimants, key=lambda n: n.created_at)
-            alert = _alert(ALERT_HOSTNAME_CONFLICT, "warning", newest, newest.created_at,
-                           f"{len(claimants)} enabled nodes claim hostname {hostname}",
-                           "Decommission the superseded node (docs/runbooks/decommission.md); "
-                           "nodes are never merged.")  # fmt: skip
+            alert = _alert(
+                ALERT_HOSTNAME_CONFLICT,
+                "warning",
+                newest,
+                newest.created_at,
+                f"{len(claimants)} enabled nodes claim hostname {hostname}",
+                "Decommission the superseded node (docs/runbooks/decommission.md); "
+                "nodes are never merged.",
+            )
             alert["node_ids"] = [n.node_id for n in claimants]
             alerts.append(alert)
     return alerts

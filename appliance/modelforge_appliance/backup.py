@@ -89,8 +89,11 @@ def backup(settings: Settings, destination: Path) -> dict[str, Any]:
     if destination.is_dir():
         raise RestoreRefused(f"{destination} is a directory; name the backup file")
     _copy(source, destination)
-    return {"backup": str(destination), "bytes": destination.stat().st_size,
-            "schema_version": _schema_version_of(destination)}  # fmt: skip
+    return {
+        "backup": str(destination),
+        "bytes": destination.stat().st_size,
+        "schema_version": _schema_version_of(destination),
+    }
 
 
 def _schema_version_of(path: Path) -> int:
@@ -129,8 +132,10 @@ def restore(settings: Settings, source: Path, clock: Clock) -> dict[str, Any]:
         raise RestoreRefused(f"{source} does not exist")
     version = _schema_version_of(source)
     if version > SCHEMA_VERSION:
-        raise StoreVersionError(f"{source} has schema version {version}, newer than this "
-                                f"program's {SCHEMA_VERSION}; restore it with that release")  # fmt: skip
+        raise StoreVersionError(
+            f"{source} has schema version {version}, newer than this "
+            f"program's {SCHEMA_VERSION}; restore it with that release"
+        )
     with state_lock(settings, exclusive=True):
         revocations = _current_revocations(target)
         staged = target.with_name(f".{target.name}.restoring")
@@ -142,8 +147,14 @@ def restore(settings: Settings, source: Path, clock: Clock) -> dict[str, Any]:
                 carried = _carry_revocations(store, revocations)
                 # Placement and readiness wait for a fresh measurement, never a snapshot.
                 store.db.execute_sql("UPDATE node SET inventory_at = NULL, telemetry_at = NULL")
-                audit.record(store, audit.CLI_ACTOR, "store.restored", source=source.name,
-                             backup_schema_version=version, revocations_kept=carried)  # fmt: skip
+                audit.record(
+                    store,
+                    audit.CLI_ACTOR,
+                    "store.restored",
+                    source=source.name,
+                    backup_schema_version=version,
+                    revocations_kept=carried,
+                )
             store.db.execute_sql("PRAGMA wal_checkpoint(TRUNCATE)")
         finally:
             store.close()
@@ -152,8 +163,11 @@ def restore(settings: Settings, source: Path, clock: Clock) -> dict[str, Any]:
             Path(f"{target}{suffix}").unlink(missing_ok=True)
         os.replace(staged, target)
     log.info("store restored from %s (schema version %d)", source.name, version)
-    return {"restored_from": str(source), "backup_schema_version": version,
-            "revocations_kept": carried}  # fmt: skip
+    return {
+        "restored_from": str(source),
+        "backup_schema_version": version,
+        "revocations_kept": carried,
+    }
 
 
 def _carry_revocations(store: Store, revocations: list[tuple[str, float, str | None]]) -> int:

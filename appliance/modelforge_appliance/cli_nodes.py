@@ -80,8 +80,10 @@ def credentials_command(obj: Context, node_id: str, as_json: bool) -> None:
     lines = [f"active {answer['active']}, revoked {answer['revoked']}"]
     for row in answer["credentials"]:
         state = f"revoked {row['revoked_at']}" if row["revoked_at"] else "ACTIVE"
-        lines.append(f"  {row['credential_id']}  created {row['created_at']}  "
-                     f"last used {row['last_used_at'] or '-'}  {state}")  # fmt: skip
+        lines.append(
+            f"  {row['credential_id']}  created {row['created_at']}  "
+            f"last used {row['last_used_at'] or '-'}  {state}"
+        )
     emit(as_json, answer, "\n".join(lines))
 
 
@@ -92,8 +94,11 @@ def credentials_command(obj: Context, node_id: str, as_json: bool) -> None:
 def revoke(obj: Context, node_id: str, as_json: bool) -> None:
     """Revoke a node's credential permanently (re-enroll the agent afterwards)."""
     revoked = credentials.revoke_node_credential(obj.store(), _node(obj, node_id), audit.CLI_ACTOR)
-    emit(as_json, {"node_id": node_id, "revoked": revoked},
-         f"Revoked {len(revoked)} credential(s) of node {node_id}.")  # fmt: skip
+    emit(
+        as_json,
+        {"node_id": node_id, "revoked": revoked},
+        f"Revoked {len(revoked)} credential(s) of node {node_id}.",
+    )
 
 
 @nodes_group.command("cordon")
@@ -135,11 +140,13 @@ def decommission_command(obj: Context, node_id: str, yes: bool, as_json: bool) -
         plan = decommission.preview(store, node_id, audit.CLI_ACTOR)
         effects = plan["effects"]
         if not as_json:
-            click.echo(f"Decommissioning node {node_id} will:\n"
-                       f"  revoke credentials: {', '.join(effects['credentials_revoked']) or 'none'}\n"
-                       f"  return leases:      {len(effects['leases_returned'])}\n"
-                       f"  retire identity:    {effects['identity_retired'] or 'none'}\n"
-                       f"  free hostname:      {effects['hostname_freed']}")  # fmt: skip
+            click.echo(
+                f"Decommissioning node {node_id} will:\n"
+                f"  revoke credentials: {', '.join(effects['credentials_revoked']) or 'none'}\n"
+                f"  return leases:      {len(effects['leases_returned'])}\n"
+                f"  retire identity:    {effects['identity_retired'] or 'none'}\n"
+                f"  free hostname:      {effects['hostname_freed']}"
+            )
         if not yes and not confirmed("Execute?"):
             fail("nothing was changed", code=1)
         done = decommission.execute(store, node_id, plan["confirmation"], audit.CLI_ACTOR)
@@ -178,6 +185,10 @@ def restore_command(obj: Context, path: Path, yes: bool, as_json: bool) -> None:
     if not yes and not confirmed(f"Replace the store in {obj.settings.state_dir} with {path}?"):
         fail("nothing was changed", code=1)
     done = backup.restore(obj.settings, path, Clock())
-    emit(as_json, done, f"Restored the store from {done['restored_from']}; kept "
-                        f"{done['revocations_kept']} later revocation(s). Inventory is treated as "
-                        "stale until each agent publishes again.")  # fmt: skip
+    emit(
+        as_json,
+        done,
+        f"Restored the store from {done['restored_from']}; kept "
+        f"{done['revocations_kept']} later revocation(s). Inventory is treated as "
+        "stale until each agent publishes again.",
+    )

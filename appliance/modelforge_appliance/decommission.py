@@ -45,15 +45,21 @@ def planned_effects(node: Node) -> dict[str, Any]:
 
 
 def _fingerprint(node: Node, effects: dict[str, Any]) -> str:
-    state = {"effects": effects, "decommissioned_at": node.decommissioned_at,
-             "enrolled_at": node.enrolled_at}  # fmt: skip
+    state = {
+        "effects": effects,
+        "decommissioned_at": node.decommissioned_at,
+        "enrolled_at": node.enrolled_at,
+    }
     return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
 
 
 def _refuse_if_decommissioned(node: Node) -> None:
     if node.decommissioned_at is not None:
-        raise Conflict(f"node {node.node_id} is already decommissioned", code=NODE_DECOMMISSIONED,
-                       next_step="Nothing to do; enroll replacement hardware as a new node.")  # fmt: skip
+        raise Conflict(
+            f"node {node.node_id} is already decommissioned",
+            code=NODE_DECOMMISSIONED,
+            next_step="Nothing to do; enroll replacement hardware as a new node.",
+        )
 
 
 def _locked_node(store: Store, node_id: str) -> Node:
@@ -81,8 +87,14 @@ def preview(store: Store, node_id: str, actor: str) -> dict[str, Any]:
             created_at=now,
             expires_at=now + CONFIRMATION_LIFETIME_SECONDS,
         )
-        audit.record(store, actor, "node.decommission_previewed", node_id=node_id,
-                     confirmation_id=confirmation_id, effects=effects)  # fmt: skip
+        audit.record(
+            store,
+            actor,
+            "node.decommission_previewed",
+            node_id=node_id,
+            confirmation_id=confirmation_id,
+            effects=effects,
+        )
     return {
         "node_id": node_id,
         "effects": effects,
@@ -94,9 +106,11 @@ def preview(store: Store, node_id: str, actor: str) -> dict[str, Any]:
 def execute(store: Store, node_id: str, confirmation: str, actor: str) -> dict[str, Any]:
     """Do exactly what the preview said, in one transaction, or refuse and change nothing."""
     parsed = tokens.parse(confirmation, KIND_DECOMMISSION)
-    invalid = Invalid("the confirmation is not one issued by a preview of this node",
-                      code=CONFIRMATION_INVALID,
-                      next_step="Run the decommission preview again and use its confirmation.")  # fmt: skip
+    invalid = Invalid(
+        "the confirmation is not one issued by a preview of this node",
+        code=CONFIRMATION_INVALID,
+        next_step="Run the decommission preview again and use its confirmation.",
+    )
     if parsed is None:
         raise invalid
     confirmation_id, secret = parsed
@@ -108,15 +122,20 @@ def execute(store: Store, node_id: str, confirmation: str, actor: str) -> dict[s
         if row is None or row.node_id != node_id or not tokens.digest_matches(secret, row.digest):
             raise invalid
         if row.used_at is not None:
-            raise Conflict("this confirmation was already used", code=CONFIRMATION_USED,
-                           next_step="Run the decommission preview again.")  # fmt: skip
+            raise Conflict(
+                "this confirmation was already used",
+                code=CONFIRMATION_USED,
+                next_step="Run the decommission preview again.",
+            )
         node = _locked_node(store, node_id)
         _refuse_if_decommissioned(node)
         effects = planned_effects(node)
         if row.expires_at <= now or row.fingerprint != _fingerprint(node, effects):
-            raise Conflict("the node changed since the preview, or the confirmation expired",
-                           code=CONFIRMATION_STALE,
-                           next_step="Run the decommission preview again and review it.")  # fmt: skip
+            raise Conflict(
+                "the node changed since the preview, or the confirmation expired",
+                code=CONFIRMATION_STALE,
+                next_step="Run the decommission preview again and review it.",
+            )
         # Single use even under concurrency: the row count decides.
         used = (
             DecommissionConfirmation.update(used_at=now)
@@ -127,10 +146,19 @@ def execute(store: Store, node_id: str, confirmation: str, actor: str) -> dict[s
             .execute()
         )
         if used != 1:
-            raise Conflict("this confirmation was already used", code=CONFIRMATION_USED,
-                           next_step="Run the decommission preview again.")  # fmt: skip
+            raise Conflict(
+                "this confirmation was already used",
+                code=CONFIRMATION_USED,
+                next_step="Run the decommission preview again.",
+            )
         credentials.revoke_active_credentials(store, node, actor, "decommissioned")
         Node.update(decommissioned_at=now, cordoned=True).where(Node.node_id == node_id).execute()
-        audit.record(store, actor, "node.decommissioned", node_id=node_id,
-                     confirmation_id=confirmation_id, effects=effects)  # fmt: skip
+        audit.record(
+            store,
+            actor,
+            "node.decommissioned",
+            node_id=node_id,
+            confirmation_id=confirmation_id,
+            effects=effects,
+        )
     return {"node_id": node_id, "decommissioned_at": isoformat(now), "effects": effects}

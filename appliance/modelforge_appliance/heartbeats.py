@@ -56,8 +56,13 @@ class HeartbeatBuffer:
     def record(self, caller: Caller, *, agent_version: str, protocol: int, health: dict) -> float:
         """Accept a heartbeat at the control plane's time; return that time."""
         at = self.store.clock.now()
-        beat = Heartbeat(caller.credential_id, at, agent_version, protocol,
-                         json.dumps(health, sort_keys=True, separators=(",", ":")))  # fmt: skip
+        beat = Heartbeat(
+            caller.credential_id,
+            at,
+            agent_version,
+            protocol,
+            json.dumps(health, sort_keys=True, separators=(",", ":")),
+        )
         with self._lock:
             self._pending[caller.node_id] = beat
         return at
@@ -82,10 +87,14 @@ class HeartbeatBuffer:
         nodes, credentials = _NODES_SQL.replace("?", p), _CREDENTIALS_SQL.replace("?", p)
         with self.store.write():
             cursor = self.store.db.cursor()
-            cursor.executemany(nodes, [(b.at, b.agent_version, b.protocol, b.health, node_id, b.at)
-                                       for node_id, b in batch.items()])  # fmt: skip
-            cursor.executemany(credentials, [(b.at, b.credential_id, b.at)
-                                             for b in batch.values()])  # fmt: skip
+            cursor.executemany(
+                nodes,
+                [
+                    (b.at, b.agent_version, b.protocol, b.health, node_id, b.at)
+                    for node_id, b in batch.items()
+                ],
+            )
+            cursor.executemany(credentials, [(b.at, b.credential_id, b.at) for b in batch.values()])
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

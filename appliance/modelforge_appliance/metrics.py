@@ -54,18 +54,23 @@ class Metrics:
     def __init__(self, store: Store, settings: Settings) -> None:
         self.registry = CollectorRegistry()
         self.heartbeats = Counter(
-            "modelforge_heartbeats_received", "Heartbeats accepted from agents.",
+            "modelforge_heartbeats_received",
+            "Heartbeats accepted from agents.",
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.enrollments = Counter(
-            "modelforge_enrollment_outcomes", "Enrollment attempts by outcome code.",
-            ["code"], registry=self.registry,
-        )  # fmt: skip
+            "modelforge_enrollment_outcomes",
+            "Enrollment attempts by outcome code.",
+            ["code"],
+            registry=self.registry,
+        )
         self.latency = Histogram(
-            "modelforge_request_duration_seconds", "Time to answer a request, by route.",
-            ["method", "route", "status"], registry=self.registry,
+            "modelforge_request_duration_seconds",
+            "Time to answer a request, by route.",
+            ["method", "route", "status"],
+            registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
-        )  # fmt: skip
+        )
         self.registry.register(_NodesByLiveness(store, settings))
 
     def exposition(self) -> bytes:

@@ -97,14 +97,3 @@ class DecommissionConfirmation(BaseModel):
     created_at = pw.DoubleField()
     expires_at = pw.DoubleField()
     used_at = pw.DoubleField(null=True)
-
-
-ALL_MODELS = (
-    SchemaVersion,
-    AdminToken,
-    Node,
-    EnrollmentToken,
-    Credential,
-    AuditEvent,
-    DecommissionConfirmation,
-)

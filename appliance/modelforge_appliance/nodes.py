@@ -123,6 +123,7 @@ def set_cordoned(store: Store, node_id: str, cordoned: bool, actor: str) -> Node
         if node.cordoned != cordoned:
             node.cordoned = cordoned
             node.save()
-            audit.record(store, actor, "node.cordoned" if cordoned else "node.uncordoned",
-                         node_id=node_id)  # fmt: skip
+            audit.record(
+                store, actor, "node.cordoned" if cordoned else "node.uncordoned", node_id=node_id
+            )
     return node

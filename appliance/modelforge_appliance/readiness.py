@@ -9,7 +9,12 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from modelforge_contract import ACCEPTED_PROTOCOL_VERSIONS, ONLINE, compatibility_of
+from modelforge_contract import (
+    ACCEPTED_PROTOCOL_VERSIONS,
+    ONLINE,
+    READINESS_CHECKS,
+    compatibility_of,
+)
 
 from .models import Credential, Node
 from .nodes import get_node, liveness_of
@@ -28,54 +33,83 @@ class Check:
 def _connection(node: Node, active: Credential | None, now: float, settings: Settings) -> Check:
     liveness = liveness_of(node, now, settings)
     if active is None:
-        return Check("connection", False, "the node has no active credential",
-                     "Re-enroll the agent with a fresh enrollment token; it keeps its node id.")  # fmt: skip
+        return Check(
+            "connection",
+            False,
+            "the node has no active credential",
+            "Re-enroll the agent with a fresh enrollment token; it keeps its node id.",
+        )
     if (
         active.last_used_at is None
         or node.last_heartbeat_at is None
         or (active.last_used_at < node.last_heartbeat_at)
     ):
-        return Check("connection", False, "no heartbeat with the current credential yet",
-                     "Start the agent with its state volume and check its log for "
-                     "'HTTP 401' or 'ConnectError' lines.")  # fmt: skip
+        return Check(
+            "connection",
+            False,
+            "no heartbeat with the current credential yet",
+            "Start the agent with its state volume and check its log for "
+            "'HTTP 401' or 'ConnectError' lines.",
+        )
     if liveness != ONLINE:
-        return Check("connection", False, f"the node is {liveness}: its last heartbeat is too old",
-                     "Check that the agent runs and reaches the control plane "
-                     "(docs/runbooks/node-loss.md).")  # fmt: skip
+        return Check(
+            "connection",
+            False,
+            f"the node is {liveness}: its last heartbeat is too old",
+            "Check that the agent runs and reaches the control plane (docs/runbooks/node-loss.md).",
+        )
     return Check("connection", True, "heartbeating with the current credential")
 
 
 def _inventory(node: Node, now: float, settings: Settings) -> Check:
     if node.inventory_at is None or node.inventory_at < node.enrolled_at:
-        return Check("inventory_age", False,
-                     "no inventory measured since the node's enrollment or the last restore",
-                     "Wait for the agent to publish its inventory; restart it if none arrives.")  # fmt: skip
+        return Check(
+            "inventory_age",
+            False,
+            "no inventory measured since the node's enrollment or the last restore",
+            "Wait for the agent to publish its inventory; restart it if none arrives.",
+        )
     age = now - node.inventory_at
     if age > settings.inventory_max_age_seconds:
-        return Check("inventory_age", False, f"the inventory is {age:.0f}s old",
-                     "Restart the agent so it measures and publishes its inventory again.")  # fmt: skip
+        return Check(
+            "inventory_age",
+            False,
+            f"the inventory is {age:.0f}s old",
+            "Restart the agent so it measures and publishes its inventory again.",
+        )
     return Check("inventory_age", True, f"inventory measured {age:.0f}s ago")
 
 
 def _protocol(node: Node) -> Check:
     answer = compatibility_of(str(node.protocol_version))
     if node.protocol_version not in ACCEPTED_PROTOCOL_VERSIONS:
-        return Check("protocol", False, f"agent protocol {node.protocol_version} is {answer}",
-                     "Run a node agent release that speaks agent protocol 1.")  # fmt: skip
+        return Check(
+            "protocol",
+            False,
+            f"agent protocol {node.protocol_version} is {answer}",
+            "Run a node agent release that speaks agent protocol 1.",
+        )
     return Check("protocol", True, f"agent protocol {node.protocol_version} is {answer}")
 
 
 def _agent_health(node: Node) -> Check:
     health = json.loads(node.health) if node.health else None
     if health is None:
-        return Check("agent_health", False, "the agent has not reported its health",
-                     "Wait for the first heartbeat.")  # fmt: skip
+        return Check(
+            "agent_health",
+            False,
+            "the agent has not reported its health",
+            "Wait for the first heartbeat.",
+        )
     preflight = health.get("preflight")
     if health["status"] != "ok" or health["gpu_probe"] == "failed" or preflight == "failed":
         message = health.get("message") or "no message"
-        return Check("agent_health", False,
-                     f"agent reports {health['status']}, GPU probe {health['gpu_probe']}: {message}",
-                     "Run the agent's --preflight on the node and fix what it names.")  # fmt: skip
+        return Check(
+            "agent_health",
+            False,
+            f"agent reports {health['status']}, GPU probe {health['gpu_probe']}: {message}",
+            "Run the agent's --preflight on the node and fix what it names.",
+        )
     return Check("agent_health", True, f"agent reports ok, GPU probe {health['gpu_probe']}")
 
 
@@ -90,12 +124,20 @@ def _telemetry(node: Node, now: float, settings: Settings) -> Check:
     if not needs_telemetry(node):
         return Check("telemetry_age", True, "not applicable: the node has no NVIDIA GPU")
     if node.telemetry_at is None or node.telemetry_at < node.enrolled_at:
-        return Check("telemetry_age", False, "no telemetry since the node's enrollment",
-                     "Check the agent's log for NVML errors; run --preflight on the node.")  # fmt: skip
+        return Check(
+            "telemetry_age",
+            False,
+            "no telemetry since the node's enrollment",
+            "Check the agent's log for NVML errors; run --preflight on the node.",
+        )
     age = now - node.telemetry_at
     if age > settings.telemetry_max_age_seconds:
-        return Check("telemetry_age", False, f"the last telemetry is {age:.0f}s old",
-                     "Check the agent's log for telemetry errors; restart the agent.")  # fmt: skip
+        return Check(
+            "telemetry_age",
+            False,
+            f"the last telemetry is {age:.0f}s old",
+            "Check the agent's log for telemetry errors; restart the agent.",
+        )
     return Check("telemetry_age", True, f"telemetry {age:.0f}s old")
 
 
@@ -111,9 +153,7 @@ def readiness_of(store: Store, settings: Settings, node_id: str) -> dict[str, An
         )
     now = store.clock.now()
     if node.decommissioned_at is not None:
-        checks = [Check(name, False, "the node is decommissioned", None)
-                  for name in ("connection", "inventory_age", "protocol", "agent_health",
-                               "telemetry_age")]  # fmt: skip
+        checks = [Check(name, False, "the node is decommissioned") for name in READINESS_CHECKS]
     else:
         checks = [
             _connection(node, active, now, settings),

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelforge_contract import (
+    ACCELERATOR_MODES,
     BODY_NOT_JSON,
     FIELD_CHOICE,
     FIELD_RANGE,
     FIELD_REQUIRED,
     FIELD_TYPE,
     FIELD_UNKNOWN,
+    HEALTH_STATUSES,
     UNSUPPORTED_MEDIA_TYPE,
 )
 
@@ -160,7 +162,7 @@ ENROLL_FIELDS = {
     "token": Field(str, low=1, high=256),
     "hostname": Field(str, low=1, high=253),
     "agent_version": _VERSION,
-    "accelerator_mode": Field(str, choices=("nvidia", "cpu", "auto")),
+    "accelerator_mode": Field(str, choices=ACCELERATOR_MODES),
     "identity": Field(
         dict,
         required=False,
@@ -170,7 +172,7 @@ ENROLL_FIELDS = {
 }
 
 HEALTH_FIELDS = {
-    "status": Field(str, choices=("ok", "degraded", "failing")),
+    "status": Field(str, choices=HEALTH_STATUSES),
     "gpu_probe": Field(str, choices=("ok", "failed", "not_applicable")),
     "preflight": Field(str, required=False, high=64),
     "message": Field(str, required=False, nullable=True, high=500),

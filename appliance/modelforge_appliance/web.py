@@ -86,8 +86,9 @@ def _answering(metrics: Metrics) -> Callable:
             began = time.perf_counter()
             response = _api_errors(callback, args, kwargs)
             request = bottle.request
-            metrics.latency.labels(request.method, request.route.rule, str(response.status_code)
-                                   ).observe(time.perf_counter() - began)  # fmt: skip
+            metrics.latency.labels(
+                request.method, request.route.rule, str(response.status_code)
+            ).observe(time.perf_counter() - began)
             return response
 
         return wrapper
@@ -104,8 +105,12 @@ def _api_errors(callback: Callable, args: tuple, kwargs: dict) -> bottle.HTTPRes
         log.info("%s %s -> %d %s", request.method, request.path, error.status, error.code)
         return error_response(_with_compatibility(error))
     except (pw.OperationalError, pw.InterfaceError) as exc:
-        log.error("store error on %s %s: %s", bottle.request.method, bottle.request.path,
-                  type(exc).__name__)  # fmt: skip
+        log.error(
+            "store error on %s %s: %s",
+            bottle.request.method,
+            bottle.request.path,
+            type(exc).__name__,
+        )
         return error_response(StoreUnavailable("the store did not answer"))
 
 

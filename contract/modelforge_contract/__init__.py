@@ -99,7 +99,6 @@ INVENTORY_REFRESH_SECONDS = 1800
 
 ENROLLMENT_EXPIRY_MIN_SECONDS = 300
 ENROLLMENT_EXPIRY_MAX_SECONDS = 86400
-ENROLLMENT_EXPIRY_CHOICES = (300, 900, 3600, 86400)
 
 # -- error codes (DESIGN §2.11; documented in docs/api.md) -------------------
 
@@ -140,10 +139,6 @@ FIELD_CHOICE = "FIELD_CHOICE"
 FIELD_FORMAT = "FIELD_FORMAT"
 QUERY_INVALID = "QUERY_INVALID"
 
-# Agent-side refusals that are terminal for a credential (DESIGN §2.4).
-TERMINAL_CREDENTIAL_CODES = frozenset(
-    {CREDENTIAL_INVALID, CREDENTIAL_REVOKED, CREDENTIAL_NODE_MISMATCH, NODE_DECOMMISSIONED}
-)
 
 # -- exit codes (DESIGN §4) ---------------------------------------------------
 
@@ -165,7 +160,6 @@ KIND_CREDENTIAL = "mfc"
 KIND_ADMIN = "mfa"
 KIND_IDENTITY = "mfi"
 KIND_DECOMMISSION = "mfd"
-SECRET_KINDS = (KIND_ENROLLMENT, KIND_CREDENTIAL, KIND_ADMIN, KIND_IDENTITY, KIND_DECOMMISSION)
 
 _SECRET_RE = re.compile(r"\b(mf[ecaid])_([0-9a-f]{8,32})_([A-Za-z0-9_-]{20,})")
 

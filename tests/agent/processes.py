@@ -152,8 +152,9 @@ class RestartableControlPlane:
         self.store.migrate()
         self.server = create_server(self.settings, self.store, "127.0.0.1", self.port)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=run_until, args=(self.server, self._stop),
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=run_until, args=(self.server, self._stop), daemon=True
+        )
         self._thread.start()
 
     def stop(self) -> None:

@@ -50,13 +50,22 @@ def test_enrollment_lifecycle_is_audited_newest_first_without_secrets(control_pl
     assert refused["detail"]["code"] == "ENROLLMENT_TOKEN_CONSUMED"
     node_events = actions(cp, node_id=first["node_id"])
     assert {e["action"] for e in node_events} == {
-        "enrollment.claimed", "credential.issued", "credential.revoked", "enrollment.reenrolled"
-    }  # fmt: skip
+        "enrollment.claimed",
+        "credential.issued",
+        "credential.revoked",
+        "enrollment.reenrolled",
+    }
     assert all(e["node_id"] == first["node_id"] for e in node_events)
     assert all(e["actor"].startswith(("admin:", "cli", "enrollment:")) for e in events)
     text = str(events)
-    for value in (first_token["token"], first["credential"], second["credential"], secret,
-                  identity["identity_secret"], cp.admin_token):  # fmt: skip
+    for value in (
+        first_token["token"],
+        first["credential"],
+        second["credential"],
+        secret,
+        identity["identity_secret"],
+        cp.admin_token,
+    ):
         assert value not in text
 
 

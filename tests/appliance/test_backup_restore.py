@@ -28,14 +28,19 @@ class Host:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / "serve.log"
-        self.admin = {"X-ModelForge-Admin-Token": json.loads(self.cli("init", "--json").stdout)[
-            "admin_token"]}  # fmt: skip
+        self.admin = {
+            "X-ModelForge-Admin-Token": json.loads(self.cli("init", "--json").stdout)["admin_token"]
+        }
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         result = subprocess.run(
             [sys.executable, "-m", "modelforge_appliance.cli", *args],
-            env=self.env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
         if check:
             assert result.returncode == 0, result.stderr
         return result
@@ -44,9 +49,18 @@ class Host:
     def serving(self):
         with self.log.open("a") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "modelforge_appliance.cli", "serve", "--listen",
-                 f"127.0.0.1:{self.port}"], env=self.env, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "modelforge_appliance.cli",
+                    "serve",
+                    "--listen",
+                    f"127.0.0.1:{self.port}",
+                ],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
             try:
                 wait_healthy(self.url, process)
                 yield process
@@ -56,28 +70,42 @@ class Host:
                     assert process.wait(timeout=10) == 0
 
     def mint(self, name: str = "gpu") -> str:
-        return requests.post(f"{self.url}/api/v1/admin/node-enrollments", headers=self.admin,
-                             json={"display_name": name, "expires_in_seconds": 900},
-                             timeout=10).json()["token"]  # fmt: skip
+        return requests.post(
+            f"{self.url}/api/v1/admin/node-enrollments",
+            headers=self.admin,
+            json={"display_name": name, "expires_in_seconds": 900},
+            timeout=10,
+        ).json()["token"]
 
     def enroll(self, hostname: str) -> dict:
-        body = {"token": self.mint(hostname), "hostname": hostname, "agent_version": "0.1.0",
-                "accelerator_mode": "cpu", "identity": new_identity()}  # fmt: skip
-        response = requests.post(f"{self.url}/api/v1/agent/enroll", json=body, headers=AGENT,
-                                 timeout=10)  # fmt: skip
+        body = {
+            "token": self.mint(hostname),
+            "hostname": hostname,
+            "agent_version": "0.1.0",
+            "accelerator_mode": "cpu",
+            "identity": new_identity(),
+        }
+        response = requests.post(
+            f"{self.url}/api/v1/agent/enroll", json=body, headers=AGENT, timeout=10
+        )
         assert response.status_code == 201
         return response.json()
 
     def publish(self, node: dict, what: str = "heartbeat") -> int:
         headers = {**AGENT, "Authorization": f"Bearer {node['credential']}"}
         if what == "heartbeat":
-            body = {"node_id": node["node_id"], "agent_version": "0.1.0",
-                    "health": {"status": "ok", "gpu_probe": "not_applicable"}}  # fmt: skip
-            return requests.post(f"{self.url}/api/v1/agent/heartbeat", json=body,
-                                 headers=headers, timeout=10).status_code  # fmt: skip
+            body = {
+                "node_id": node["node_id"],
+                "agent_version": "0.1.0",
+                "health": {"status": "ok", "gpu_probe": "not_applicable"},
+            }
+            return requests.post(
+                f"{self.url}/api/v1/agent/heartbeat", json=body, headers=headers, timeout=10
+            ).status_code
         body = {"node_id": node["node_id"], "agent_version": "0.1.0", "accelerators": []}
-        return requests.put(f"{self.url}/api/v1/agent/inventory", json=body, headers=headers,
-                            timeout=10).status_code  # fmt: skip
+        return requests.put(
+            f"{self.url}/api/v1/agent/inventory", json=body, headers=headers, timeout=10
+        ).status_code
 
     def get(self, path: str) -> requests.Response:
         return requests.get(self.url + path, headers=self.admin, timeout=10)
@@ -95,8 +123,14 @@ def test_restore_brings_back_what_existed_and_keeps_later_revocations(tmp_path):
         assert json.loads(host.cli("backup", str(backup), "--json").stdout)["schema_version"] >= 1
         assert backup.stat().st_mode & 0o777 == 0o600
         newcomer = host.enroll("gpu-b")
-        assert requests.delete(f"{host.url}{NODES}/{later_revoked['node_id']}/credential",
-                               headers=host.admin, timeout=10).status_code == 200  # fmt: skip
+        assert (
+            requests.delete(
+                f"{host.url}{NODES}/{later_revoked['node_id']}/credential",
+                headers=host.admin,
+                timeout=10,
+            ).status_code
+            == 200
+        )
         refused = host.cli("restore", str(backup), "--yes", check=False)
         assert refused.returncode == 2
         assert "stop it" in refused.stderr
@@ -113,8 +147,9 @@ def test_restore_brings_back_what_existed_and_keeps_later_revocations(tmp_path):
         # A revocation made after the backup survives the restore (invariant 5).
         assert host.publish(later_revoked) == 401
         # Inventory is stale until the agent measures and publishes again.
-        checks = {c["name"]: c for c in host.get(f"{NODES}/{kept['node_id']}/readiness").json()[
-            "checks"]}  # fmt: skip
+        checks = {
+            c["name"]: c for c in host.get(f"{NODES}/{kept['node_id']}/readiness").json()["checks"]
+        }
         assert not checks["inventory_age"]["ok"]
         assert "restore" in checks["inventory_age"]["detail"]
         assert host.publish(kept, "inventory") == 200

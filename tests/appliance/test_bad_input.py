@@ -59,18 +59,43 @@ def endpoints(cp, node, token):
         "power_w": 30.5,
     }
     return [
-        ("POST", "/api/v1/admin/node-enrollments", admin,
-         {"display_name": "n", "expires_in_seconds": 900}),
-        ("POST", "/api/v1/agent/enroll", {"X-ModelForge-Agent-Protocol": "1"},
-         {"token": token, "hostname": "h", "agent_version": "1", "accelerator_mode": "cpu",
-          "identity": new_identity()}),
-        ("POST", "/api/v1/agent/heartbeat", agent,
-         {"node_id": node["node_id"], "agent_version": "1", "health": health}),
-        ("PUT", "/api/v1/agent/inventory", agent,
-         {"node_id": node["node_id"], "agent_version": "1", "accelerators": [accelerator]}),
-        ("POST", "/api/v1/agent/telemetry", agent,
-         {"node_id": node["node_id"], "samples": [sample]}),
-    ]  # fmt: skip
+        (
+            "POST",
+            "/api/v1/admin/node-enrollments",
+            admin,
+            {"display_name": "n", "expires_in_seconds": 900},
+        ),
+        (
+            "POST",
+            "/api/v1/agent/enroll",
+            {"X-ModelForge-Agent-Protocol": "1"},
+            {
+                "token": token,
+                "hostname": "h",
+                "agent_version": "1",
+                "accelerator_mode": "cpu",
+                "identity": new_identity(),
+            },
+        ),
+        (
+            "POST",
+            "/api/v1/agent/heartbeat",
+            agent,
+            {"node_id": node["node_id"], "agent_version": "1", "health": health},
+        ),
+        (
+            "PUT",
+            "/api/v1/agent/inventory",
+            agent,
+            {"node_id": node["node_id"], "agent_version": "1", "accelerators": [accelerator]},
+        ),
+        (
+            "POST",
+            "/api/v1/agent/telemetry",
+            agent,
+            {"node_id": node["node_id"], "samples": [sample]},
+        ),
+    ]
 
 
 # Values that are right for these fields: no identity, and a cpu node with no accelerators.

@@ -37,11 +37,17 @@ class Load:
                 if not self.tokens:
                     return
                 token = self.tokens.pop()
-            body = {"token": token, "hostname": f"gpu-{len(self.tokens)}", "agent_version": "1",
-                    "accelerator_mode": "cpu", "identity": new_identity()}  # fmt: skip
+            body = {
+                "token": token,
+                "hostname": f"gpu-{len(self.tokens)}",
+                "agent_version": "1",
+                "accelerator_mode": "cpu",
+                "identity": new_identity(),
+            }
             try:
-                response = requests.post(f"{self.host.url}/api/v1/agent/enroll", json=body,
-                                         headers=AGENT, timeout=5)  # fmt: skip
+                response = requests.post(
+                    f"{self.host.url}/api/v1/agent/enroll", json=body, headers=AGENT, timeout=5
+                )
             except requests.RequestException:
                 return  # the server died under us: this one was never acknowledged
             if response.status_code == 201:
@@ -58,12 +64,16 @@ class Load:
                 continue
             node = nodes[i % len(nodes)]
             i += 1
-            body = {"node_id": node["node_id"], "agent_version": "1",
-                    "health": {"status": "ok", "gpu_probe": "not_applicable"}}  # fmt: skip
+            body = {
+                "node_id": node["node_id"],
+                "agent_version": "1",
+                "health": {"status": "ok", "gpu_probe": "not_applicable"},
+            }
             headers = {**AGENT, "Authorization": f"Bearer {node['credential']}"}
             try:
-                response = requests.post(f"{self.host.url}/api/v1/agent/heartbeat", json=body,
-                                         headers=headers, timeout=5)  # fmt: skip
+                response = requests.post(
+                    f"{self.host.url}/api/v1/agent/heartbeat", json=body, headers=headers, timeout=5
+                )
             except requests.RequestException:
                 return
             if response.status_code == 200:
@@ -94,14 +104,19 @@ def test_sigkill_under_load_loses_nothing_acknowledged(tmp_path):
     assert db.execute("PRAGMA foreign_key_check").fetchall() == []
     # Nothing half-written: every consumed token names its node, every node has exactly one
     # active credential and its claim in the audit trail.
-    assert db.execute("SELECT COUNT(*) FROM enrollment_token WHERE consumed_at IS NOT NULL "
-                      "AND node_id IS NULL").fetchone() == (0,)  # fmt: skip
-    per_node = db.execute("SELECT n.node_id, COUNT(c.credential_id) FROM node n LEFT JOIN "
-                          "credential c ON c.node_id = n.node_id AND c.revoked_at IS NULL "
-                          "GROUP BY n.node_id").fetchall()  # fmt: skip
+    assert db.execute(
+        "SELECT COUNT(*) FROM enrollment_token WHERE consumed_at IS NOT NULL AND node_id IS NULL"
+    ).fetchone() == (0,)
+    per_node = db.execute(
+        "SELECT n.node_id, COUNT(c.credential_id) FROM node n LEFT JOIN "
+        "credential c ON c.node_id = n.node_id AND c.revoked_at IS NULL "
+        "GROUP BY n.node_id"
+    ).fetchall()
     assert per_node and all(count == 1 for _, count in per_node)
-    claims = {row[0] for row in db.execute(
-        "SELECT node_id FROM audit_event WHERE action = 'enrollment.claimed'")}  # fmt: skip
+    claims = {
+        row[0]
+        for row in db.execute("SELECT node_id FROM audit_event WHERE action = 'enrollment.claimed'")
+    }
     assert claims == {node_id for node_id, _ in per_node}
     # At most one flush interval of liveness is lost.
     stored = dict(db.execute("SELECT node_id, last_heartbeat_at FROM node"))

@@ -64,14 +64,21 @@ def bodies(node: dict, minted: dict):
     """Well-shaped bodies with one field replaced, random JSON, and random bytes."""
     shaped = [
         {"display_name": "n", "expires_in_seconds": 900},
-        {"token": minted["token"], "hostname": "h", "agent_version": "1",
-         "accelerator_mode": "cpu"},
-        {"node_id": node["node_id"], "agent_version": "1",
-         "health": {"status": "ok", "gpu_probe": "ok"}},
+        {
+            "token": minted["token"],
+            "hostname": "h",
+            "agent_version": "1",
+            "accelerator_mode": "cpu",
+        },
+        {
+            "node_id": node["node_id"],
+            "agent_version": "1",
+            "health": {"status": "ok", "gpu_probe": "ok"},
+        },
         {"node_id": node["node_id"], "agent_version": "1", "accelerators": []},
         {"node_id": node["node_id"], "samples": [{"uuid": "GPU-1", "index": 0}]},
         {"confirmation": "mfd_0000000000000000_" + "x" * 43},
-    ]  # fmt: skip
+    ]
     mutated = st.tuples(st.sampled_from(shaped), st.text(max_size=20), JSON_VALUES).map(
         lambda t: json.dumps({**t[0], t[1]: t[2]}).encode()
     )
@@ -111,8 +118,11 @@ def _real(headers: dict, cp, node: dict) -> dict:
     return {k: " ".join(swap.get(part, part) for part in v.split(" ")) for k, v in headers.items()}
 
 
-@settings(max_examples=400, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@settings(
+    max_examples=400,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_no_request_gets_a_5xx_hangs_or_changes_the_store_when_refused(world, data):
     cp, node, minted = world

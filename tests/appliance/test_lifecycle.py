@@ -46,18 +46,26 @@ class Agent:
         self.enroll()
 
     def enroll(self):
-        response = self.cp.enroll(self.cp.mint()["token"], hostname=self.hostname,
-                                  identity=self.identity, accelerator_mode=self.mode)  # fmt: skip
+        response = self.cp.enroll(
+            self.cp.mint()["token"],
+            hostname=self.hostname,
+            identity=self.identity,
+            accelerator_mode=self.mode,
+        )
         assert response.status_code == 201, response.text
         self.node_id = response.json()["node_id"]
         self.credential = response.json()["credential"]
         return response.json()
 
     def heartbeat(self, credential=None, status="ok", gpu_probe="ok"):
-        body = {"node_id": self.node_id, "agent_version": "0.1.0",
-                "health": {"status": status, "gpu_probe": gpu_probe}}  # fmt: skip
-        return self.cp.agent("POST", "/api/v1/agent/heartbeat", credential or self.credential,
-                             json=body)  # fmt: skip
+        body = {
+            "node_id": self.node_id,
+            "agent_version": "0.1.0",
+            "health": {"status": status, "gpu_probe": gpu_probe},
+        }
+        return self.cp.agent(
+            "POST", "/api/v1/agent/heartbeat", credential or self.credential, json=body
+        )
 
     def inventory(self):
         accelerators = [ACCELERATOR] if self.mode == "nvidia" else []
@@ -94,16 +102,23 @@ def test_a_connected_node_is_not_ready_until_every_check_passes(clocked_control_
     cp = clocked_control_plane
     agent = Agent(cp)
     assert failing(readiness(cp, agent.node_id)) == {
-        "connection", "inventory_age", "agent_health", "telemetry_age"
-    }  # fmt: skip
+        "connection",
+        "inventory_age",
+        "agent_health",
+        "telemetry_age",
+    }
     assert agent.heartbeat().status_code == 200
     assert failing(readiness(cp, agent.node_id)) == {"inventory_age", "telemetry_age"}
     agent.publish_all()
     answer = readiness(cp, agent.node_id)
     assert answer == {**answer, "ready": True, "node_id": agent.node_id}
     assert [c["name"] for c in answer["checks"]] == [
-        "connection", "inventory_age", "protocol", "agent_health", "telemetry_age"
-    ]  # fmt: skip
+        "connection",
+        "inventory_age",
+        "protocol",
+        "agent_health",
+        "telemetry_age",
+    ]
 
 
 def _stale_connection(cp, clock, agent):
@@ -209,7 +224,7 @@ def test_revoked_credential_gets_401_and_reenrollment_recovers_the_same_node(con
     history = cp.admin("GET", "/api/v1/admin/audit-events", params={"node_id": node_id}).json()
     assert {"enrollment.claimed", "enrollment.reenrolled"} <= {
         e["action"] for e in history["events"]
-    }  # fmt: skip
+    }
     # Inventory is re-collected before the node is ready again.
     assert "inventory_age" in failing(readiness(cp, node_id))
     agent.inventory(), agent.telemetry()
@@ -253,8 +268,9 @@ def preview(cp, node_id):
 
 
 def execute(cp, node_id, confirmation):
-    return cp.admin("POST", f"{NODES}/{node_id}/decommission/execute",
-                    json={"confirmation": confirmation})  # fmt: skip
+    return cp.admin(
+        "POST", f"{NODES}/{node_id}/decommission/execute", json={"confirmation": confirmation}
+    )
 
 
 def test_decommission_does_exactly_what_the_preview_said(control_plane):
@@ -284,11 +300,14 @@ def test_decommission_does_exactly_what_the_preview_said(control_plane):
     assert cp.admin("GET", "/api/v1/admin/alerts").json()["alerts"] == []  # hostname is free
     assert replacement.heartbeat().status_code == 200
 
-    chain = cp.admin("GET", "/api/v1/admin/audit-events",
-                     params={"node_id": old.node_id, "limit": 3}).json()["events"]  # fmt: skip
+    chain = cp.admin(
+        "GET", "/api/v1/admin/audit-events", params={"node_id": old.node_id, "limit": 3}
+    ).json()["events"]
     assert [e["action"] for e in reversed(chain)] == [
-        "node.decommission_previewed", "credential.revoked", "node.decommissioned"
-    ]  # fmt: skip
+        "node.decommission_previewed",
+        "credential.revoked",
+        "node.decommissioned",
+    ]
     assert plan["confirmation"] not in str(chain)
 
     reused = execute(cp, old.node_id, plan["confirmation"])
@@ -330,7 +349,8 @@ def test_cordon_and_uncordon_are_audited(sqlite_control_plane):
     assert cp.admin("POST", f"{NODES}/{agent.node_id}/cordon").json()["cordoned"] is True
     assert agent.heartbeat(gpu_probe="not_applicable").status_code == 200  # still monitored
     assert cp.admin("POST", f"{NODES}/{agent.node_id}/uncordon").json()["cordoned"] is False
-    events = cp.admin("GET", "/api/v1/admin/audit-events",
-                      params={"node_id": agent.node_id}).json()["events"]  # fmt: skip
+    events = cp.admin(
+        "GET", "/api/v1/admin/audit-events", params={"node_id": agent.node_id}
+    ).json()["events"]
     assert [e["action"] for e in events[:2]] == ["node.uncordoned", "node.cordoned"]
     assert cp.admin("POST", f"{NODES}/nope/cordon").status_code == 404

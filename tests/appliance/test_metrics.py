@@ -34,8 +34,9 @@ def test_metrics_count_what_happened_and_need_an_admin(clocked_control_plane, cl
     assert response.status_code == 200
     assert response.headers["Content-Type"].startswith("text/plain")
     got = samples(response.text)
-    nodes = {labels[0][1]: value for (name, labels), value in got.items()
-             if name == "modelforge_nodes"}  # fmt: skip
+    nodes = {
+        labels[0][1]: value for (name, labels), value in got.items() if name == "modelforge_nodes"
+    }
     assert nodes == {"pending": 2, "online": 1, "stale": 0, "offline": 1, "decommissioned": 0}
     assert got[("modelforge_heartbeats_received_total", ())] == 4
     outcome = lambda code: got[("modelforge_enrollment_outcomes_total", (("code", code),))]  # noqa: E731

@@ -33,8 +33,12 @@ def free_port() -> int:
 def cli(env: dict, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "modelforge_appliance.cli", *args],
-        env=env, capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
 
 
 def wait_healthy(url: str, process: subprocess.Popen) -> None:
@@ -58,15 +62,21 @@ def run_scenario(url: str, admin_token: str) -> tuple[list[str], list[str]]:
         response = requests.post(
             f"{url}/api/v1/admin/node-enrollments",
             json={"display_name": "GPU Node", "expires_in_seconds": 900},
-            headers=admin, timeout=10,
-        )  # fmt: skip
+            headers=admin,
+            timeout=10,
+        )
         assert response.status_code == 201
         secrets.append(response.json()["token"])
         return response.json()["token"]
 
     def enroll(token: str, identity: dict) -> requests.Response:
-        body = {"token": token, "hostname": "gpu-1", "agent_version": "0.1.0",
-                "accelerator_mode": "cpu", "identity": identity}  # fmt: skip
+        body = {
+            "token": token,
+            "hostname": "gpu-1",
+            "agent_version": "0.1.0",
+            "accelerator_mode": "cpu",
+            "identity": identity,
+        }
         return requests.post(f"{url}/api/v1/agent/enroll", json=body, headers=AGENT, timeout=10)
 
     identity = new_identity()
@@ -76,8 +86,11 @@ def run_scenario(url: str, admin_token: str) -> tuple[list[str], list[str]]:
     secrets.append(first["credential"])
     node_id = first["node_id"]
     auth = {**AGENT, "Authorization": f"Bearer {first['credential']}"}
-    beat = {"node_id": node_id, "agent_version": "0.1.0",
-            "health": {"status": "ok", "gpu_probe": "not_applicable"}}  # fmt: skip
+    beat = {
+        "node_id": node_id,
+        "agent_version": "0.1.0",
+        "health": {"status": "ok", "gpu_probe": "not_applicable"},
+    }
     assert requests.post(f"{url}/api/v1/agent/heartbeat", json=beat, headers=auth, timeout=10).ok
 
     second = enroll(mint(), identity).json()
@@ -89,16 +102,30 @@ def run_scenario(url: str, admin_token: str) -> tuple[list[str], list[str]]:
         requests.post(f"{url}/api/v1/agent/heartbeat", json=beat, headers=auth, timeout=10),
         enroll(first_token, identity),
         enroll(mint(), forged),
-        requests.post(f"{url}/api/v1/agent/heartbeat", data=f"{{{second['credential']}",
-                      headers={**auth, "Content-Type": "application/json"}, timeout=10),
-        requests.post(f"{url}/api/v1/agent/heartbeat", json={**beat, "x": first_token},
-                      headers=auth, timeout=10),
-    ]  # fmt: skip
+        requests.post(
+            f"{url}/api/v1/agent/heartbeat",
+            data=f"{{{second['credential']}",
+            headers={**auth, "Content-Type": "application/json"},
+            timeout=10,
+        ),
+        requests.post(
+            f"{url}/api/v1/agent/heartbeat",
+            json={**beat, "x": first_token},
+            headers=auth,
+            timeout=10,
+        ),
+    ]
     assert all(400 <= r.status_code < 500 for r in refusals)
     answers = [response.text for response in refusals]
-    for path in ("node-enrollments", "hardware/nodes", f"hardware/nodes/{node_id}",
-                 f"hardware/nodes/{node_id}/credentials", f"hardware/nodes/{node_id}/readiness",
-                 "alerts", "audit-events?limit=500"):  # fmt: skip
+    for path in (
+        "node-enrollments",
+        "hardware/nodes",
+        f"hardware/nodes/{node_id}",
+        f"hardware/nodes/{node_id}/credentials",
+        f"hardware/nodes/{node_id}/readiness",
+        "alerts",
+        "audit-events?limit=500",
+    ):
         answers.append(requests.get(f"{url}/api/v1/admin/{path}", headers=admin, timeout=10).text)
     metrics = requests.get(f"{url}/metrics", headers=admin, timeout=10)
     assert "modelforge_heartbeats_received_total" in metrics.text
@@ -116,9 +143,18 @@ def serve_scenario(tmp_path: Path, database_url: str | None) -> tuple[list[str],
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "modelforge_appliance.cli", "serve", "--listen",
-             f"127.0.0.1:{port}"], env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "modelforge_appliance.cli",
+                "serve",
+                "--listen",
+                f"127.0.0.1:{port}",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             wait_healthy(f"http://127.0.0.1:{port}", process)
             secrets, answers = run_scenario(f"http://127.0.0.1:{port}", admin_token)
@@ -161,5 +197,6 @@ def test_no_secret_in_a_postgresql_dump_or_logs(tmp_path):
             [str(pg_dump), "--dbname", url], capture_output=True, check=True, timeout=60
         ).stdout
     assert b"COPY public.credential" in dump
-    assert_nowhere(secrets, {"pg_dump": dump, "log": log.encode(),
-                             "answers": "\n".join(answers).encode()})  # fmt: skip
+    assert_nowhere(
+        secrets, {"pg_dump": dump, "log": log.encode(), "answers": "\n".join(answers).encode()}
+    )

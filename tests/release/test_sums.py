@@ -24,7 +24,10 @@ def test_output_is_byte_for_byte_what_sha256sum_writes(tmp_path):
     expected = sha256sum(*names, cwd=tmp_path)
     assert expected.returncode == 0
     assert (tmp_path / "SHA256SUMS").read_bytes() == expected.stdout
-    assert b"e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855  modelforge-node-agent.pyz\n" in expected.stdout  # fmt: skip
+    assert (
+        b"e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855  modelforge-node-agent.pyz\n"
+        in expected.stdout
+    )
 
 
 def test_names_needing_escapes_match_sha256sum(tmp_path):
@@ -41,9 +44,13 @@ def test_names_are_relative_to_the_output_directory(tmp_path):
     dist = tmp_path / "dist"
     make_files(dist, {"modelforge.pyz": b"pyz", "images/modelforge-0.1.0-images.tar": b"tar"})
     result = release(
-        "sums", "--output", dist / "SHA256SUMS", dist / "modelforge.pyz",
-        dist / "images" / "modelforge-0.1.0-images.tar", cwd=tmp_path,
-    )  # fmt: skip
+        "sums",
+        "--output",
+        dist / "SHA256SUMS",
+        dist / "modelforge.pyz",
+        dist / "images" / "modelforge-0.1.0-images.tar",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     expected = sha256sum("modelforge.pyz", "images/modelforge-0.1.0-images.tar", cwd=dist)
     assert (dist / "SHA256SUMS").read_bytes() == expected.stdout
@@ -52,9 +59,12 @@ def test_names_are_relative_to_the_output_directory(tmp_path):
 def test_a_file_outside_the_output_directory_is_refused(tmp_path):
     make_files(tmp_path, {"outside": b"x", "dist/inside": b"y"})
     result = release(
-        "sums", "--output", tmp_path / "dist" / "SHA256SUMS", tmp_path / "outside",
+        "sums",
+        "--output",
+        tmp_path / "dist" / "SHA256SUMS",
+        tmp_path / "outside",
         tmp_path / "dist" / "inside",
-    )  # fmt: skip
+    )
     assert result.returncode == 2
     assert b"is not inside" in result.stderr
     assert not (tmp_path / "dist" / "SHA256SUMS").exists()
@@ -79,11 +89,19 @@ def test_template_comments_and_version_placeholder(tmp_path):
     )
     make_files(tmp_path, {"a.pyz": b"a", "b-2.0.0rc1.tar": b"b"})
     result = release(
-        "sums", "--template", template, "--version", "2.0.0rc1", "a.pyz", "b-2.0.0rc1.tar",
+        "sums",
+        "--template",
+        template,
+        "--version",
+        "2.0.0rc1",
+        "a.pyz",
+        "b-2.0.0rc1.tar",
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "SHA256SUMS").read_bytes() == sha256sum("b-2.0.0rc1.tar", "a.pyz", cwd=tmp_path).stdout  # fmt: skip
+    assert (tmp_path / "SHA256SUMS").read_bytes() == sha256sum(
+        "b-2.0.0rc1.tar", "a.pyz", cwd=tmp_path
+    ).stdout
 
 
 def test_template_needs_version(tmp_path):
@@ -97,9 +115,15 @@ def test_template_needs_version(tmp_path):
 def test_files_must_be_exactly_the_templates(tmp_path):
     make_files(tmp_path, RELEASE_FILES | {"stray.txt": b"x"})
     extra = release(
-        "sums", "--template", TEMPLATE, "--version", "0.1.0", *TEMPLATE_ORDER, "stray.txt",
+        "sums",
+        "--template",
+        TEMPLATE,
+        "--version",
+        "0.1.0",
+        *TEMPLATE_ORDER,
+        "stray.txt",
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert extra.returncode == 2
     assert b"not in the template: stray.txt" in extra.stderr
     short = release(

@@ -67,7 +67,9 @@ def test_corrupted_file_fails_like_sha256sum(bundle):
     assert b"modelforge.pyz: FAILED\n" in result.stdout
     assert result.stdout == reference.stdout
     assert stderr_lines(result, b"modelforge-release") == stderr_lines(reference, b"sha256sum")
-    assert stderr_lines(result, b"modelforge-release") == [b"WARNING: 1 computed checksum did NOT match"]  # fmt: skip
+    assert stderr_lines(result, b"modelforge-release") == [
+        b"WARNING: 1 computed checksum did NOT match"
+    ]
 
 
 def test_uppercase_hex_is_accepted_and_still_compared(bundle):
@@ -185,9 +187,12 @@ def test_progress_only_for_large_files_on_a_terminal(tmp_path):
     controller, terminal = pty.openpty()
     try:
         process = subprocess.run(
-            [str(RELEASE), "verify-sums"], cwd=tmp_path, stdout=subprocess.PIPE,
-            stderr=terminal, timeout=120,
-        )  # fmt: skip
+            [str(RELEASE), "verify-sums"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=terminal,
+            timeout=120,
+        )
         os.close(terminal)
         terminal = -1
         shown = b""
