@@ -74,6 +74,7 @@ class ControlPlane:
     settings: Settings
     store: Store
     admin_token: str
+    heartbeats: object = None  # the server's HeartbeatBuffer
 
     def admin(self, method: str, path: str, **kwargs) -> requests.Response:
         headers = {HEADER_ADMIN_TOKEN: self.admin_token, **kwargs.pop("headers", {})}
@@ -139,7 +140,8 @@ def serve(settings: Settings, clock: Clock | None = None) -> Iterator[ControlPla
     thread = threading.Thread(target=run_until, args=(server, stop), daemon=True)
     thread.start()
     try:
-        yield ControlPlane(f"http://127.0.0.1:{server.effective_port}", settings, store, token)
+        url = f"http://127.0.0.1:{server.effective_port}"
+        yield ControlPlane(url, settings, store, token, server.heartbeats)
     finally:
         stop.set()
         thread.join(timeout=5)

@@ -27,7 +27,8 @@ from .client import Refused
 
 RUNBOOK = "docs/node-agent.md"
 _MINT = (
-    "mint a fresh enrollment token (Console → Hardware → Enroll node) and set it as "
+    "mint a fresh enrollment token (`modelforge enroll --name NAME` on the control plane, or "
+    "POST /api/v1/admin/node-enrollments) and set it as "
     "MODELFORGE_AGENT_ENROLLMENT_TOKEN"
 )
 _REENROLL = (
@@ -51,9 +52,9 @@ class AgentExit(Exception):
 
 ENROLLMENT_REFUSALS = {
     ENROLLMENT_TOKEN_INVALID: "the control plane does not know this enrollment token; " + _MINT,
-    ENROLLMENT_TOKEN_CONSUMED: "this enrollment token was already used (tokens are single-use). "
-    "If this host enrolled before, its identity.json was lost: restore the state volume; "
-    "otherwise " + _MINT,
+    ENROLLMENT_TOKEN_CONSUMED: "this enrollment token was already used (tokens are single-use): "
+    "by this host if an earlier attempt's answer was lost, or by another. Check the control "
+    "plane's node list for this host name; " + _MINT,
     ENROLLMENT_TOKEN_EXPIRED: "this enrollment token has expired; " + _MINT,
     ENROLLMENT_TOKEN_REVOKED: "this enrollment token was revoked by an administrator; " + _MINT,
     ENROLLMENT_ORIGIN_MISMATCH: "the token is locked to another API origin; set "

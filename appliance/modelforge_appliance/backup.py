@@ -2,7 +2,8 @@
 
 ``backup`` uses SQLite's online backup API, so it is consistent while the control
 plane serves. ``restore`` refuses while any ``modelforge serve`` holds the state
-directory, keeps every revocation the current store knows (invariant 5), and marks
+directory, keeps every revocation, spent token and decommission the current store knows
+(invariant 5), and marks
 restored inventory and telemetry as unmeasured so nothing is placed on a snapshot.
 PostgreSQL stores are backed up with ``pg_dump`` (docs/runbooks/backup-restore.md).
 """
@@ -110,22 +111,67 @@ def _schema_version_of(path: Path) -> int:
     return int(row[0] or 0)
 
 
-def _current_revocations(path: Path) -> list[tuple[str, float, str | None]]:
+# What the current store has made final since any backup: it must stay final after the
+# restore (invariant 5). Each entry: the SELECT on the current store, the UPDATE that
+# reapplies a row of it to the restored one (only where the backup still has it open).
+_FINAL = {
+    "credentials": (
+        "SELECT revoked_at, COALESCE(revoked_reason, 'revoked before restore'), credential_id "
+        "FROM credential WHERE revoked_at IS NOT NULL",
+        "UPDATE credential SET revoked_at = ?, revoked_reason = ? "
+        "WHERE credential_id = ? AND revoked_at IS NULL",
+    ),
+    "admin_tokens": (
+        "SELECT revoked_at, token_id FROM admin_token WHERE revoked_at IS NOT NULL",
+        "UPDATE admin_token SET revoked_at = ? WHERE token_id = ? AND revoked_at IS NULL",
+    ),
+    # A token used or revoked after the backup can never be claimed again.
+    "enrollment_tokens": (
+        "SELECT COALESCE(consumed_at, revoked_at), enrollment_id FROM enrollment_token "
+        "WHERE consumed_at IS NOT NULL OR revoked_at IS NOT NULL",
+        "UPDATE enrollment_token SET revoked_at = ? WHERE enrollment_id = ? "
+        "AND consumed_at IS NULL AND revoked_at IS NULL",
+    ),
+    "decommissioned_nodes": (
+        "SELECT decommissioned_at, node_id FROM node WHERE decommissioned_at IS NOT NULL",
+        "UPDATE node SET decommissioned_at = ?, cordoned = 1 WHERE node_id = ? "
+        "AND decommissioned_at IS NULL",
+    ),
+}
+
+
+def _current_finalities(path: Path, accept_loss: bool) -> dict[str, list[tuple]]:
+    """Every revocation, spent token and decommission the store being replaced knows."""
     if not path.exists():
-        return []
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        return {}
     try:
-        return conn.execute(
-            "SELECT credential_id, revoked_at, revoked_reason FROM credential "
-            "WHERE revoked_at IS NOT NULL"
-        ).fetchall()
-    except sqlite3.DatabaseError:
-        return []
-    finally:
-        conn.close()
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return {name: conn.execute(select).fetchall() for name, (select, _) in _FINAL.items()}
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        if accept_loss:
+            log.warning("the current store cannot be read (%s); its revocations are lost", exc)
+            return {}
+        raise RestoreRefused(
+            f"the current store {path} cannot be read ({exc}), so the revocations made since "
+            "the backup cannot be kept; if you accept that, run the restore again with "
+            "--accept-lost-revocations and then revoke what must stay revoked"
+        ) from None
 
 
-def restore(settings: Settings, source: Path, clock: Clock) -> dict[str, Any]:
+def _reapply(store: Store, finalities: dict[str, list[tuple]]) -> dict[str, int]:
+    kept = {}
+    for name, rows in finalities.items():
+        update = _FINAL[name][1]
+        kept[name] = sum(store.db.execute_sql(update, row).rowcount for row in rows)
+    return kept
+
+
+def restore(
+    settings: Settings, source: Path, clock: Clock, accept_lost_revocations: bool = False
+) -> dict[str, Any]:
     target = sqlite_path(settings)
     source = source.absolute()
     if not source.is_file():
@@ -137,14 +183,14 @@ def restore(settings: Settings, source: Path, clock: Clock) -> dict[str, Any]:
             f"program's {SCHEMA_VERSION}; restore it with that release"
         )
     with state_lock(settings, exclusive=True):
-        revocations = _current_revocations(target)
+        finalities = _current_finalities(target, accept_lost_revocations)
         staged = target.with_name(f".{target.name}.restoring")
         _copy(source, staged)
         store = Store(f"sqlite:///{staged}", clock)
         try:
             store.migrate()
             with store.write():
-                carried = _carry_revocations(store, revocations)
+                kept = _reapply(store, finalities)
                 # Placement and readiness wait for a fresh measurement, never a snapshot.
                 store.db.execute_sql("UPDATE node SET inventory_at = NULL, telemetry_at = NULL")
                 audit.record(
@@ -153,7 +199,7 @@ def restore(settings: Settings, source: Path, clock: Clock) -> dict[str, Any]:
                     "store.restored",
                     source=source.name,
                     backup_schema_version=version,
-                    revocations_kept=carried,
+                    kept_from_current_store=kept,
                 )
             store.db.execute_sql("PRAGMA wal_checkpoint(TRUNCATE)")
         finally:
@@ -166,21 +212,8 @@ def restore(settings: Settings, source: Path, clock: Clock) -> dict[str, Any]:
     return {
         "restored_from": str(source),
         "backup_schema_version": version,
-        "revocations_kept": carried,
+        "kept_from_current_store": kept,
     }
-
-
-def _carry_revocations(store: Store, revocations: list[tuple[str, float, str | None]]) -> int:
-    """Invariant 5: a credential revoked after the backup stays revoked after the restore."""
-    carried = 0
-    for credential_id, revoked_at, reason in revocations:
-        cursor = store.db.execute_sql(
-            "UPDATE credential SET revoked_at = ?, revoked_reason = ? "
-            "WHERE credential_id = ? AND revoked_at IS NULL",
-            (revoked_at, reason or "revoked before restore", credential_id),
-        )
-        carried += cursor.rowcount
-    return carried
 
 
 def _checkpoint(path: Path) -> None:
@@ -189,5 +222,7 @@ def _checkpoint(path: Path) -> None:
         conn = sqlite3.connect(path)
         try:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.DatabaseError:
+            pass  # an unreadable store (restore was told to accept that): nothing to fold
         finally:
             conn.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -52,6 +53,8 @@ def main(ctx: click.Context, env_file: Path | None) -> None:
 
     Settings come from MODELFORGE_* environment variables (docs/configuration.md).
     """
+    # Everything this program writes (store, WAL, backups, lock) is for its own user only.
+    os.umask(0o077)
     ctx.obj = Context(env_file)
 
 

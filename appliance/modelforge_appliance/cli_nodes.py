@@ -178,17 +178,25 @@ def backup_command(obj: Context, path: Path, as_json: bool) -> None:
 @click.command("restore")
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--yes", is_flag=True, help="Replace the current store without asking.")
+@click.option(
+    "--accept-lost-revocations",
+    is_flag=True,
+    help="Restore even when the current store cannot be read, losing the revocations it holds.",
+)
 @JSON_OPTION
 @click.pass_obj
-def restore_command(obj: Context, path: Path, yes: bool, as_json: bool) -> None:
+def restore_command(
+    obj: Context, path: Path, yes: bool, accept_lost_revocations: bool, as_json: bool
+) -> None:
     """Replace the store with a backup (the control plane must be stopped)."""
     if not yes and not confirmed(f"Replace the store in {obj.settings.state_dir} with {path}?"):
         fail("nothing was changed", code=1)
-    done = backup.restore(obj.settings, path, Clock())
+    done = backup.restore(obj.settings, path, Clock(), accept_lost_revocations)
+    kept = done["kept_from_current_store"]
     emit(
         as_json,
         done,
-        f"Restored the store from {done['restored_from']}; kept "
-        f"{done['revocations_kept']} later revocation(s). Inventory is treated as "
-        "stale until each agent publishes again.",
+        f"Restored the store from {done['restored_from']}. Kept from the replaced store: "
+        + ", ".join(f"{count} {name.replace('_', ' ')}" for name, count in kept.items())
+        + ". Inventory is treated as stale until each agent publishes again.",
     )

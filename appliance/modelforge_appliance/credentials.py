@@ -47,7 +47,7 @@ def revoke_active_credentials(store: Store, node: Node, actor: str, reason: str)
     ]
     if active:
         Credential.update(revoked_at=store.clock.now(), revoked_reason=reason).where(
-            Credential.credential_id.in_(active)
+            Credential.credential_id.in_(active) & Credential.revoked_at.is_null()
         ).execute()
         for credential_id in active:
             audit.record(
@@ -118,17 +118,17 @@ def authenticate_node(store: Store, authorization: str | None, node_id: str) -> 
     if row is None or not tokens.digest_matches(secret, row[0]):
         raise invalid
     _, revoked_at, owner, decommissioned_at, accelerator_mode = row
-    if revoked_at is not None:
-        raise Unauthorized(
-            "the node credential has been revoked; revoked credentials stay refused",
-            code=CREDENTIAL_REVOKED,
-            next_step=_REENROLL,
-        )
     if decommissioned_at is not None:
         raise Forbidden(
             "the node this credential belongs to is decommissioned",
             code=NODE_DECOMMISSIONED,
             next_step="Enroll the hardware as a new node if it should return to service.",
+        )
+    if revoked_at is not None:
+        raise Unauthorized(
+            "the node credential has been revoked; revoked credentials stay refused",
+            code=CREDENTIAL_REVOKED,
+            next_step=_REENROLL,
         )
     if owner != node_id:
         raise Forbidden(

@@ -30,8 +30,10 @@ from .errors import ApiError, Conflict, Forbidden, Gone, Invalid, NotFound, Unau
 from .models import EnrollmentToken, Node
 from .store import Store
 
-_MINT_AGAIN = "Mint a fresh enrollment token (Console → Hardware → Enroll node, or "
-_MINT_AGAIN += "`modelforge enroll --name NAME --expires 15m`)."
+_MINT_AGAIN = (
+    "Mint a fresh enrollment token (`modelforge enroll --name NAME --expires 15m`, or "
+    "POST /api/v1/admin/node-enrollments)."
+)
 
 
 def enrollment_state(row: EnrollmentToken, now: float) -> str:
@@ -144,6 +146,16 @@ def revoke_enrollment(store: Store, enrollment_id: str, actor: str) -> dict[str,
     """Revoke an unused token; a consumed one is history and stays as it is."""
     now = store.clock.now()
     with store.write():
+        # Conditional, like the claim: whichever commits first decides.
+        revoked = (
+            EnrollmentToken.update(revoked_at=now)
+            .where(
+                (EnrollmentToken.enrollment_id == enrollment_id)
+                & EnrollmentToken.consumed_at.is_null()
+                & EnrollmentToken.revoked_at.is_null()
+            )
+            .execute()
+        )
         row = EnrollmentToken.get_or_none(EnrollmentToken.enrollment_id == enrollment_id)
         if row is None:
             raise NotFound(f"no enrollment {enrollment_id}")
@@ -153,9 +165,7 @@ def revoke_enrollment(store: Store, enrollment_id: str, actor: str) -> dict[str,
                 code=ENROLLMENT_NOT_REVOCABLE,
                 next_step="DELETE /api/v1/admin/hardware/nodes/{node_id}/credential",
             )
-        if row.revoked_at is None:
-            row.revoked_at = now
-            row.save()
+        if revoked:
             audit.record(store, actor, "enrollment.revoked", enrollment_id=enrollment_id)
     return enrollment_view(row, now)
 
@@ -195,9 +205,12 @@ def claim_token(store: Store, request: EnrollRequest) -> Enrolled:
     try:
         return _claim(store, request, parsed)
     except ApiError as refusal:
+        if refusal.code == ENROLLMENT_TOKEN_INVALID:
+            # Anyone can send garbage: logged and counted, but not written to the store.
+            raise
         audit.record_alone(
             store,
-            f"enrollment:{enrollment_id}" if enrollment_id else "anonymous",
+            f"enrollment:{enrollment_id}",
             "enrollment.refused",
             enrollment_id=enrollment_id,
             code=refusal.code,

@@ -64,7 +64,7 @@ class Conflict(ApiError):
 
 class Gone(ApiError):
     status = 410
-    next_step = "Mint a fresh enrollment token (Console → Hardware → Enroll node)."
+    next_step = "Mint a fresh enrollment token (`modelforge enroll --name NAME --expires 15m`)."
 
 
 class TooLarge(ApiError):

@@ -14,6 +14,8 @@ import logging
 import threading
 from dataclasses import dataclass
 
+import peewee as pw
+
 from .credentials import Caller
 from .store import Store
 
@@ -76,10 +78,15 @@ class HeartbeatBuffer:
                 return 0
             try:
                 self._write(batch)
-            except Exception:
-                with self._lock:  # keep them for the next flush; newer ones win
+            except (pw.OperationalError, pw.InterfaceError):
+                with self._lock:  # the store is away: keep them for the next flush
                     self._pending = {**batch, **self._pending}
                 raise
+            except Exception as exc:
+                # Never let one bad batch block every later one: drop it, loudly.
+                log.error(
+                    "dropped %d heartbeat(s) the store refused: %s", len(batch), type(exc).__name__
+                )
             return len(batch)
 
     def _write(self, batch: dict[str, Heartbeat]) -> None:

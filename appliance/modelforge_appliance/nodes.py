@@ -115,15 +115,19 @@ def _mark_used(caller: Caller, now: float) -> None:
 
 
 def set_cordoned(store: Store, node_id: str, cordoned: bool, actor: str) -> Node:
-    """Cordon (no new work, still monitored) or uncordon a node; audited when it changes."""
+    """Cordon (no new work, still monitored) or uncordon a node; audited when it changes.
+
+    Only the cordon column is written, by a conditional update, so a concurrent
+    decommission or re-enrollment is never overwritten with what this call read.
+    """
     with store.write():
-        node = Node.get_or_none(Node.node_id == node_id)
-        if node is None:
-            raise NotFound(f"no node {node_id}")
-        if node.cordoned != cordoned:
-            node.cordoned = cordoned
-            node.save()
+        changed = (
+            Node.update(cordoned=cordoned)
+            .where((Node.node_id == node_id) & (Node.cordoned != cordoned))
+            .execute()
+        )
+        if changed:
             audit.record(
                 store, actor, "node.cordoned" if cordoned else "node.uncordoned", node_id=node_id
             )
-    return node
+    return get_node(store, node_id)

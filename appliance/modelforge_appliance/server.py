@@ -25,7 +25,17 @@ def open_store(settings: Settings, clock: Clock | None = None) -> Store:
 
 
 def waitress_options(settings: Settings) -> dict:
+    proxy = {}
+    if settings.trusted_proxy:
+        # waitress rewrites wsgi.url_scheme and HTTP_HOST from these headers, and only for
+        # requests from this address; it strips them from everyone else.
+        proxy = {
+            "trusted_proxy": settings.trusted_proxy,
+            "trusted_proxy_count": 1,
+            "trusted_proxy_headers": {"x-forwarded-proto", "x-forwarded-host"},
+        }
     return {
+        **proxy,
         "threads": settings.threads,
         "ident": "modelforge",
         # Our own limit answers 413 in the JSON error shape; waitress only stops abuse far beyond it.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,13 @@ SETTINGS: tuple[SettingSpec, ...] = (
         None,
         "scheme://host[:port] agents use to reach the API. Enrollment tokens are locked to "
         "it; when unset, a token is locked to the origin the minting request used.",
+    ),
+    SettingSpec(
+        "MODELFORGE_TRUSTED_PROXY",
+        None,
+        "Address of a TLS-terminating reverse proxy in front of the control plane (e.g. "
+        "127.0.0.1). Only from it are X-Forwarded-Proto and X-Forwarded-Host believed, so "
+        "requests keep the origin the agents addressed; from anyone else they are dropped.",
     ),
     SettingSpec(
         "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS",
@@ -98,6 +106,7 @@ class Settings:
     listen_host: str
     listen_port: int
     public_api_origin: str | None
+    trusted_proxy: str | None
     heartbeat_interval_seconds: int
     stale_after_seconds: int
     offline_after_seconds: int
@@ -125,6 +134,10 @@ def nearest_setting(name: str) -> str | None:
     return matches[0] if matches else None
 
 
+_HOSTNAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?)*")
+_IPV6 = re.compile(r"[0-9a-f:.]+")
+
+
 def normalize_origin(value: str) -> str:
     """Lower-case scheme://host[:port], dropping the scheme's default port."""
     parts = urlsplit(value.strip())
@@ -134,7 +147,11 @@ def normalize_origin(value: str) -> str:
         raise ValueError("an origin has no path, query, fragment or user")
     host = parts.hostname.lower()
     if ":" in host:
+        if not _IPV6.fullmatch(host):
+            raise ValueError(f"{host!r} is not an IPv6 address")
         host = f"[{host}]"
+    elif not _HOSTNAME.fullmatch(host):
+        raise ValueError(f"{host!r} is not a host name or address")
     port = parts.port
     if port is None or (parts.scheme, port) in (("http", 80), ("https", 443)):
         return f"{parts.scheme}://{host}"
@@ -246,6 +263,7 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         listen_host=host,
         listen_port=port,
         public_api_origin=origin,
+        trusted_proxy=env.get("MODELFORGE_TRUSTED_PROXY") or None,
         heartbeat_interval_seconds=interval,
         stale_after_seconds=stale,
         offline_after_seconds=offline,

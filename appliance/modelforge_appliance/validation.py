@@ -78,8 +78,13 @@ def check_value(value: Any, spec: Field, path: str) -> Any:
             return None
         raise _fail(FIELD_TYPE, path, "must not be null")
     _check_type(value, spec, path)
-    if isinstance(value, str) and _CONTROL.search(value):
-        raise _fail(FIELD_TYPE, path, "must not contain control characters")
+    if isinstance(value, str):
+        if _CONTROL.search(value):
+            raise _fail(FIELD_TYPE, path, "must not contain control characters")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from a \udxxx escape
+            raise _fail(FIELD_TYPE, path, "must be valid Unicode text") from None
     if spec.choices is not None and value not in spec.choices:
         raise _fail(FIELD_CHOICE, path, f"must be one of {', '.join(map(str, spec.choices))}")
     _check_bounds(value, spec, path)
@@ -176,7 +181,7 @@ HEALTH_FIELDS = {
     "gpu_probe": Field(str, choices=("ok", "failed", "not_applicable")),
     "preflight": Field(str, required=False, high=64),
     "message": Field(str, required=False, nullable=True, high=500),
-    "uptime_seconds": Field(float, required=False, low=0),
+    "uptime_seconds": Field(float, required=False, low=0, high=10**10),
 }
 
 HEARTBEAT_FIELDS = {

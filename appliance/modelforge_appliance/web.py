@@ -18,6 +18,7 @@ from modelforge_contract import (
     COMPATIBLE,
     HEADER_ADMIN_TOKEN,
     HEADER_AGENT_PROTOCOL,
+    HOST_INVALID,
     INTERNAL_ERROR,
     METHOD_NOT_ALLOWED,
     NOT_FOUND,
@@ -159,13 +160,18 @@ def _framework_error(error: bottle.HTTPError) -> str:
 
 
 def request_origin(environ: dict[str, Any]) -> str:
-    """The origin the client addressed (``X-Forwarded-*`` when a proxy set them)."""
-    scheme = environ.get("HTTP_X_FORWARDED_PROTO") or environ.get("wsgi.url_scheme", "http")
-    host = environ.get("HTTP_X_FORWARDED_HOST") or environ.get("HTTP_HOST") or ""
+    """The origin the client addressed. Behind MODELFORGE_TRUSTED_PROXY, waitress has already
+    put the proxy's X-Forwarded-Proto and X-Forwarded-Host into these two keys."""
+    scheme = environ.get("wsgi.url_scheme", "http")
+    host = environ.get("HTTP_HOST") or ""
     try:
-        return normalize_origin(f"{scheme.split(',')[0].strip()}://{host.split(',')[0].strip()}")
+        origin = normalize_origin(f"{scheme}://{host}")
     except ValueError:
         return "unknown"
+    return origin if len(origin) <= ORIGIN_MAX_LENGTH else "unknown"
+
+
+ORIGIN_MAX_LENGTH = 300  # the column that keeps a token's origin
 
 
 def _query_int(name: str, default: int | None, low: int, high: int) -> int | None:
@@ -254,6 +260,13 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
         actor = admin()
         fields = body(MINT_FIELDS)
         origin = settings.public_api_origin or request_origin(bottle.request.environ)
+        if origin == "unknown":
+            raise Invalid(
+                "the Host header of this request is not an origin a token can be locked to",
+                code=HOST_INVALID,
+                next_step="Set MODELFORGE_PUBLIC_API_ORIGIN, or mint through the address the "
+                "agents use.",
+            )
         minted = enrollment.mint_enrollment_token(
             store,
             display_name=fields["display_name"],

@@ -138,6 +138,7 @@ FIELD_RANGE = "FIELD_RANGE"
 FIELD_CHOICE = "FIELD_CHOICE"
 FIELD_FORMAT = "FIELD_FORMAT"
 QUERY_INVALID = "QUERY_INVALID"
+HOST_INVALID = "HOST_INVALID"
 
 
 # -- exit codes (DESIGN §4) ---------------------------------------------------
@@ -161,7 +162,9 @@ KIND_ADMIN = "mfa"
 KIND_IDENTITY = "mfi"
 KIND_DECOMMISSION = "mfd"
 
-_SECRET_RE = re.compile(r"\b(mf[ecaid])_([0-9a-f]{8,32})_([A-Za-z0-9_-]{20,})")
+# No word boundary on the left: a secret glued to other text (``Bearer%20mfc_…``,
+# ``tok_mfc_…``) is masked too; masking too much is harmless.
+_SECRET_RE = re.compile(r"(mf[ecaid])_([0-9a-f]{8,32})_([A-Za-z0-9_-]{20,})")
 
 
 def split_secret(value: str, kind: str) -> tuple[str, str] | None:

@@ -77,9 +77,16 @@ class Host:
             timeout=10,
         ).json()["token"]
 
+    def delete(self, path: str) -> None:
+        assert requests.delete(self.url + path, headers=self.admin, timeout=10).status_code == 200
+
     def enroll(self, hostname: str) -> dict:
+        return self.enroll_with(self.mint(hostname), hostname)
+
+    def enroll_with(self, token: str, hostname: str, check: bool = True):
+        """The enrollment answer; with check=False only its status."""
         body = {
-            "token": self.mint(hostname),
+            "token": token,
             "hostname": hostname,
             "agent_version": "0.1.0",
             "accelerator_mode": "cpu",
@@ -88,6 +95,8 @@ class Host:
         response = requests.post(
             f"{self.url}/api/v1/agent/enroll", json=body, headers=AGENT, timeout=10
         )
+        if not check:
+            return response.status_code
         assert response.status_code == 201
         return response.json()
 
@@ -117,27 +126,46 @@ def test_restore_brings_back_what_existed_and_keeps_later_revocations(tmp_path):
     backup.parent.mkdir()
     with host.serving():
         kept, later_revoked = host.enroll("gpu-a"), host.enroll("gpu-c")
+        retired = host.enroll("gpu-d")
         for node in (kept, later_revoked):
             assert host.publish(node) == 200 and host.publish(node, "inventory") == 200
-        # Online backup while serving and under writes.
+        spare_token, late_token = host.mint("spare"), host.mint("late")
+        scraper = json.loads(host.cli("admin-token", "create", "--name", "s", "--json").stdout)
+        # Online backup while serving.
         assert json.loads(host.cli("backup", str(backup), "--json").stdout)["schema_version"] >= 1
         assert backup.stat().st_mode & 0o777 == 0o600
+        # After the backup: a new node, and things made final that must stay final.
         newcomer = host.enroll("gpu-b")
-        assert (
-            requests.delete(
-                f"{host.url}{NODES}/{later_revoked['node_id']}/credential",
-                headers=host.admin,
-                timeout=10,
-            ).status_code
-            == 200
-        )
+        late = host.enroll_with(late_token, "gpu-e")
+        host.delete(f"{NODES}/{later_revoked['node_id']}/credential")
+        spare_id = spare_token.split("_")[1]
+        host.delete(f"/api/v1/admin/node-enrollments/{spare_id}")
+        host.cli("admin-token", "revoke", scraper["token_id"])
+        host.cli("nodes", "decommission", retired["node_id"], "--yes")
         refused = host.cli("restore", str(backup), "--yes", check=False)
         assert refused.returncode == 2
         assert "stop it" in refused.stderr
 
     restored = json.loads(host.cli("restore", str(backup), "--yes", "--json").stdout)
-    assert restored["revocations_kept"] == 1
+    assert restored["kept_from_current_store"] == {
+        "credentials": 2,  # later_revoked's, and retired's (revoked by its decommission)
+        "admin_tokens": 1,
+        "enrollment_tokens": 2,  # late (spent after the backup) and spare (revoked)
+        "decommissioned_nodes": 1,
+    }
 
+    with host.serving():
+        # Final things stayed final.
+        assert host.enroll_with(late_token, "gpu-e2", check=False) == 410
+        assert host.enroll_with(spare_token, "gpu-f", check=False) == 410
+        scraper_headers = {"X-ModelForge-Admin-Token": scraper["admin_token"]}
+        assert (
+            requests.get(f"{host.url}{NODES}", headers=scraper_headers, timeout=10).status_code
+            == 401
+        )
+        assert host.publish(retired) == 403
+        assert host.get(f"{NODES}/{retired['node_id']}").json()["liveness"] == "decommissioned"
+        assert host.get(f"{NODES}/{late['node_id']}").status_code == 404
     with host.serving():
         # The node that existed reconnects on its own with its restored credential.
         assert host.publish(kept) == 200
@@ -204,3 +232,18 @@ def test_nodes_cli_readiness_revoke_cordon_decommission(tmp_path):
     unknown = host.cli("nodes", "readiness", "no-such-node", check=False)
     assert unknown.returncode == 2 and "no node no-such-node" in unknown.stderr
     assert "No active alerts." in host.cli("alerts").stdout
+
+
+def test_restore_over_an_unreadable_store_needs_consent_to_lose_its_revocations(tmp_path):
+    host = Host(tmp_path)
+    backup = tmp_path / "b.sqlite3"
+    host.cli("backup", str(backup))
+    store = tmp_path / "state" / "modelforge.sqlite3"
+    store.write_bytes(b"\0garbage" * 4096)
+    refused = host.cli("restore", str(backup), "--yes", check=False)
+    assert refused.returncode == 2
+    assert "--accept-lost-revocations" in refused.stderr
+    assert store.read_bytes().startswith(b"\0garbage")  # nothing was changed
+    done = host.cli("restore", str(backup), "--yes", "--accept-lost-revocations", "--json")
+    assert json.loads(done.stdout)["kept_from_current_store"] == {}
+    assert json.loads(host.cli("nodes", "--json").stdout) == {"nodes": []}

@@ -294,7 +294,8 @@ def test_decommission_does_exactly_what_the_preview_said(control_plane):
     assert done.json()["effects"] == plan["effects"]
 
     assert cp.admin("GET", f"{NODES}/{old.node_id}").json()["liveness"] == "decommissioned"
-    assert (old.heartbeat().status_code, error_code(old.heartbeat())) == (401, CREDENTIAL_REVOKED)
+    refused = old.heartbeat()
+    assert (refused.status_code, error_code(refused)) == (403, NODE_DECOMMISSIONED)
     again = cp.enroll(cp.mint()["token"], hostname="gpu-a", identity=old.identity)
     assert (again.status_code, error_code(again)) == (403, NODE_DECOMMISSIONED)
     assert cp.admin("GET", "/api/v1/admin/alerts").json()["alerts"] == []  # hostname is free
