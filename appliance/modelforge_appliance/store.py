@@ -9,8 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -18,6 +17,7 @@ import peewee as pw
 
 from . import models
 from .clock import Clock
+from .migrations import MIGRATIONS, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -33,36 +33,6 @@ SQLITE_PRAGMAS = {
 
 class StoreVersionError(Exception):
     """The store was written by a newer program (or is otherwise unusable)."""
-
-
-@dataclass(frozen=True)
-class Migration:
-    version: int
-    name: str
-    apply: Callable[[pw.Database], None]
-
-
-def _m0001_initial(db: pw.Database) -> None:
-    db.create_tables(
-        [
-            models.AdminToken,
-            models.Node,
-            models.EnrollmentToken,
-            models.Credential,
-            models.AuditEvent,
-        ]
-    )
-
-
-def _m0002_decommission_confirmations(db: pw.Database) -> None:
-    db.create_tables([models.DecommissionConfirmation])
-
-
-MIGRATIONS: tuple[Migration, ...] = (
-    Migration(1, "initial", _m0001_initial),
-    Migration(2, "decommission confirmations", _m0002_decommission_confirmations),
-)
-SCHEMA_VERSION = MIGRATIONS[-1].version
 
 
 def open_database(url: str) -> pw.Database:

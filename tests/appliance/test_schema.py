@@ -1,0 +1,43 @@
+"""The frozen migrations and the peewee models describe the same schema, on both stores."""
+
+from __future__ import annotations
+
+import peewee as pw
+
+from modelforge_appliance import models
+from modelforge_appliance.clock import Clock
+from modelforge_appliance.store import SCHEMA_VERSION, Store
+
+MODELS = [
+    models.AdminToken,
+    models.Node,
+    models.EnrollmentToken,
+    models.Credential,
+    models.AuditEvent,
+    models.DecommissionConfirmation,
+]
+
+
+def test_migrated_tables_match_the_models(database_url):
+    store = Store(database_url, Clock())
+    try:
+        assert store.migrate() == list(range(1, SCHEMA_VERSION + 1))
+        db = store.db
+        for model in MODELS:
+            table = model._meta.table_name
+            columns = {c.name: c for c in db.get_columns(table)}
+            fields = {f.column_name: f for f in model._meta.sorted_fields}
+            assert set(columns) == set(fields), table
+            for name, field in fields.items():
+                assert columns[name].null == field.null, f"{table}.{name} nullability"
+                assert columns[name].primary_key == field.primary_key, f"{table}.{name}"
+            for field in fields.values():
+                if isinstance(field, pw.ForeignKeyField):
+                    keys = {(k.column, k.dest_table) for k in db.get_foreign_keys(table)}
+                    assert (field.column_name, field.rel_model._meta.table_name) in keys
+            unique = {tuple(i.columns) for i in db.get_indexes(table) if i.unique}
+            for field in fields.values():
+                if field.unique:
+                    assert (field.column_name,) in unique, f"{table}.{field.column_name}"
+    finally:
+        store.close()
