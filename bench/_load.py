@@ -157,3 +157,11 @@ def temp_state() -> str:
 
 def json_body(value) -> bytes:
     return json.dumps(value).encode()
+
+
+def start_modelforge(env: dict, **popen: object) -> tuple[int, subprocess.Popen]:
+    """``modelforge serve`` on a free loopback port: (port, process); wait_until_serving next."""
+    port = free_port()
+    command = [sys.executable, "-m", "modelforge_appliance.cli", "serve", "--listen",
+               f"127.0.0.1:{port}"]  # fmt: skip
+    return port, subprocess.Popen(command, env=env, **popen)

@@ -16,11 +16,17 @@ import multiprocessing
 import os
 import secrets
 import subprocess
-import sys
 import time
 from urllib.parse import urlsplit, urlunsplit
 
-from _load import free_port, json_body, modelforge, modelforge_env, temp_state, wait_until_serving
+from _load import (
+    json_body,
+    modelforge,
+    modelforge_env,
+    start_modelforge,
+    temp_state,
+    wait_until_serving,
+)
 
 
 def claim(port: int, token: str, index: int, barrier, results) -> None:
@@ -52,19 +58,7 @@ def run(label: str, claims: int, database_url: str | None) -> None:
     extra = {"MODELFORGE_DATABASE_URL": database_url} if database_url else {}
     env = modelforge_env(temp_state(), **extra)
     admin = json.loads(modelforge(env, "init", "--json"))["admin_token"]
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "modelforge_appliance.cli",
-            "serve",
-            "--listen",
-            f"127.0.0.1:{port}",
-        ],
-        env=env,
-        stderr=subprocess.DEVNULL,
-    )
+    port, server = start_modelforge(env, stderr=subprocess.DEVNULL)
     try:
         wait_until_serving(port, server)
         conn = http.client.HTTPConnection("127.0.0.1", port)

@@ -22,6 +22,7 @@ from _load import (
     modelforge,
     modelforge_env,
     run_load,
+    start_modelforge,
     temp_state,
     wait_until_serving,
 )
@@ -97,18 +98,7 @@ def main() -> None:
     state = temp_state()
     env = modelforge_env(state, MODELFORGE_THREADS=str(args.threads))
     admin = json.loads(modelforge(env, "init", "--json"))["admin_token"]
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "modelforge_appliance.cli",
-            "serve",
-            "--listen",
-            f"127.0.0.1:{port}",
-        ],
-        env=env,
-    )
+    port, server = start_modelforge(env)
     floor_port = free_port()
     floor = subprocess.Popen([sys.executable, "-c", FLOOR_APP, str(floor_port), str(args.threads)])
     try:
