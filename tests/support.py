@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import socket
+import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +27,35 @@ from modelforge_contract import HEADER_ADMIN_TOKEN, HEADER_AGENT_PROTOCOL, PROTO
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 POSTGRES_ENV = "MF_TEST_POSTGRES_URL"
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_answering(
+    url: str, process: subprocess.Popen, log_path: Path | None = None, timeout: float = 30
+) -> requests.Response:
+    """Poll url until it answers 200 while process lives; fail with its log otherwise."""
+    deadline = time.monotonic() + timeout
+    log = (lambda: f":\n{log_path.read_text()}") if log_path else (lambda: "")
+    while True:
+        assert process.poll() is None, f"exited {process.returncode} before answering{log()}"
+        try:
+            response = requests.get(url, timeout=2)
+            if response.status_code == 200:
+                return response
+        except requests.ConnectionError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not answer within {timeout}s{log()}"
+        time.sleep(0.1)
+
+
+def error_code(response: requests.Response) -> str:
+    return response.json()["error"]["code"]
 
 
 def make_settings(state_dir: Path, database_url: str | None = None, **overrides) -> Settings:

@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 
-import requests
+from .support import free_port, wait_until_answering
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_once(state_dir: Path, log_path: Path) -> str:
@@ -34,15 +26,10 @@ def run_once(state_dir: Path, log_path: Path) -> str:
             start_new_session=True,
         )
         try:
-            deadline = time.monotonic() + 300  # a fresh clone installs its virtualenv first
-            while True:
-                assert process.poll() is None, log_path.read_text()
-                try:
-                    response = requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
-                    break
-                except requests.ConnectionError:
-                    assert time.monotonic() < deadline, "scripts/run never served /healthz"
-                    time.sleep(0.2)
+            # A fresh clone installs its virtualenv first.
+            response = wait_until_answering(
+                f"http://127.0.0.1:{port}/healthz", process, log_path, timeout=300
+            )
             assert response.status_code == 200
             assert response.json() == {"status": "ok"}
         finally:

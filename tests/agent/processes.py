@@ -6,7 +6,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ from modelforge_appliance.clock import Clock
 from modelforge_appliance.server import create_server, run_until
 from modelforge_appliance.settings import Settings
 from modelforge_appliance.store import Store
-from tests.support import ControlPlane
+from tests.support import ControlPlane, free_port
 
 from .nvml import write_nvml_config
 
@@ -102,12 +101,6 @@ class AgentProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until(check: Callable[[], Any], timeout: float = 20, what: str = "condition") -> Any:

@@ -14,7 +14,8 @@ from modelforge_node_agent.backoff import BACKOFF_STEPS, JITTER, Backoff
 from modelforge_node_agent.client import ControlPlaneClient
 from modelforge_node_agent.publisher import call_with_backoff
 
-from .processes import free_port
+from ..support import free_port
+from .servers import answer_json
 
 LINE = re.compile(r"^(\S+) on POST /api/v1/agent/heartbeat \(backoff 1s…16s\): retry in (\d+)s")
 
@@ -75,14 +76,7 @@ class Flaky(ThreadingHTTPServer):
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(handler):  # noqa: N805 - the handler's self
-                handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
-                status = self.statuses.pop(0)
-                body = b'{"compatibility": "COMPATIBLE"}'
-                handler.send_response(status)
-                handler.send_header("Content-Type", "application/json")
-                handler.send_header("Content-Length", str(len(body)))
-                handler.end_headers()
-                handler.wfile.write(body)
+                answer_json(handler, self.statuses.pop(0), b'{"compatibility": "COMPATIBLE"}')
 
             def log_message(handler, *args):  # noqa: N805
                 pass

@@ -15,8 +15,9 @@ from modelforge_contract import (
     STALE,
 )
 
+from ..support import free_port
 from .nvml import h100_80g_x8
-from .processes import AgentProcess, agent_env, free_port, nvml_env, run_agent, wait_until
+from .processes import AgentProcess, agent_env, nvml_env, run_agent, wait_until
 
 
 def nvidia_agent_env(cp, fake_nvml_dir, tmp_path, token, state="state"):

@@ -17,7 +17,8 @@ from modelforge_node_agent.identity import (
     state_path,
 )
 
-from .processes import AgentProcess, agent_env, free_port, run_agent
+from ..support import free_port
+from .processes import AgentProcess, agent_env, run_agent
 
 CREDENTIAL = "mfc_0123456789abcdef_" + "C" * 43
 

@@ -19,6 +19,7 @@ from modelforge_contract import (
 
 from .nvml import h100_80g_x8
 from .processes import AgentProcess, agent_env, nvml_env, run_agent
+from .servers import answer_json
 
 PLAIN_CANARY = "CANARY-" + secrets.token_hex(12)
 SECRET_CANARY = f"mfc_feedfacefeedface_{secrets.token_urlsafe(32)}"
@@ -52,14 +53,8 @@ class ScriptedServer(ThreadingHTTPServer):
 
 class ScriptedHandler(BaseHTTPRequestHandler):
     def _serve(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
         status, body = self.server.answer(self.command, self.path)
-        raw = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
+        answer_json(self, status, json.dumps(body).encode())
 
     do_POST = do_PUT = _serve
 

@@ -14,7 +14,9 @@ from modelforge_node_agent.client import ControlPlaneClient, TransportFailure
 from modelforge_node_agent.settings import load_settings
 from modelforge_node_agent.transport import make_session
 
-from .processes import AgentProcess, agent_env, free_port
+from ..support import free_port
+from .processes import AgentProcess, agent_env
+from .servers import answer_json
 
 NAME = "cp.modelforge.test"
 
@@ -90,14 +92,8 @@ class TlsServer(ThreadingHTTPServer):
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(handler):  # noqa: N805
-                handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
                 outer.seen.append((outer.sni[-1] if outer.sni else None, handler.headers["Host"]))
-                body = b'{"compatibility": "COMPATIBLE"}'
-                handler.send_response(200)
-                handler.send_header("Content-Type", "application/json")
-                handler.send_header("Content-Length", str(len(body)))
-                handler.end_headers()
-                handler.wfile.write(body)
+                answer_json(handler, 200, b'{"compatibility": "COMPATIBLE"}')
 
             def log_message(handler, *args):  # noqa: N805
                 pass

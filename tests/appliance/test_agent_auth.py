@@ -18,17 +18,13 @@ from modelforge_contract import (
     IDENTITY_SECRET_MISMATCH,
 )
 
-from ..support import new_identity
+from ..support import error_code, new_identity
 
 
 def enroll_node(cp, hostname="gpu-node-1", identity=None):
     response = cp.enroll(cp.mint()["token"], hostname=hostname, identity=identity)
     assert response.status_code == 201, response.text
     return response.json()
-
-
-def error_code(response) -> str:
-    return response.json()["error"]["code"]
 
 
 def test_heartbeat_matrix(control_plane):

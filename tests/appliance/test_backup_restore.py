@@ -12,8 +12,7 @@ from pathlib import Path
 
 import requests
 
-from ..support import new_identity
-from .test_secret_hygiene import free_port, wait_healthy
+from ..support import free_port, new_identity, wait_until_answering
 
 NODES = "/api/v1/admin/hardware/nodes"
 AGENT = {"X-ModelForge-Agent-Protocol": "1"}
@@ -62,7 +61,7 @@ class Host:
                 stderr=subprocess.STDOUT,
             )
             try:
-                wait_healthy(self.url, process)
+                wait_until_answering(f"{self.url}/healthz", process, self.log)
                 yield process
             finally:
                 if process.poll() is None:

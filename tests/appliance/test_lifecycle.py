@@ -14,7 +14,7 @@ from modelforge_contract import (
     NODE_DECOMMISSIONED,
 )
 
-from ..support import new_identity
+from ..support import error_code, new_identity
 
 NODES = "/api/v1/admin/hardware/nodes"
 ACCELERATOR = {
@@ -89,10 +89,6 @@ def readiness(cp, node_id: str) -> dict:
 
 def failing(answer: dict) -> set[str]:
     return {check["name"] for check in answer["checks"] if not check["ok"]}
-
-
-def error_code(response) -> str:
-    return response.json()["error"]["code"]
 
 
 # -- readiness -------------------------------------------------------------------

@@ -19,6 +19,15 @@ def _enroll_through(cp, token: str, headers: dict) -> requests.Response:
     return cp.enroll(token, hostname="behind-proxy", headers=headers)
 
 
+def raw_heartbeat(cp, node: dict, fields: str):
+    """A heartbeat whose JSON text is written by hand: what json.dumps would never send."""
+    body = f'{{"node_id": "{node["node_id"]}", {fields}}}'
+    headers = {"Content-Type": "application/json"}
+    return cp.agent(
+        "POST", "/api/v1/agent/heartbeat", node["credential"], data=body, headers=headers
+    )
+
+
 def test_enrollment_through_a_trusted_tls_proxy_matches_the_public_origin(tmp_path):
     settings = replace(
         make_settings(tmp_path / "state"),
@@ -55,16 +64,8 @@ def test_minting_through_an_unusable_host_header_is_a_400(sqlite_control_plane):
 def test_lone_surrogates_are_refused_and_cannot_stall_heartbeat_writes(sqlite_control_plane):
     cp = sqlite_control_plane
     bad, good = enroll_node(cp), enroll_node(cp, hostname="gpu-2")
-    body = (
-        '{"node_id": "NODE", "agent_version": "0.1.\\udfff", '
-        '"health": {"status": "ok", "gpu_probe": "ok"}}'
-    ).replace("NODE", bad["node_id"])
-    refused = cp.agent(
-        "POST",
-        "/api/v1/agent/heartbeat",
-        bad["credential"],
-        data=body,
-        headers={"Content-Type": "application/json"},
+    refused = raw_heartbeat(
+        cp, bad, '"agent_version": "0.1.\\udfff", "health": {"status": "ok", "gpu_probe": "ok"}'
     )
     assert refused.status_code == 400
     assert refused.json()["error"]["code"] == "FIELD_TYPE"
@@ -109,16 +110,11 @@ def test_decommissioned_nodes_credential_gets_403_not_401(sqlite_control_plane):
 def test_infinite_uptime_is_refused_so_answers_stay_json(sqlite_control_plane):
     cp = sqlite_control_plane
     node = enroll_node(cp)
-    body = (
-        '{"node_id": "NODE", "agent_version": "1", "health": {"status": "ok", '
-        '"gpu_probe": "ok", "uptime_seconds": 1e400}}'
-    ).replace("NODE", node["node_id"])
-    refused = cp.agent(
-        "POST",
-        "/api/v1/agent/heartbeat",
-        node["credential"],
-        data=body,
-        headers={"Content-Type": "application/json"},
+    refused = raw_heartbeat(
+        cp,
+        node,
+        '"agent_version": "1", "health": {"status": "ok", '
+        '"gpu_probe": "ok", "uptime_seconds": 1e400}',
     )
     assert refused.status_code == 400
     json.loads(cp.admin("GET", f"/api/v1/admin/hardware/nodes/{node['node_id']}").text)

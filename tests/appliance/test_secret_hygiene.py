@@ -10,24 +10,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import requests
 
-from ..support import new_identity, postgres_admin_url
+from ..support import free_port, new_identity, postgres_admin_url, wait_until_answering
 
 ADMIN = "X-ModelForge-Admin-Token"
 AGENT = {"X-ModelForge-Agent-Protocol": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cli(env: dict, *args: str) -> subprocess.CompletedProcess:
@@ -39,18 +31,6 @@ def cli(env: dict, *args: str) -> subprocess.CompletedProcess:
         timeout=60,
         check=True,
     )
-
-
-def wait_healthy(url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "modelforge serve exited early"
-        try:
-            if requests.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except requests.ConnectionError:
-            time.sleep(0.1)
-    raise AssertionError("modelforge serve never became healthy")
 
 
 def run_scenario(url: str, admin_token: str) -> tuple[list[str], list[str]]:
@@ -156,7 +136,7 @@ def serve_scenario(tmp_path: Path, database_url: str | None) -> tuple[list[str],
             stderr=subprocess.STDOUT,
         )
         try:
-            wait_healthy(f"http://127.0.0.1:{port}", process)
+            wait_until_answering(f"http://127.0.0.1:{port}/healthz", process)
             secrets, answers = run_scenario(f"http://127.0.0.1:{port}", admin_token)
             # Process arguments are world-readable: nothing secret may be in them.
             answers.append(Path(f"/proc/{process.pid}/cmdline").read_bytes().decode())

@@ -7,14 +7,11 @@ other test reuses these builds, so the suite pays for two builds of each.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import requests
 
 from tests.support import IN_CI
 
@@ -91,26 +88,6 @@ def clean_env(**extra: str) -> dict[str, str]:
         if not name.startswith(("MODELFORGE_", "SHIV_"))
     }
     return {**env, **extra}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_for(url: str, process: subprocess.Popen, log_path: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"exited {process.returncode} before answering:\n{log_path.read_text()}")
-        try:
-            if requests.get(url, timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"{url} did not answer within {timeout}s:\n{log_path.read_text()}")
 
 
 def stop(process: subprocess.Popen) -> None:

@@ -15,7 +15,8 @@ import pytest
 from modelforge_appliance import doctor
 from tests.support import IN_CI
 
-from .conftest import ROOT, clean_env, free_port
+from ..support import free_port
+from .conftest import ROOT, clean_env
 
 OTHER_UID = 65534  # nobody
 

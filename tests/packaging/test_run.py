@@ -19,7 +19,8 @@ import requests
 
 from modelforge_contract import HEADER_ADMIN_TOKEN, PATH_ADMIN_ENROLLMENTS, PATH_ADMIN_NODES
 
-from .conftest import clean_env, free_port, pyz_command, stop, wait_for
+from ..support import free_port, wait_until_answering
+from .conftest import clean_env, pyz_command, stop
 
 
 @dataclass
@@ -91,7 +92,7 @@ def served_appliance(appliance_pyz, tmp_path_factory) -> Iterator[ServedApplianc
         )
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for(url + "/healthz", process, log_path)
+        wait_until_answering(url + "/healthz", process, log_path, timeout=60)
         yield ServedAppliance(
             url=url,
             admin_token=admin_token,
