@@ -65,7 +65,7 @@ TARGETS = {
     "appliance": Target(
         name="appliance",
         output="modelforge.pyz",
-        entry_point="modelforge_appliance.cli:main",
+        entry_point="modelforge_appliance.cli.main:main",
         requirements="requirements-appliance.txt",
         packages=("modelforge_contract", "modelforge_appliance"),
         forbidden=("pynvml", "docker", "requests", "modelforge_node_agent", "modelforge_worker"),

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg2
@@ -66,14 +67,18 @@ def make_settings(state_dir: Path, database_url: str | None = None, **overrides)
     return replace(load_settings(env), **overrides)
 
 
+def unavailable(message: str) -> NoReturn:
+    """A real component a test needs is missing: skip on a workstation, fail in CI."""
+    if IN_CI:
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 def postgres_admin_url() -> str:
     """The PostgreSQL server scripts/test started; skip locally, fail in CI, when absent."""
     url = os.environ.get(POSTGRES_ENV)
     if not url:
-        message = f"{POSTGRES_ENV} is not set: scripts/test starts PostgreSQL and sets it"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable(f"{POSTGRES_ENV} is not set: scripts/test starts PostgreSQL and sets it")
     return url
 
 

@@ -8,10 +8,10 @@ import threading
 import waitress
 from waitress.server import BaseWSGIServer
 
+from .api import make_app
 from .clock import Clock
 from .settings import Settings
 from .store import Store
-from .web import make_app
 
 log = logging.getLogger(__name__)
 
