@@ -69,11 +69,20 @@ class Refused(CallFailed):
     """An HTTP answer outside 2xx."""
 
     def __init__(
-        self, status: int, method: str, path: str, code: str | None, compatibility: str | None
+        self,
+        status: int,
+        method: str,
+        path: str,
+        code: str | None,
+        compatibility: str | None,
+        details: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(status)
         self.status, self.method, self.path = status, method, path
         self.code, self.compatibility = code, compatibility
+        # Named extra fields of the refusal (ENROLLMENT_ORIGIN_MISMATCH: both origins);
+        # whoever shows one checks its shape first (refusals.py).
+        self.details = details or {}
 
     def describe(self) -> str:
         return f"HTTP {self.status} on {self.method} {self.path}"
@@ -108,6 +117,20 @@ def _refusal_fields(response: requests.Response) -> tuple[str | None, str | None
     )
 
 
+REFUSAL_DETAILS = ("api_origin", "request_origin")
+
+
+def _refusal_details(response: requests.Response) -> dict[str, Any]:
+    """The refusal's named extra fields, strings only (never the message or next step)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    if not isinstance(body, dict):
+        return {}
+    return {key: body[key] for key in REFUSAL_DETAILS if isinstance(body.get(key), str)}
+
+
 @dataclass
 class ControlPlaneClient:
     base_url: str
@@ -139,7 +162,8 @@ class ControlPlaneClient:
         with response:
             if not 200 <= response.status_code < 300:
                 code, compatibility = _refusal_fields(response)
-                raise Refused(response.status_code, method, path, code, compatibility)
+                details = _refusal_details(response) if code else None
+                raise Refused(response.status_code, method, path, code, compatibility, details)
             try:
                 answer = response.json()
             except ValueError:

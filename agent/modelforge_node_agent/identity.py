@@ -39,6 +39,9 @@ class NodeState:
     # The error code the control plane refused the credential with (CREDENTIAL_REVOKED…);
     # kept so a restart without a fresh token stops at once instead of calling again.
     credential_refused: str | None = None
+    # The lookup id (not secret) of the enrollment token this node last enrolled with, so a
+    # spent token left in the settings is told apart from a fresh one held in reserve.
+    enrollment_id: str | None = None
 
     def __repr__(self) -> str:
         return f"NodeState(identity_id={self.identity_id!r}, node_id={self.node_id!r})"
@@ -50,8 +53,16 @@ class NodeState:
     def identity(self) -> dict[str, str]:
         return {"identity_id": self.identity_id, "identity_secret": self.identity_secret}
 
-    def with_enrollment(self, node_id: str, credential: str) -> NodeState:
-        return replace(self, node_id=node_id, credential=credential, credential_refused=None)
+    def with_enrollment(
+        self, node_id: str, credential: str, enrollment_id: str | None = None
+    ) -> NodeState:
+        return replace(
+            self,
+            node_id=node_id,
+            credential=credential,
+            credential_refused=None,
+            enrollment_id=enrollment_id,
+        )
 
     def with_refusal(self, code: str) -> NodeState:
         return replace(self, credential_refused=code)

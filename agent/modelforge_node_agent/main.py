@@ -1,50 +1,63 @@
 """``modelforge-node-agent`` / ``python3 -m modelforge_node_agent.main``.
 
-Exit statuses: 0 stopped by SIGTERM/SIGINT or preflight passed, 2 configuration
-or state volume, 3 NVIDIA preflight, 4 enrollment refused, 5 protocol
-incompatible, 6 credential refused after enrollment.
+Without a command it runs the agent; ``join`` enrolls a new node in one step and ``status``
+reports on the running one. Exit statuses (EXIT_STATUSES, docs/node-agent.md): 0 stopped by
+SIGTERM/SIGINT or preflight passed, 1 ``status``: not healthy, 2 configuration or state
+volume, 3 NVIDIA preflight, 4 enrollment refused, 5 protocol incompatible, 6 credential
+refused after enrollment, 70 internal error.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import signal
 import sys
 import threading
+import traceback
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import click
 
 from modelforge_contract import (
+    ACCELERATOR_MODES,
+    AGENT_ENV_FILE,
+    AGENT_STATE_DIR,
+    EXIT_CHECK_FAILED,
     EXIT_CREDENTIAL_REFUSED,
     EXIT_ENROLLMENT_REFUSED,
+    EXIT_INTERNAL,
     EXIT_NVIDIA_PREFLIGHT,
     EXIT_OK,
     EXIT_PROTOCOL_INCOMPATIBLE,
     EXIT_USAGE,
     PROTOCOL_VERSION,
+    mask_secrets,
 )
 
 from . import __version__
-from .client import ControlPlaneClient
-from .enroll import ensure_enrolled, load_or_create_identity
-from .identity import StateError, save_state
+from .enroll import ensure_enrolled, load_or_create_identity, token_is_spent
+from .identity import NodeState, StateError, load_state, save_state
 from .logs import configure_logging
 from .nvidia import PreflightFailure, PreflightResult, run_preflight
 from .publisher import DEFAULT_HEARTBEAT_INTERVAL, Publisher
 from .refusals import AgentExit
 from .settings import SETTINGS, AgentSettings, ConfigError, load_settings
+from .status import RecordingClient, StatusRecorder
 from .transport import make_session
 
 log = logging.getLogger("modelforge_node_agent")
 
 EXIT_STATUSES = (
-    (EXIT_OK, "stopped by SIGTERM or SIGINT; or --preflight passed"),
+    (EXIT_OK, "stopped by SIGTERM or SIGINT; --preflight passed; join done; status: healthy"),
+    (EXIT_CHECK_FAILED, "status: the agent is not running, or its last heartbeat failed"),
     (
         EXIT_USAGE,
-        "a setting is wrong, the node is not enrolled and has no token, or the "
-        "state volume / identity.json is unusable",
+        "a setting is wrong, the node is not enrolled and has no token, the state volume / "
+        "identity.json is unusable, or join was refused (already joined, URL unreachable)",
     ),
     (
         EXIT_NVIDIA_PREFLIGHT,
@@ -58,9 +71,10 @@ EXIT_STATUSES = (
     ),
     (
         EXIT_CREDENTIAL_REFUSED,
-        "the control plane refused the node credential (revoked, "
-        "unknown, or the node was decommissioned): re-enroll",
+        "the control plane refused the node credential (revoked, unknown, or the node was "
+        "decommissioned) and no unused token is set: re-enroll",
     ),
+    (EXIT_INTERNAL, "an internal error (a bug): one line says so; --debug shows the traceback"),
 )
 
 
@@ -68,8 +82,12 @@ class Stopping(BaseException):
     """Raised in the main thread by SIGTERM/SIGINT so a blocking call there ends at once."""
 
 
-class AgentCommand(click.Command):
-    """Adds every setting and every exit status to ``--help``."""
+# An OSError about a path the operator gave or configured is theirs to fix (exit 2).
+_PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+class AgentGroup(click.Group):
+    """Adds every setting and exit status to ``--help``; turns any failure into one line."""
 
     def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with formatter.section("Environment variables"):
@@ -84,6 +102,31 @@ class AgentCommand(click.Command):
             )
         with formatter.section("Exit statuses"):
             formatter.write_dl([(str(code), meaning) for code, meaning in EXIT_STATUSES])
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as exc:
+            debug = bool(isinstance(ctx.obj, dict) and ctx.obj.get("debug"))
+            if debug:
+                trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                click.echo(mask_secrets(trace), err=True, nl=False)
+            if isinstance(exc, OSError):
+                where = f" {exc.filename}" if exc.filename else ""
+                code = EXIT_USAGE if exc.errno in _PATH_ERRNOS else EXIT_INTERNAL
+                line = f"cannot use{where}: {exc.strerror or type(exc).__name__}"
+                if exc.errno in (errno.EACCES, errno.EPERM):
+                    line += "; run as the user the agent runs as (or root), or choose another path"
+            else:
+                code = EXIT_INTERNAL
+                line = (
+                    f"internal error: {type(exc).__name__}; this is a bug: rerun with --debug "
+                    "for the traceback and report it"
+                )
+            click.echo(f"modelforge-node-agent: {mask_secrets(line)}", err=True)
+            sys.exit(code)
 
 
 def _install_signal_handlers(stop: threading.Event) -> None:
@@ -123,7 +166,14 @@ def preflight_only(settings: AgentSettings) -> int:
     return EXIT_OK
 
 
-def run_agent(settings: AgentSettings, stop: threading.Event) -> int:
+def _can_reenroll(settings: AgentSettings, state: NodeState) -> bool:
+    """A refused credential and a token in the settings that this node has not used."""
+    return bool(settings.enrollment_token) and not token_is_spent(settings, state)
+
+
+def run_agent(
+    settings: AgentSettings, stop: threading.Event, recorder: StatusRecorder | None = None
+) -> int:
     url = settings.require_control_plane()
     log.info(
         "ModelForge Node Agent %s (agent protocol %s): control plane %s, mode %s, state %s",
@@ -134,8 +184,7 @@ def run_agent(settings: AgentSettings, stop: threading.Event) -> int:
         settings.state_volume,
     )
     _warn_about_transport(settings, url)
-    state = load_or_create_identity(settings)
-    # Invariant 9: the preflight runs before enrollment; a failure exits 3.
+    # Invariant 9: the preflight runs before anything is written or enrolled; a failure exits 3.
     try:
         preflight: PreflightResult = run_preflight(settings)
     except PreflightFailure as failure:
@@ -143,67 +192,253 @@ def run_agent(settings: AgentSettings, stop: threading.Event) -> int:
         return EXIT_NVIDIA_PREFLIGHT
     log.info("preflight passed: %s", preflight.summary())
     try:
-        client = ControlPlaneClient(url, make_session(settings))
+        state = load_or_create_identity(settings)
+        client = RecordingClient(url, make_session(settings), recorder=recorder)
         enrolled = ensure_enrolled(settings, state, client, stop)
-        if enrolled is None:
-            return EXIT_OK
-        client.credential = enrolled.state.credential
-        publisher = Publisher(
-            settings,
-            enrolled.state,
-            client,
-            preflight,
-            stop,
-            heartbeat_interval=enrolled.heartbeat_interval or DEFAULT_HEARTBEAT_INTERVAL,
-        )
-        outcome = publisher.run()
-        if outcome is None:
-            return EXIT_OK
-        if publisher.refused_code:
+        while True:
+            if enrolled is None:
+                return EXIT_OK
+            client.credential = enrolled.state.credential
+            if recorder is not None:
+                recorder.enrolled(enrolled.state)
+            # Each run of the publications has its own stop flag: a refusal stops them, not
+            # the agent. SIGTERM still ends everything (Stopping in this thread).
+            publisher = Publisher(
+                settings,
+                enrolled.state,
+                client,
+                preflight,
+                threading.Event(),
+                heartbeat_interval=enrolled.heartbeat_interval or DEFAULT_HEARTBEAT_INTERVAL,
+            )
+            outcome = publisher.run()
+            if outcome is None:
+                return EXIT_OK
+            if not publisher.refused_code:
+                raise outcome
             # Remembered so a restart without a fresh token stops without calling again.
-            save_state(settings.state_volume, enrolled.state.with_refusal(publisher.refused_code))
-        raise outcome
+            refused = enrolled.state.with_refusal(publisher.refused_code)
+            save_state(settings.state_volume, refused)
+            if not _can_reenroll(settings, refused):
+                raise outcome
+            # A fresh token is at hand: re-enroll now, not after an exit and a restart
+            # (under systemd exit 6 would leave the unit stopped).
+            log.warning(
+                "the control plane refused this node's credential (%s); re-enrolling at once "
+                "with the unused token in MODELFORGE_AGENT_ENROLLMENT_TOKEN",
+                publisher.refused_code,
+            )
+            enrolled = ensure_enrolled(settings, refused, client, stop)
     finally:
         if preflight.nvml is not None:
             preflight.nvml.close()
 
 
-@click.command(cls=AgentCommand, context_settings={"help_option_names": ["-h", "--help"]})
+def _load_settings(env_file: Path | None) -> AgentSettings:
+    try:
+        return load_settings(env_file=env_file)
+    except ConfigError as error:
+        click.echo(f"modelforge-node-agent: {error}", err=True)
+        sys.exit(error.exit_code)
+
+
+def run(settings: AgentSettings) -> int:
+    """Run the agent until stopped or refused; the exit status, also in status.json."""
+    stop = threading.Event()
+    _install_signal_handlers(stop)
+    recorder = StatusRecorder(
+        settings.state_volume, settings.control_plane_url or "", settings.accelerator_mode
+    )
+    message = None
+    try:
+        status = run_agent(settings, stop, recorder)
+    except Stopping:
+        status = EXIT_OK
+    except (ConfigError, StateError) as error:
+        message = str(error)
+        log.error("%s", error)
+        status = EXIT_USAGE
+    except AgentExit as stopped:
+        message = stopped.message
+        log.error("%s", stopped.message)
+        status = stopped.exit_code
+    if status == EXIT_OK and stop.is_set():
+        log.info("stopped")
+    if settings.state_volume.is_dir():
+        recorder.stopped(status, message)
+    return status
+
+
+@click.group(
+    cls=AgentGroup,
+    invoke_without_command=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 @click.option(
     "--preflight",
     is_flag=True,
     help="Run the NVIDIA preflight for MODELFORGE_AGENT_ACCELERATOR_MODE and exit: never "
     "enrolls, never reads or writes the state volume, opens no network connection.",
 )
+@click.option(
+    "--env-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Read MODELFORGE_AGENT_* settings from this KEY=VALUE file (what `join` wrote); the "
+    "environment wins on conflicts.",
+)
+@click.option("--debug", is_flag=True, help="On an unexpected failure, show the traceback too.")
 @click.version_option(
     __version__, message=f"modelforge-node-agent %(version)s (agent protocol {PROTOCOL_VERSION})"
 )
-def main(preflight: bool) -> None:
+@click.pass_context
+def main(ctx: click.Context, preflight: bool, env_file: Path | None, debug: bool) -> None:
     """ModelForge Node Agent: enrolls this host once, then publishes heartbeat, inventory and
-    NVML telemetry to the control plane. Outbound only; configured by the environment."""
-    try:
-        settings = load_settings()
-    except ConfigError as error:
-        click.echo(f"modelforge-node-agent: {error}", err=True)
-        sys.exit(error.exit_code)
+    NVML telemetry to the control plane. Outbound only; configured by the environment.
+
+    Without a command it runs the agent. `join` enrolls a new node in one step; `status`
+    says how the running agent is doing.
+    """
+    ctx.obj = {"debug": debug, "env_file": env_file}
+    if ctx.invoked_subcommand is not None:
+        if preflight:
+            raise click.UsageError("--preflight runs on its own, without a command")
+        return
+    settings = _load_settings(env_file)
     configure_logging(settings.log_level)
     if preflight:
         sys.exit(preflight_only(settings))
+    sys.exit(run(settings))
+
+
+@main.command("join")
+@click.argument("url")
+@click.option(
+    "--token-file",
+    default="-",
+    show_default=True,
+    metavar="PATH|-",
+    help="Read the enrollment token from this file, or from stdin with '-' (a prompt without "
+    "echo on a terminal). Never pass the token as an argument.",
+)
+@click.option(
+    "--accelerator",
+    "accelerator_mode",
+    type=click.Choice(ACCELERATOR_MODES),
+    default="nvidia",
+    show_default=True,
+    help="nvidia: require a working GPU (the preflight runs first); cpu: a CPU-only node; "
+    "auto: nvidia when NVIDIA devices are seen.",
+)
+@click.option(
+    "--hostname",
+    help="The host name this node reports. Default: the machine's own (left out of the env file).",
+)
+@click.option(
+    "--env-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=AGENT_ENV_FILE,
+    show_default=True,
+    help="Where to write the agent's settings (mode 0600): where the unit's EnvironmentFile= "
+    "reads them.",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=AGENT_STATE_DIR,
+    show_default=True,
+    help="The agent's state volume: identity and credential (the unit's StateDirectory=).",
+)
+@click.option(
+    "--root",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Write under this directory instead of / (an image being built, a trial run).",
+)
+@click.option(
+    "--ca-cert",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="PEM bundle of a private CA that signed the control plane's certificate.",
+)
+@click.option(
+    "--host-address",
+    help="Dial this address instead of resolving the URL's host (the URL's name is still "
+    "verified).",
+)
+@click.pass_obj
+def join_command(
+    obj: dict,
+    url: str,
+    token_file: str,
+    accelerator_mode: str,
+    hostname: str | None,
+    env_file: Path,
+    state_dir: Path,
+    root: Path | None,
+    ca_cert: Path | None,
+    host_address: str | None,
+) -> None:
+    """Join this host to the control plane at URL, in one step.
+
+    Checks the settings and that this host has not joined yet, reads the token, runs the
+    NVIDIA preflight, checks that URL answers, persists the identity, enrolls, and writes the
+    agent's env file (mode 0600, no secrets). A second join of a joined host is refused and
+    changes nothing. Exit statuses as for the agent.
+    """
+    from .join import JoinRequest, run_join
+
+    configure_logging("INFO")
+    request = JoinRequest(
+        url=url,
+        token_file=token_file,
+        accelerator_mode=accelerator_mode,
+        env_file=env_file,
+        state_dir=state_dir,
+        hostname=hostname,
+        root=root,
+        ca_cert=ca_cert,
+        host_address=host_address,
+    )
     stop = threading.Event()
     _install_signal_handlers(stop)
     try:
-        status = run_agent(settings, stop)
+        status = run_join(request, stop)
     except Stopping:
-        status = EXIT_OK
+        status = EXIT_USAGE
     except (ConfigError, StateError) as error:
         log.error("%s", error)
         status = EXIT_USAGE
-    except AgentExit as stopped:
-        log.error("%s", stopped.message)
-        status = stopped.exit_code
-    if status == EXIT_OK and stop.is_set():
-        log.info("stopped")
+    except AgentExit as refused:
+        log.error("%s", refused.message)
+        status = refused.exit_code
     sys.exit(status)
+
+
+@main.command("status")
+@click.option(
+    "--env-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The agent's settings file, to find its state volume (default: as the agent would).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The agent's state volume (default: MODELFORGE_AGENT_STATE_VOLUME, else "
+    f"{AGENT_STATE_DIR}).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def status_command(obj: dict, env_file: Path | None, state_dir: Path | None, as_json: bool) -> None:
+    """Node id, control plane, whether the agent runs, its last heartbeat and why not.
+
+    Reads the state volume; calls nothing. Exits 0 when the agent runs and its last heartbeat
+    succeeded, 1 otherwise.
+    """
+    from .status import read_status, render, report
+
+    settings = _load_settings(env_file or obj.get("env_file"))
+    volume = state_dir.absolute() if state_dir else settings.state_volume
+    answer = report(load_state(volume), read_status(volume), settings.control_plane_url)
+    click.echo(json.dumps(answer, indent=2) if as_json else render(answer))
+    sys.exit(EXIT_OK if answer["healthy"] else EXIT_CHECK_FAILED)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import runtime
 from .settings import AgentSettings
 
 log = logging.getLogger(__name__)
@@ -24,15 +25,35 @@ NVIDIA_NVML_UNAVAILABLE = "NVIDIA_NVML_UNAVAILABLE"
 NVIDIA_DEVICE_NOT_FOUND = "NVIDIA_DEVICE_NOT_FOUND"
 NVIDIA_TELEMETRY_UNAVAILABLE = "NVIDIA_TELEMETRY_UNAVAILABLE"
 
+# The next step for each code, as the agent runs: in a container the driver library and the
+# devices come from the NVIDIA Container Toolkit; on a host (systemd, a shell) from the driver.
 NEXT_STEPS = {
-    NVIDIA_NVML_UNAVAILABLE: "Install the NVIDIA driver on the host and start the agent with the "
-    "NVIDIA Container Toolkit (docker run --gpus all) so the host's libnvidia-ml.so.1 is "
-    "injected; for a CPU-only node set MODELFORGE_AGENT_ACCELERATOR_MODE=cpu.",
-    NVIDIA_DEVICE_NOT_FOUND: "Check that nvidia-smi on the host lists the GPU and that the "
-    "container was given it (--gpus all, NVIDIA_VISIBLE_DEVICES).",
-    NVIDIA_TELEMETRY_UNAVAILABLE: "Check that nvidia-smi -q shows utilization and memory use "
-    "for every GPU; a GPU that needs a reset or reports Xid errors must be fixed first.",
+    NVIDIA_NVML_UNAVAILABLE: {
+        runtime.CONTAINER: "Install the NVIDIA driver on the host and start the container with "
+        "the NVIDIA Container Toolkit (docker run --gpus all) so the host's "
+        "libnvidia-ml.so.1 is injected; for a CPU-only node set "
+        "MODELFORGE_AGENT_ACCELERATOR_MODE=cpu.",
+        None: "Install the NVIDIA driver on this host and check that nvidia-smi works (it loads "
+        "the same libnvidia-ml.so.1); for a CPU-only node set "
+        "MODELFORGE_AGENT_ACCELERATOR_MODE=cpu (or join with --accelerator cpu).",
+    },
+    NVIDIA_DEVICE_NOT_FOUND: {
+        runtime.CONTAINER: "Check that nvidia-smi on the host lists the GPU and that the "
+        "container was given it (--gpus all, NVIDIA_VISIBLE_DEVICES).",
+        None: "Check that nvidia-smi lists the GPU; under systemd, that the unit may open "
+        "/dev/nvidia* (DeviceAllow=, and the video group where the devices need it).",
+    },
+    NVIDIA_TELEMETRY_UNAVAILABLE: {
+        None: "Check that nvidia-smi -q shows utilization and memory use for every GPU; a GPU "
+        "that needs a reset or reports Xid errors must be fixed first.",
+    },
 }
+
+
+def next_step_for(code: str, how: str | None = None) -> str:
+    steps = NEXT_STEPS[code]
+    return steps.get(how or runtime.current()) or steps[None]
+
 
 # Values NVIDIA's container toolkit uses for "no GPU in this container".
 _NO_VISIBLE_DEVICES = ("", "void", "none")
@@ -45,7 +66,7 @@ class PreflightFailure(Exception):
         super().__init__(f"{code}: {detail}")
         self.code = code
         self.detail = detail
-        self.next_step = NEXT_STEPS[code]
+        self.next_step = next_step_for(code)
 
 
 def nvidia_evidence(settings: AgentSettings) -> str | None:

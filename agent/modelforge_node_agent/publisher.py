@@ -25,6 +25,8 @@ from modelforge_contract import (
     PATH_AGENT_HEARTBEAT,
     PATH_AGENT_INVENTORY,
     PATH_AGENT_TELEMETRY,
+    REPUBLISH_INVENTORY,
+    REPUBLISH_TELEMETRY,
 )
 
 from . import __version__
@@ -33,6 +35,7 @@ from .client import ControlPlaneClient, Refused, TransportFailure, incompatible_
 from .identity import NodeState
 from .nvidia import PreflightFailure, PreflightResult
 from .refusals import AgentExit, credential_refused
+from .republish import RepublishRequests
 from .settings import AgentSettings
 
 log = logging.getLogger(__name__)
@@ -163,6 +166,7 @@ class Publisher:
         self._outcome: AgentExit | None = None
         self.refused_code: str | None = None
         self._lock = threading.Lock()
+        self.republish = RepublishRequests()  # what the heartbeat answer asks for again
 
     # -- shared ------------------------------------------------------------------
 
@@ -204,9 +208,11 @@ class Publisher:
             "health": self.health.body(),
         }
         while True:
+            sent_at = time.monotonic()
             answer = self._publish("POST", PATH_AGENT_HEARTBEAT, body)
             if answer is None:
                 return
+            self.republish.ask(answer.get("republish"), sent_at)
             interval = answer.get("heartbeat_interval_seconds")
             if isinstance(interval, int | float) and 1 <= interval <= 3600:
                 self.heartbeat_interval = interval
@@ -247,14 +253,17 @@ class Publisher:
                 self.health.gpu_failed(failure)
                 inventory = None
             # On change, and also unchanged once per refresh period, so the control plane
-            # sees a fresh measurement (its readiness refuses an inventory that is too old).
+            # sees a fresh measurement (its readiness refuses an inventory that is too old),
+            # and at once when the control plane asks (after a restore it has none).
             due = time.monotonic() - published_at >= INVENTORY_REFRESH_SECONDS
+            due = self.republish.due(REPUBLISH_INVENTORY, published_at) or due
             if inventory is not None and (due or _fingerprint(inventory) != published):
                 if self._publish("PUT", PATH_AGENT_INVENTORY, lambda body=inventory: body) is None:
                     return
                 published, published_at = _fingerprint(inventory), time.monotonic()
                 log.info("inventory published: %d accelerator(s)", len(inventory["accelerators"]))
-            if self.stop.wait(self.settings.inventory_interval_seconds):
+            interval = self.settings.inventory_interval_seconds
+            if self.republish.wait(REPUBLISH_INVENTORY, self.stop, interval):
                 return
 
     def telemetry_body(self) -> dict[str, Any]:
@@ -270,8 +279,10 @@ class Publisher:
             except PreflightFailure as failure:
                 # Invariant 9: a failed read is reported as degraded health, never as numbers.
                 self.health.gpu_failed(failure)
-            if self.stop.wait(self.settings.telemetry_interval_seconds):
+            interval = self.settings.telemetry_interval_seconds
+            if self.republish.wait(REPUBLISH_TELEMETRY, self.stop, interval):
                 return
+            self.republish.due(REPUBLISH_TELEMETRY, 0.0)  # this turn publishes anyway
 
     # -- running -------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ from modelforge_contract import (
     CREDENTIAL_REVOKED,
     KIND_CREDENTIAL,
     NODE_DECOMMISSIONED,
+    REPUBLISH_INVENTORY,
+    REPUBLISH_TELEMETRY,
 )
 
 from . import audit, tokens
@@ -85,14 +87,29 @@ class Caller:
     credential_id: str
     node_id: str
     accelerator_mode: str
+    # What the control plane holds no fresh measurement of (after a restore, or before the
+    # first publication since enrollment): the heartbeat answer asks for it again.
+    republish: tuple[str, ...] = ()
 
 
 # The heartbeat path runs this for every call: one indexed read, no model objects.
 _CALLER_SQL = (
-    "SELECT c.digest, c.revoked_at, n.node_id, n.decommissioned_at, n.accelerator_mode "
+    "SELECT c.digest, c.revoked_at, n.node_id, n.decommissioned_at, n.accelerator_mode, "
+    "n.enrolled_at, n.inventory_at, n.telemetry_at "
     "FROM credential AS c JOIN node AS n ON n.node_id = c.node_id "
     "WHERE c.credential_id = ?"
 )
+
+
+def _republish(
+    mode: str, enrolled_at: float, inventory_at: float | None, telemetry_at: float | None
+) -> tuple[str, ...]:
+    wanted = []
+    if inventory_at is None or inventory_at < enrolled_at:
+        wanted.append(REPUBLISH_INVENTORY)
+    if mode != "cpu" and (telemetry_at is None or telemetry_at < enrolled_at):
+        wanted.append(REPUBLISH_TELEMETRY)
+    return tuple(wanted)
 
 
 def authenticate_node(store: Store, authorization: str | None, node_id: str) -> Caller:
@@ -117,7 +134,7 @@ def authenticate_node(store: Store, authorization: str | None, node_id: str) -> 
         ).fetchone()
     if row is None or not tokens.digest_matches(secret, row[0]):
         raise invalid
-    _, revoked_at, owner, decommissioned_at, accelerator_mode = row
+    _, revoked_at, owner, decommissioned_at, accelerator_mode = row[:5]
     if decommissioned_at is not None:
         raise Forbidden(
             "the node this credential belongs to is decommissioned",
@@ -135,7 +152,7 @@ def authenticate_node(store: Store, authorization: str | None, node_id: str) -> 
             "the credential authenticates but belongs to another node",
             code=CREDENTIAL_NODE_MISMATCH,
         )
-    return Caller(credential_id, owner, accelerator_mode)
+    return Caller(credential_id, owner, accelerator_mode, _republish(accelerator_mode, *row[5:]))
 
 
 def credentials_of(store: Store, node: Node) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +26,13 @@ from modelforge_contract import (
 from . import audit, credentials, tokens
 from .clock import isoformat
 from .errors import ApiError, Conflict, Forbidden, Gone, Invalid, NotFound, Unauthorized
+from .join import join_commands
 from .models import EnrollmentToken, Node
 from .store import Store
+
+# What the env file and join commands say when the minting side does not choose: fail
+# closed on a GPU fleet (invariant 9); `--accelerator cpu|auto` changes it.
+DEFAULT_ACCELERATOR_MODE = "nvidia"
 
 _MINT_AGAIN = (
     "Mint a fresh enrollment token (`modelforge enroll --name NAME --expires 15m`, or "
@@ -62,21 +66,20 @@ def enrollment_view(row: EnrollmentToken, now: float) -> dict[str, Any]:
     }
 
 
-def suggested_hostname(display_name: str) -> str:
-    slug = re.sub(r"[^a-z0-9-]+", "-", display_name.lower()).strip("-")
-    return slug[:63] or "gpu-node"
+def agent_env_file(api_origin: str, accelerator_mode: str = DEFAULT_ACCELERATOR_MODE) -> str:
+    """The non-secret agent settings; the token is entered separately, never written here.
 
-
-def agent_env_file(api_origin: str, display_name: str) -> str:
-    """The non-secret agent settings; the token is entered separately, never written here."""
+    The host name is left to the machine: two nodes minted with one display name must not
+    claim one hostname.
+    """
     return (
         "# ModelForge Node Agent settings (no secrets: the enrollment token is read at start)\n"
         f"MODELFORGE_AGENT_CONTROL_PLANE_URL={api_origin}\n"
-        f"MODELFORGE_AGENT_HOSTNAME={suggested_hostname(display_name)}\n"
-        "MODELFORGE_AGENT_ACCELERATOR_MODE=nvidia\n"
+        f"MODELFORGE_AGENT_ACCELERATOR_MODE={accelerator_mode}\n"
         "MODELFORGE_AGENT_TLS_VERIFY=true\n"
         "MODELFORGE_AGENT_IDENTITY_MODE=persisted\n"
         "MODELFORGE_AGENT_STATE_VOLUME=/var/lib/modelforge-node-agent\n"
+        "# MODELFORGE_AGENT_HOSTNAME=  (unset: the machine's own host name)\n"
     )
 
 
@@ -96,20 +99,29 @@ START_COMMAND = (
 class MintedEnrollment:
     row: EnrollmentToken
     token: str
+    accelerator_mode: str = DEFAULT_ACCELERATOR_MODE
 
     def response(self, now: float) -> dict[str, Any]:
         """The one and only answer that carries the token."""
         return {
             **enrollment_view(self.row, now),
             "token": self.token,
-            "env_file": agent_env_file(self.row.api_origin, self.row.display_name),
+            "accelerator_mode": self.accelerator_mode,
+            "env_file": agent_env_file(self.row.api_origin, self.accelerator_mode),
             "env_file_name": "modelforge-node.env",
             "start_command": START_COMMAND,
+            "join_commands": join_commands(self.row.api_origin, self.accelerator_mode),
         }
 
 
 def mint_enrollment_token(
-    store: Store, *, display_name: str, expires_in_seconds: int, api_origin: str, actor: str
+    store: Store,
+    *,
+    display_name: str,
+    expires_in_seconds: int,
+    api_origin: str,
+    actor: str,
+    accelerator_mode: str = DEFAULT_ACCELERATOR_MODE,
 ) -> MintedEnrollment:
     enrollment_id, token = tokens.mint_secret(KIND_ENROLLMENT)
     now = store.clock.now()
@@ -132,7 +144,7 @@ def mint_enrollment_token(
             api_origin=api_origin,
             expires_in_seconds=expires_in_seconds,
         )
-    return MintedEnrollment(row, token)
+    return MintedEnrollment(row, token, accelerator_mode)
 
 
 def list_enrollments(store: Store) -> list[dict[str, Any]]:
@@ -180,6 +192,7 @@ class EnrollRequest:
     request_origin: str
     identity_id: str | None = None
     identity_secret: str | None = None
+    source_address: str | None = None
 
 
 @dataclass(frozen=True)
@@ -233,12 +246,14 @@ def _claim(store: Store, request: EnrollRequest, parsed: tuple[str, str] | None)
     if row is None or not tokens.digest_matches(token, row.digest):
         raise invalid
     if row.api_origin != request.request_origin:
+        # Both origins, also as fields: only a holder of the valid token gets this far.
         raise Forbidden(
             f"this token is locked to {row.api_origin}; the request arrived for "
             f"{request.request_origin}",
             code=ENROLLMENT_ORIGIN_MISMATCH,
-            next_step="Set MODELFORGE_AGENT_CONTROL_PLANE_URL to the origin the token was "
-            "minted for, or mint a token from that origin.",
+            next_step=f"Set MODELFORGE_AGENT_CONTROL_PLANE_URL={row.api_origin} (the origin the "
+            "token is locked to), or mint a token for the address this agent uses.",
+            extra={"api_origin": row.api_origin, "request_origin": request.request_origin},
         )
     identity_digest = _identity_digest(request)
     actor = f"enrollment:{enrollment_id}"
@@ -272,6 +287,7 @@ def _claim(store: Store, request: EnrollRequest, parsed: tuple[str, str] | None)
                     protocol_version=request.protocol_version,
                     created_at=now,
                     enrolled_at=now,
+                    source_address=(request.source_address or "")[:64] or None,
                 )
             else:
                 credentials.revoke_active_credentials(store, node, actor, "re-enrolled")
@@ -280,6 +296,7 @@ def _claim(store: Store, request: EnrollRequest, parsed: tuple[str, str] | None)
                 node.agent_version = request.agent_version
                 node.protocol_version = request.protocol_version
                 node.enrolled_at = now
+                node.source_address = (request.source_address or "")[:64] or node.source_address
                 node.save()
             EnrollmentToken.update(node=node).where(
                 EnrollmentToken.enrollment_id == enrollment_id

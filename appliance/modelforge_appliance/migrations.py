@@ -75,8 +75,14 @@ _DECOMMISSION_CONFIRMATIONS = (
     'CREATE INDEX "decommission_confirmation_node_id" ON "decommission_confirmation" ("node_id")',
 )
 
+# The address a node's agent last called from (enrollment, inventory, telemetry), shown
+# by `modelforge nodes show`. Behind MODELFORGE_TRUSTED_PROXY it is the proxy's.
+_NODE_SOURCE_ADDRESS = ('ALTER TABLE "node" ADD COLUMN "source_address" VARCHAR(64)',)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
+    # Provisional number (issue 15); the integrator renumbers on merge.
+    Migration(6, "node source address", _NODE_SOURCE_ADDRESS),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

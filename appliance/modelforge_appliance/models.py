@@ -52,6 +52,7 @@ class Node(BaseModel):
     telemetry = pw.TextField(null=True)  # JSON of the last telemetry publication
     telemetry_at = pw.DoubleField(null=True)
     decommissioned_at = pw.DoubleField(null=True)
+    source_address = pw.CharField(max_length=64, null=True)  # the agent's last caller address
 
 
 class EnrollmentToken(BaseModel):

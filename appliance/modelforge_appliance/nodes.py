@@ -14,6 +14,7 @@ from .errors import Invalid, NotFound
 from .models import Credential, Node
 from .settings import Settings
 from .store import Store
+from .validation import DISPLAY_NAME, check_value
 
 
 def liveness_of(node: Node, now: float, settings: Settings) -> str:
@@ -57,6 +58,8 @@ def node_view(node: Node, now: float, settings: Settings) -> dict[str, Any]:
         "enrolled_at": isoformat(node.enrolled_at),
         "created_at": isoformat(node.created_at),
         "decommissioned_at": isoformat(node.decommissioned_at),
+        "host": inventory.get("host"),
+        "source_address": node.source_address,
     }
 
 
@@ -79,7 +82,9 @@ def _dump(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def record_inventory(store: Store, caller: Caller, inventory: dict[str, Any]) -> float:
+def record_inventory(
+    store: Store, caller: Caller, inventory: dict[str, Any], source_address: str | None = None
+) -> float:
     # Invariant 9: an nvidia node never publishes an empty inventory.
     if caller.accelerator_mode == "nvidia" and not inventory.get("accelerators"):
         raise Invalid(
@@ -90,21 +95,28 @@ def record_inventory(store: Store, caller: Caller, inventory: dict[str, Any]) ->
     now = store.clock.now()
     stored = {key: value for key, value in inventory.items() if key != "node_id"}
     with store.write():
-        Node.update(inventory=_dump(stored), inventory_at=now).where(
+        Node.update(inventory=_dump(stored), inventory_at=now, **_source(source_address)).where(
             Node.node_id == caller.node_id
         ).execute()
         _mark_used(caller, now)
     return now
 
 
-def record_telemetry(store: Store, caller: Caller, samples: list[dict]) -> float:
+def record_telemetry(
+    store: Store, caller: Caller, samples: list[dict], source_address: str | None = None
+) -> float:
     now = store.clock.now()
     with store.write():
-        Node.update(telemetry=_dump({"samples": samples}), telemetry_at=now).where(
-            Node.node_id == caller.node_id
-        ).execute()
+        Node.update(
+            telemetry=_dump({"samples": samples}), telemetry_at=now, **_source(source_address)
+        ).where(Node.node_id == caller.node_id).execute()
         _mark_used(caller, now)
     return now
+
+
+def _source(address: str | None) -> dict[str, str]:
+    """The column update for the caller's address, when the server saw one."""
+    return {"source_address": address[:64]} if address else {}
 
 
 def _mark_used(caller: Caller, now: float) -> None:
@@ -129,5 +141,27 @@ def set_cordoned(store: Store, node_id: str, cordoned: bool, actor: str) -> Node
         if changed:
             audit.record(
                 store, actor, "node.cordoned" if cordoned else "node.uncordoned", node_id=node_id
+            )
+    return get_node(store, node_id)
+
+
+def rename_node(store: Store, node_id: str, display_name: str, actor: str) -> Node:
+    """Give a node another display name (its id and hostname stay); audited when it changes."""
+    check_value(display_name, DISPLAY_NAME, "display_name")
+    node = get_node(store, node_id)
+    with store.write():
+        changed = (
+            Node.update(display_name=display_name)
+            .where((Node.node_id == node_id) & (Node.display_name != display_name))
+            .execute()
+        )
+        if changed:
+            audit.record(
+                store,
+                actor,
+                "node.renamed",
+                node_id=node_id,
+                previous=node.display_name,
+                display_name=display_name,
             )
     return get_node(store, node_id)

@@ -141,6 +141,17 @@ def _telemetry(node: Node, now: float, settings: Settings) -> Check:
     return Check("telemetry_age", True, f"telemetry {age:.0f}s old")
 
 
+def _cordoned(node: Node) -> Check:
+    if node.cordoned:
+        return Check(
+            "cordoned",
+            False,
+            "the node is cordoned: it is monitored but gets no new work",
+            f"Uncordon it when it may take work again: modelforge nodes uncordon {node.node_id}",
+        )
+    return Check("cordoned", True, "the node is not cordoned")
+
+
 def readiness_of(store: Store, settings: Settings, node_id: str) -> dict[str, Any]:
     """The readiness answer for exactly this node id (DESIGN §3)."""
     node = get_node(store, node_id)
@@ -161,6 +172,7 @@ def readiness_of(store: Store, settings: Settings, node_id: str) -> dict[str, An
             _protocol(node),
             _agent_health(node),
             _telemetry(node, now, settings),
+            _cordoned(node),
         ]
     return {
         "node_id": node.node_id,

@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from modelforge_contract import EXIT_USAGE, INVENTORY_REFRESH_SECONDS
+from modelforge_contract.envfile import parse_env_file
 
 # Prefixes that belong to other ModelForge programs (the agent, the worker,
 # compose files); the control plane leaves them alone.
@@ -120,14 +121,6 @@ class Settings:
     def listen(self) -> str:
         return f"{self.listen_host}:{self.listen_port}"
 
-    @property
-    def default_api_origin(self) -> str:
-        """The origin the CLI locks tokens to when no request origin exists."""
-        if self.public_api_origin:
-            return self.public_api_origin
-        host = "127.0.0.1" if self.listen_host in ("0.0.0.0", "::", "") else self.listen_host  # noqa: S104
-        return normalize_origin(f"http://{host}:{self.listen_port}")
-
 
 def nearest_setting(name: str) -> str | None:
     matches = difflib.get_close_matches(name, sorted(KNOWN_NAMES), n=1, cutoff=0.6)
@@ -179,23 +172,12 @@ def _int(env: Mapping[str, str], name: str, minimum: int, maximum: int) -> int:
 
 def read_env_file(path: Path) -> dict[str, str]:
     """KEY=VALUE lines (``#`` comments, optional quotes), as systemd's EnvironmentFile= reads."""
-    values: dict[str, str] = {}
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        return parse_env_file(path.read_text(encoding="utf-8"), str(path))
     except OSError as exc:
         raise ConfigError(f"cannot read env file {path}: {exc.strerror}") from None
-    for number, line in enumerate(lines, 1):
-        text = line.strip()
-        if not text or text.startswith("#"):
-            continue
-        name, sep, value = text.removeprefix("export ").partition("=")
-        if not sep or not name.strip().isidentifier():
-            raise ConfigError(f"{path}:{number} is not NAME=VALUE")
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        values[name.strip()] = value
-    return values
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = None) -> Settings:

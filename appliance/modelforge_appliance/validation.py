@@ -152,13 +152,15 @@ def parse_body(environ: dict[str, Any], max_bytes: int, fields: dict[str, Field]
 
 # -- the request shapes of DESIGN §3 ------------------------------------------
 
-_NAME = Field(str, low=1, high=120)
+_NAME = DISPLAY_NAME = Field(str, low=1, high=120)
 _VERSION = Field(str, low=1, high=64)
 _ID = Field(str, low=1, high=64)
 
 MINT_FIELDS = {
     "display_name": _NAME,
     "expires_in_seconds": Field(int, low=300, high=86400),
+    # Only shapes the env file and join commands of the answer; the node reports its own.
+    "accelerator_mode": Field(str, required=False, choices=ACCELERATOR_MODES),
 }
 
 EXECUTE_FIELDS = {"confirmation": Field(str, low=1, high=256)}

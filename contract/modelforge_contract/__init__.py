@@ -87,7 +87,14 @@ LIVENESS_STATES = (PENDING, ONLINE, STALE, OFFLINE, DECOMMISSIONED)
 
 ACCELERATOR_MODES = ("nvidia", "cpu", "auto")
 
-READINESS_CHECKS = ("connection", "inventory_age", "protocol", "agent_health", "telemetry_age")
+READINESS_CHECKS = (
+    "connection",
+    "inventory_age",
+    "protocol",
+    "agent_health",
+    "telemetry_age",
+    "cordoned",
+)
 ALERT_NODE_OFFLINE = "node_offline"
 ALERT_NODE_STALE = "node_stale"
 ALERT_HOSTNAME_CONFLICT = "hostname_conflict"
@@ -151,6 +158,26 @@ EXIT_PROTOCOL_INCOMPATIBLE = 5
 # The node agent stops here when the control plane refuses its credential (401/403 after
 # enrollment): retrying cannot help, re-enrolling does.
 EXIT_CREDENTIAL_REFUSED = 6
+
+# -- the first hour (issue 15): exit codes of the CLIs, republish requests, join ------
+# `modelforge` (the control-plane CLI) adds these to the shared codes above; the agent
+# uses EXIT_INTERNAL too. Every code is listed in README.md and docs/ (a test checks).
+EXIT_CHECK_FAILED = 1  # the answer is "no": not ready, a doctor check failed, alerts, declined
+EXIT_NOT_FOUND = 7  # no such node, enrollment or admin token
+EXIT_STORE_UNREACHABLE = 8  # PostgreSQL does not answer, or the SQLite file cannot be used
+EXIT_SYSTEM = 9  # the operating system refused: disk full, I/O error, out of memory
+EXIT_INTERNAL = 70  # a bug: one line says so; --debug shows the trace
+
+# The heartbeat answer's additive "republish" list asks the agent to publish these again
+# now (after a restore the control plane holds no fresh measurement); older agents ignore it.
+REPUBLISH_INVENTORY = "inventory"
+REPUBLISH_TELEMETRY = "telemetry"
+
+# Where `modelforge-node-agent join` puts things on a systemd host (systemd/, docs/).
+AGENT_ENV_FILE = "/etc/modelforge/modelforge-node-agent.env"
+AGENT_STATE_DIR = "/var/lib/modelforge-node-agent"
+AGENT_PYZ_PATH = "/opt/modelforge/modelforge-node-agent.pyz"
+AGENT_SERVICE = "modelforge-node-agent"
 
 # -- secrets ----------------------------------------------------------------
 # A secret reads "<kind>_<lookup id>_<random>". The lookup id is not secret and

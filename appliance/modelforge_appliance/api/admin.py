@@ -77,7 +77,8 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         origin = settings.public_api_origin or request_origin(bottle.request.environ)
         if origin == "unknown":
             raise Invalid(
-                "the Host header of this request is not an origin a token can be locked to",
+                "the Host header of this request is not an origin a token can be locked to "
+                "(a wildcard address such as 0.0.0.0 never is)",
                 code=HOST_INVALID,
                 next_step="Set MODELFORGE_PUBLIC_API_ORIGIN, or mint through the address the "
                 "agents use.",
@@ -88,6 +89,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             expires_in_seconds=fields["expires_in_seconds"],
             api_origin=origin,
             actor=actor,
+            accelerator_mode=fields.get("accelerator_mode", enrollment.DEFAULT_ACCELERATOR_MODE),
         )
         return json_response(minted.response(clock.now()), 201)
 

@@ -46,6 +46,11 @@ def agent_caller(context: ApiContext, node_id: str) -> credentials.Caller:
     )
 
 
+def source_address() -> str | None:
+    """The peer address waitress saw (never X-Forwarded-For, which any client can write)."""
+    return bottle.request.environ.get("REMOTE_ADDR") or None
+
+
 def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     settings, store, heartbeats, metrics = (
         context.settings,
@@ -78,6 +83,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
                 request_origin=request_origin(bottle.request.environ),
                 identity_id=identity.get("identity_id"),
                 identity_secret=identity.get("identity_secret"),
+                source_address=source_address(),
             ),
         )
         return json_response(
@@ -108,6 +114,8 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
                 "server_time": isoformat(at),
                 "heartbeat_interval_seconds": settings.heartbeat_interval_seconds,
                 "compatibility": COMPATIBLE,
+                # Additive: what to publish again now (an older agent ignores it).
+                "republish": list(caller.republish),
             }
         )
 
@@ -116,7 +124,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         agent_protocol()
         fields = context.body(INVENTORY_FIELDS)
         caller = agent_caller(context, fields["node_id"])
-        at = nodes.record_inventory(store, caller, fields)
+        at = nodes.record_inventory(store, caller, fields, source_address())
         return json_response({"server_time": isoformat(at), "compatibility": COMPATIBLE})
 
     @app.post(PATH_AGENT_TELEMETRY)
@@ -124,5 +132,5 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         agent_protocol()
         fields = context.body(TELEMETRY_FIELDS)
         caller = agent_caller(context, fields["node_id"])
-        at = nodes.record_telemetry(store, caller, fields["samples"])
+        at = nodes.record_telemetry(store, caller, fields["samples"], source_address())
         return json_response({"server_time": isoformat(at), "compatibility": COMPATIBLE})

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import bottle
 import peewee as pw
@@ -26,6 +27,7 @@ from modelforge_contract import (
 from ..errors import ApiError, Invalid, StoreUnavailable
 from ..heartbeats import HeartbeatBuffer
 from ..metrics import Metrics
+from ..serving import is_unspecified
 from ..settings import Settings, normalize_origin
 from ..store import Store
 from ..validation import Field, parse_body
@@ -148,6 +150,8 @@ def request_origin(environ: dict[str, Any]) -> str:
         origin = normalize_origin(f"{scheme}://{host}")
     except ValueError:
         return "unknown"
+    if is_unspecified(urlsplit(origin).hostname or ""):
+        return "unknown"  # 0.0.0.0 or [::]: no agent elsewhere can dial it
     return origin if len(origin) <= ORIGIN_MAX_LENGTH else "unknown"
 
 

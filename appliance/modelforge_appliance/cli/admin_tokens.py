@@ -5,8 +5,7 @@ from __future__ import annotations
 import click
 
 from .. import admin_tokens, audit
-from ..errors import NotFound
-from .support import Context, emit, fail
+from .support import Context, emit
 
 
 @click.group("admin-token")
@@ -47,8 +46,5 @@ def admin_token_list(obj: Context, as_json: bool) -> None:
 @click.pass_obj
 def admin_token_revoke(obj: Context, token_id: str, as_json: bool) -> None:
     """Revoke an admin token by its id (see `admin-token list`)."""
-    try:
-        row = admin_tokens.revoke_admin_token(obj.store(), token_id, audit.CLI_ACTOR)
-    except NotFound as exc:
-        fail(exc.message)
+    row = admin_tokens.revoke_admin_token(obj.store(), token_id, audit.CLI_ACTOR)  # 7: unknown
     emit(as_json, admin_tokens.admin_token_view(row), f"Revoked admin token {token_id}.")

@@ -1,4 +1,4 @@
-"""The ``modelforge`` command line (click). Exit codes: 0 ok, 2 usage or configuration."""
+"""The ``modelforge`` command line (click). Exit codes: see cli/errors.py and README.md."""
 
 from __future__ import annotations
 
@@ -12,44 +12,59 @@ import click
 
 from modelforge_contract import PROTOCOL_VERSION, __version__
 
-from .. import admin_tokens, audit
+from .. import admin_tokens, audit, serving
 from ..backup import RestoreRefused, state_lock
 from ..doctor import doctor
-from ..settings import ConfigError, parse_listen
-from ..store import StoreVersionError
+from ..settings import ConfigError, Settings, parse_listen
+from ..store import Store, StoreVersionError
+from .errors import report
 from .support import Context, emit, fail
 
 FIRST_TOKEN_NAME = "first admin"
 
 
 class Group(click.Group):
-    """Turns configuration and store-version problems into exit 2 with one line."""
+    """The one error handler: every failure is one line with a next step and its exit code."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except (ConfigError, StoreVersionError, RestoreRefused) as exc:
             fail(str(exc))
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as exc:  # everything else: one line, the trace only with --debug
+            obj = ctx.obj if isinstance(ctx.obj, Context) else None
+            report(
+                exc,
+                debug=bool(obj and obj.debug),
+                database_url=obj.database_url if obj else None,
+            )
 
 
-@click.group(cls=Group)
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(
     __version__, message=f"modelforge %(version)s (agent protocol {PROTOCOL_VERSION})"
 )
 @click.option(
     "--env-file",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Read MODELFORGE_* settings from this KEY=VALUE file; the environment wins on conflicts.",
+    help="Read MODELFORGE_* settings from this KEY=VALUE file; the environment wins on "
+    "conflicts. Default: the settings scripts/run left in this virtualenv, if any.",
 )
+@click.option("--debug", is_flag=True, help="On failure, show the Python traceback too.")
 @click.pass_context
-def main(ctx: click.Context, env_file: Path | None) -> None:
+def main(ctx: click.Context, env_file: Path | None, debug: bool) -> None:
     """ModelForge control plane: enrollment, node credentials, liveness and the console.
 
     Settings come from MODELFORGE_* environment variables (docs/configuration.md).
+    Exit codes: 0 ok, 1 the answer is no (not ready, a check failed, alerts, declined),
+    2 usage or configuration, 7 not found, 8 store unreachable, 9 the system refused
+    (disk full, I/O error), 70 internal error.
     """
     # Everything this program writes (store, WAL, backups, lock) is for its own user only.
     os.umask(0o077)
-    ctx.obj = Context(env_file)
+    ctx.obj = Context(env_file, debug)
 
 
 @main.command()
@@ -57,7 +72,7 @@ def main(ctx: click.Context, env_file: Path | None) -> None:
 @click.pass_obj
 def init(obj: Context, as_json: bool) -> None:
     """Create the state directory and store; print the first admin token once."""
-    store = obj.store()
+    store = obj.store(create=True)
     if admin_tokens.has_admin_tokens(store):
         emit(
             as_json,
@@ -90,44 +105,69 @@ def serve(obj: Context, listen: str | None) -> None:
     host, port = (
         parse_listen(listen, "--listen") if listen else (settings.listen_host, settings.listen_port)
     )
-    store = obj.store()
+    store = obj.store(create=True)
     if not admin_tokens.has_admin_tokens(store):
         click.echo("modelforge: no admin token exists yet; run `modelforge init` first.", err=True)
     try:
         server = create_server(settings, store, host, port)
     except OSError as exc:
         fail(f"cannot listen on {host}:{port}: {exc.strerror}")
-    bound = f"http://{host}:{server.effective_port}"
-    logging.getLogger("modelforge").info("serving on %s", bound)
-    click.echo(
-        f"ModelForge control plane on {bound} (store: {'SQLite' if store.is_sqlite else 'PostgreSQL'})\n"
-        "Enroll a node: modelforge enroll --name NAME --expires 15m, or\n"
-        f'  curl -s -X POST -H "X-ModelForge-Admin-Token: $KEY" -H "Content-Type: application/json" \\\n'
-        f'    -d \'{{"display_name":"GPU Node","expires_in_seconds":900}}\' \\\n'
-        f"    {bound}/api/v1/admin/node-enrollments",
-        err=True,
-    )
+    log = logging.getLogger("modelforge")
+    listening = f"{host}:{server.effective_port}"
+    log.info("serving on %s", listening)
+    warning = serving.wildcard_warning(settings, host)
+    if warning:
+        log.warning("%s", warning)
+    click.echo(_banner(settings, store, host, server.effective_port), err=True)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     with state_lock(settings, exclusive=False):  # `modelforge restore` waits for us to stop
-        run_until(server, stop)
-    logging.getLogger("modelforge").info("stopped")
+        # What the CLI on this host reads to lock tokens to the origin really served.
+        record = serving.record_serving(settings, host, server.effective_port)
+        try:
+            run_until(server, stop)
+        finally:
+            serving.clear_serving(settings, record)
+    log.info("stopped")
+
+
+def _banner(settings: Settings, store: Store, host: str, port: int) -> str:
+    kind = "SQLite" if store.is_sqlite else "PostgreSQL"
+    if settings.public_api_origin:
+        url, origin = settings.public_api_origin, settings.public_api_origin
+    elif serving.is_unspecified(host):
+        url, origin = f"http://<this host's address>:{port}", None
+    else:
+        url = origin = serving.origin_for(host, port)
+    shown = f"listening on {host}:{port}" + (f", agents use {origin}" if origin else "")
+    return (
+        f"ModelForge control plane {shown} (store: {kind})\n"
+        "Enroll a node: modelforge enroll --name NAME --expires 15m, or\n"
+        f'  curl -s -X POST -H "X-ModelForge-Admin-Token: $KEY" -H "Content-Type: application/json" \\\n'
+        f'    -d \'{{"display_name":"GPU Node","expires_in_seconds":900}}\' \\\n'
+        f"    {url}/api/v1/admin/node-enrollments"
+    )
 
 
 from .admin_tokens import admin_token  # noqa: E402
-from .enrollments import enroll  # noqa: E402
+from .audit import audit_command  # noqa: E402
+from .completion import completion  # noqa: E402
+from .enrollments import enroll, enrollments_group  # noqa: E402
 from .nodes import alerts_command, nodes_group  # noqa: E402
 from .store import backup_command, restore_command  # noqa: E402
 
 for command in (
     admin_token,
     enroll,
+    enrollments_group,
     nodes_group,
     alerts_command,
+    audit_command,
     backup_command,
     restore_command,
     doctor,
+    completion,
 ):
     main.add_command(command)
 

@@ -1,28 +1,72 @@
-"""``modelforge nodes …`` and ``alerts``: fleet operations from the host."""
+"""``modelforge nodes …`` and ``alerts``: fleet operations from the host.
+
+A node is named by its id, a unique prefix of it, or its hostname (an enabled node's first),
+as ``docker`` and ``headscale`` take them; an ambiguous name is refused with the candidates.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
+from modelforge_contract import DECOMMISSIONED, EXIT_CHECK_FAILED
+
 from .. import alerts, audit, credentials, decommission, nodes, readiness
-from ..errors import ApiError
-from .support import JSON_OPTION, Context, confirmed, emit, fail
+from ..errors import NotFound
+from ..models import Node
+from .completion import complete_nodes
+from .support import JSON_OPTION, Context, confirm_or_refuse, emit, fail
+
+NODE_ARGUMENT = click.argument("node", metavar="NODE", shell_complete=complete_nodes)
 
 
-def _node(obj: Context, node_id: str):
-    try:
-        return nodes.get_node(obj.store(), node_id)
-    except ApiError as exc:
-        fail(exc.message)
+def find_node(obj: Context, reference: str) -> Node:
+    """The node an id, unique id prefix or hostname names; NotFound or a usage error."""
+    store = obj.store()
+    reference = reference.strip()
+    with store.connection():
+        rows = list(Node.select(Node.node_id, Node.hostname, Node.decommissioned_at))
+    if any(row.node_id == reference for row in rows):
+        return nodes.get_node(store, reference)
+    by_prefix = {
+        row.node_id for row in rows if reference and row.node_id.startswith(reference.lower())
+    }
+    named = [row for row in rows if row.hostname.lower() == reference.lower()]
+    enabled = [row for row in named if row.decommissioned_at is None]
+    by_hostname = {row.node_id for row in (enabled or named)}
+    candidates = sorted(by_prefix | by_hostname)
+    if not candidates:
+        raise NotFound(
+            f"no node {reference!r} (by id, id prefix or hostname)",
+            next_step="list them with `modelforge nodes`",
+        )
+    if len(candidates) > 1:
+        shown = ", ".join(candidates[:6]) + (" …" if len(candidates) > 6 else "")
+        raise click.UsageError(
+            f"{reference!r} names {len(candidates)} nodes ({shown}); give more of the id"
+        )
+    return nodes.get_node(store, candidates[0])
 
 
-def _table(rows: list[dict]) -> str:
-    lines = [f"{'NODE ID':38} {'NAME':20} {'HOSTNAME':20} {'LIVENESS':14} LAST HEARTBEAT"]
+def ago(now: float, then: float | None) -> str:
+    """'12s ago', '5m ago', '3h ago', '2d ago'; 'never' for no time."""
+    if then is None:
+        return "never"
+    seconds = max(0.0, now - then)
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "m")):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def _table(rows: list[dict], now: float, seen: dict[str, float | None]) -> str:
+    lines = [f"{'NODE ID':38} {'NAME':20} {'HOSTNAME':20} {'LIVENESS':14} LAST SEEN"]
     for row in rows:
-        cordoned = " (cordoned)" if row["cordoned"] and row["liveness"] != "decommissioned" else ""
+        cordoned = " (cordoned)" if row["cordoned"] and row["liveness"] != DECOMMISSIONED else ""
         lines.append(
             f"{row['node_id']:38} {row['display_name'][:20]:20} {row['hostname'][:20]:20} "
-            f"{row['liveness']:14} {row['last_heartbeat_at'] or '-'}{cordoned}"
+            f"{row['liveness']:14} {ago(now, seen.get(row['node_id']))}{cordoned}"
         )
     return "\n".join(lines)
 
@@ -31,29 +75,113 @@ def _table(rows: list[dict]) -> str:
 @JSON_OPTION
 @click.pass_context
 def nodes_group(ctx: click.Context, as_json: bool) -> None:
-    """List nodes with their liveness, or act on one (see the commands below)."""
+    """List nodes with their liveness, or act on one (see the commands below).
+
+    NODE is a node id, a unique prefix of one, or a hostname.
+    """
     if ctx.invoked_subcommand is None:
-        rows = nodes.list_nodes(ctx.obj.store(), ctx.obj.settings)
-        emit(as_json, {"nodes": rows}, _table(rows))
+        store = ctx.obj.store()
+        rows = nodes.list_nodes(store, ctx.obj.settings)
+        with store.connection():
+            seen = {
+                n.node_id: n.last_heartbeat_at
+                for n in Node.select(Node.node_id, Node.last_heartbeat_at)
+            }
+        emit(as_json, {"nodes": rows}, _table(rows, store.clock.now(), seen))
+
+
+def _gib(value: Any) -> str:
+    return f"{value / 2**30:.1f} GiB" if isinstance(value, int | float) else "?"
+
+
+def _detail(node: Node, view: dict[str, Any], now: float) -> str:
+    """Everything an operator looks for on one node, as aligned lines."""
+    health = view["health"] or {}
+    host = view["host"] or {}
+    lines = [
+        ("node", f"{view['node_id']}  {view['display_name']} ({view['hostname']})"),
+        (
+            "liveness",
+            f"{view['liveness']}, last heartbeat {ago(now, node.last_heartbeat_at)}"
+            + (f" ({view['last_heartbeat_at']})" if view["last_heartbeat_at"] else ""),
+        ),
+        ("cordoned", "yes: no new work" if view["cordoned"] else "no"),
+        (
+            "mode",
+            f"{view['accelerator_mode']}; agent {view['agent_version']}, protocol "
+            f"{view['protocol_version']}, worker {view['worker_version'] or '-'}",
+        ),
+        (
+            "health",
+            (
+                f"{health.get('status', '?')}, GPU probe {health.get('gpu_probe', '?')}"
+                + (f": {health['message']}" if health.get("message") else "")
+            )
+            if health
+            else "not reported yet",
+        ),
+        (
+            "host",
+            ", ".join(
+                part
+                for part in (
+                    host.get("os"),
+                    f"kernel {host['kernel']}" if host.get("kernel") else None,
+                    f"{host['cpu_count']} CPUs" if host.get("cpu_count") else None,
+                    _gib(host["memory_total_bytes"]) + " memory"
+                    if host.get("memory_total_bytes")
+                    else None,
+                )
+                if part
+            )
+            or "not reported yet",
+        ),
+        ("source", view["source_address"] or "not seen yet"),
+        ("inventory", f"measured {ago(now, node.inventory_at)}"),
+        ("telemetry", f"{ago(now, node.telemetry_at)}"),
+        ("enrolled", f"{view['enrolled_at']} (created {view['created_at']})"),
+    ]
+    if view["decommissioned_at"]:
+        lines.append(("retired", view["decommissioned_at"]))
+    text = [f"{label:12} {value}" for label, value in lines]
+    text.append(f"{'accelerators':12} {len(view['accelerators']) or 'none'}")
+    for gpu in view["accelerators"]:
+        extra = " ".join(
+            f"{key.split('_')[0]} {gpu[key]}"
+            for key in ("driver_version", "cuda_version")
+            if gpu.get(key)
+        )
+        text.append(
+            f"  {gpu.get('index', '?'):>2}  {gpu.get('name', '?')}  "
+            f"{_gib(gpu.get('memory_total_bytes'))}  {gpu.get('uuid', '')}  {extra}".rstrip()
+        )
+    for root in view["storage_roots"]:
+        text.append(
+            f"{'storage':12} {root.get('path')} ({root.get('role')}): "
+            f"{_gib(root.get('free_bytes'))} free of {_gib(root.get('total_bytes'))}"
+        )
+    return "\n".join(text)
 
 
 @nodes_group.command("show")
-@click.argument("node_id")
+@NODE_ARGUMENT
 @JSON_OPTION
 @click.pass_obj
-def show(obj: Context, node_id: str, as_json: bool) -> None:
-    """Show one node as the API does."""
-    view = nodes.node_view(_node(obj, node_id), obj.store().clock.now(), obj.settings)
-    emit(as_json, view, _table([view]))
+def show(obj: Context, node: str, as_json: bool) -> None:
+    """Everything about one node: liveness, health, mode, versions, host, GPUs, storage."""
+    row = find_node(obj, node)
+    now = obj.store().clock.now()
+    view = nodes.node_view(row, now, obj.settings)
+    emit(as_json, view, _detail(row, view, now))
 
 
 @nodes_group.command("readiness")
-@click.argument("node_id")
+@NODE_ARGUMENT
 @JSON_OPTION
 @click.pass_obj
-def readiness_command(obj: Context, node_id: str, as_json: bool) -> None:
+def readiness_command(obj: Context, node: str, as_json: bool) -> None:
     """Check whether a node is ready for work; exit 1 when it is not."""
-    _node(obj, node_id)
+    node_id = find_node(obj, node).node_id
     answer = readiness.readiness_of(obj.store(), obj.settings, node_id)
     lines = [f"node {node_id}: {'READY' if answer['ready'] else 'NOT READY'}"]
     for check in answer["checks"]:
@@ -62,16 +190,16 @@ def readiness_command(obj: Context, node_id: str, as_json: bool) -> None:
             lines.append(f"       next: {check['next_step']}")
     emit(as_json, answer, "\n".join(lines))
     if not answer["ready"]:
-        raise SystemExit(1)
+        raise SystemExit(EXIT_CHECK_FAILED)
 
 
 @nodes_group.command("credentials")
-@click.argument("node_id")
+@NODE_ARGUMENT
 @JSON_OPTION
 @click.pass_obj
-def credentials_command(obj: Context, node_id: str, as_json: bool) -> None:
+def credentials_command(obj: Context, node: str, as_json: bool) -> None:
     """Active and revoked credentials of a node (never a hash)."""
-    answer = credentials.credentials_of(obj.store(), _node(obj, node_id))
+    answer = credentials.credentials_of(obj.store(), find_node(obj, node))
     lines = [f"active {answer['active']}, revoked {answer['revoked']}"]
     for row in answer["credentials"]:
         state = f"revoked {row['revoked_at']}" if row["revoked_at"] else "ACTIVE"
@@ -83,78 +211,101 @@ def credentials_command(obj: Context, node_id: str, as_json: bool) -> None:
 
 
 @nodes_group.command("revoke")
-@click.argument("node_id")
+@NODE_ARGUMENT
 @JSON_OPTION
 @click.pass_obj
-def revoke(obj: Context, node_id: str, as_json: bool) -> None:
+def revoke(obj: Context, node: str, as_json: bool) -> None:
     """Revoke a node's credential permanently (re-enroll the agent afterwards)."""
-    revoked = credentials.revoke_node_credential(obj.store(), _node(obj, node_id), audit.CLI_ACTOR)
+    row = find_node(obj, node)
+    revoked = credentials.revoke_node_credential(obj.store(), row, audit.CLI_ACTOR)
     emit(
         as_json,
-        {"node_id": node_id, "revoked": revoked},
-        f"Revoked {len(revoked)} credential(s) of node {node_id}.",
+        {"node_id": row.node_id, "revoked": revoked},
+        f"Revoked {len(revoked)} credential(s) of node {row.node_id}.",
     )
 
 
-@nodes_group.command("cordon")
-@click.argument("node_id")
+@nodes_group.command("rename")
+@NODE_ARGUMENT
+@click.argument("new_name")
 @JSON_OPTION
 @click.pass_obj
-def cordon(obj: Context, node_id: str, as_json: bool) -> None:
+def rename(obj: Context, node: str, new_name: str, as_json: bool) -> None:
+    """Give a node another display name (1-120 characters); its id and hostname stay."""
+    row = nodes.rename_node(obj.store(), find_node(obj, node).node_id, new_name, audit.CLI_ACTOR)
+    view = nodes.node_view(row, obj.store().clock.now(), obj.settings)
+    emit(as_json, view, f"Node {row.node_id} is now {row.display_name!r}.")
+
+
+@nodes_group.command("cordon")
+@NODE_ARGUMENT
+@JSON_OPTION
+@click.pass_obj
+def cordon(obj: Context, node: str, as_json: bool) -> None:
     """Give the node no new work; it stays monitored."""
-    _set_cordon(obj, node_id, True, as_json)
+    _set_cordon(obj, node, True, as_json)
 
 
 @nodes_group.command("uncordon")
-@click.argument("node_id")
+@NODE_ARGUMENT
 @JSON_OPTION
 @click.pass_obj
-def uncordon(obj: Context, node_id: str, as_json: bool) -> None:
+def uncordon(obj: Context, node: str, as_json: bool) -> None:
     """Let the node take work again."""
-    _set_cordon(obj, node_id, False, as_json)
+    _set_cordon(obj, node, False, as_json)
 
 
-def _set_cordon(obj: Context, node_id: str, cordoned: bool, as_json: bool) -> None:
-    try:
-        node = nodes.set_cordoned(obj.store(), node_id, cordoned, audit.CLI_ACTOR)
-    except ApiError as exc:
-        fail(exc.message)
-    view = nodes.node_view(node, obj.store().clock.now(), obj.settings)
+def _set_cordon(obj: Context, node: str, cordoned: bool, as_json: bool) -> None:
+    node_id = find_node(obj, node).node_id
+    row = nodes.set_cordoned(obj.store(), node_id, cordoned, audit.CLI_ACTOR)
+    view = nodes.node_view(row, obj.store().clock.now(), obj.settings)
     emit(as_json, view, f"Node {node_id} is {'cordoned' if cordoned else 'uncordoned'}.")
 
 
 @nodes_group.command("decommission")
-@click.argument("node_id")
+@NODE_ARGUMENT
 @click.option("--yes", is_flag=True, help="Execute the previewed plan without asking.")
 @JSON_OPTION
 @click.pass_obj
-def decommission_command(obj: Context, node_id: str, yes: bool, as_json: bool) -> None:
-    """Retire a node for good: preview the effects, then execute exactly them."""
+def decommission_command(obj: Context, node: str, yes: bool, as_json: bool) -> None:
+    """Retire a node for good: preview the effects, then execute exactly them.
+
+    Asks on the terminal before executing; with --json, --yes is required.
+    """
     store = obj.store()
-    try:
-        plan = decommission.preview(store, node_id, audit.CLI_ACTOR)
-        effects = plan["effects"]
-        if not as_json:
-            click.echo(
-                f"Decommissioning node {node_id} will:\n"
-                f"  revoke credentials: {', '.join(effects['credentials_revoked']) or 'none'}\n"
-                f"  return leases:      {len(effects['leases_returned'])}\n"
-                f"  retire identity:    {effects['identity_retired'] or 'none'}\n"
-                f"  free hostname:      {effects['hostname_freed']}"
-            )
-        if not yes and not confirmed("Execute?"):
-            fail("nothing was changed", code=1)
-        done = decommission.execute(store, node_id, plan["confirmation"], audit.CLI_ACTOR)
-    except ApiError as exc:
-        fail(exc.message)
+    node_id = find_node(obj, node).node_id
+    if as_json and not yes:  # refused before the preview records anything
+        fail("--json does not ask questions: add --yes to go ahead")
+    plan = decommission.preview(store, node_id, audit.CLI_ACTOR)
+    effects = plan["effects"]
+    if not as_json:
+        click.echo(
+            f"Decommissioning node {node_id} will:\n"
+            f"  revoke credentials: {', '.join(effects['credentials_revoked']) or 'none'}\n"
+            f"  return leases:      {len(effects['leases_returned'])}\n"
+            f"  retire identity:    {effects['identity_retired'] or 'none'}\n"
+            f"  free hostname:      {effects['hostname_freed']}"
+        )
+    confirm_or_refuse("Execute?", yes, as_json)
+    done = decommission.execute(store, node_id, plan["confirmation"], audit.CLI_ACTOR)
     emit(as_json, done, f"Node {node_id} decommissioned at {done['decommissioned_at']}.")
 
 
+SEVERITY_RANK = {"warning": 1, "critical": 2}
+
+
 @click.command("alerts")
+@click.option(
+    "--fail-on",
+    type=click.Choice(tuple(SEVERITY_RANK)),
+    help="Exit 1 when an alert of this severity or worse is active (for scripts and cron).",
+)
 @JSON_OPTION
 @click.pass_obj
-def alerts_command(obj: Context, as_json: bool) -> None:
+def alerts_command(obj: Context, fail_on: str | None, as_json: bool) -> None:
     """Active alerts: offline and stale nodes, hostname conflicts."""
     active = alerts.active_alerts(obj.store(), obj.settings)
     lines = [f"{a['severity']:8} {a['kind']:18} {a['node_id']}  {a['message']}" for a in active]
     emit(as_json, {"alerts": active}, "\n".join(lines) or "No active alerts.")
+    if fail_on and any(SEVERITY_RANK[a["severity"]] >= SEVERITY_RANK[fail_on] for a in active):
+        raise SystemExit(EXIT_CHECK_FAILED)

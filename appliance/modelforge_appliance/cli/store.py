@@ -8,7 +8,8 @@ import click
 
 from .. import backup
 from ..clock import Clock
-from .support import JSON_OPTION, Context, confirmed, emit, fail
+from .ownership import require_state_owner
+from .support import JSON_OPTION, Context, confirm_or_refuse, emit
 
 
 @click.command("backup")
@@ -17,6 +18,7 @@ from .support import JSON_OPTION, Context, confirmed, emit, fail
 @click.pass_obj
 def backup_command(obj: Context, path: Path, as_json: bool) -> None:
     """Copy the SQLite store to PATH (consistent while serving; mode 0600)."""
+    require_state_owner(obj.settings)
     done = backup.backup(obj.settings, path)
     emit(as_json, done, f"Backed up the store to {done['backup']} ({done['bytes']} bytes).")
 
@@ -34,9 +36,12 @@ def backup_command(obj: Context, path: Path, as_json: bool) -> None:
 def restore_command(
     obj: Context, path: Path, yes: bool, accept_lost_revocations: bool, as_json: bool
 ) -> None:
-    """Replace the store with a backup (the control plane must be stopped)."""
-    if not yes and not confirmed(f"Replace the store in {obj.settings.state_dir} with {path}?"):
-        fail("nothing was changed", code=1)
+    """Replace the store with a backup (the control plane must be stopped).
+
+    Asks on the terminal first; with --json, --yes is required.
+    """
+    require_state_owner(obj.settings)
+    confirm_or_refuse(f"Replace the store in {obj.settings.state_dir} with {path}?", yes, as_json)
     done = backup.restore(obj.settings, path, Clock(), accept_lost_revocations)
     kept = done["kept_from_current_store"]
     emit(

@@ -9,20 +9,29 @@ from typing import Any
 
 import click
 
-from modelforge_contract import EXIT_USAGE
+from modelforge_contract import EXIT_CHECK_FAILED, EXIT_USAGE
 from modelforge_contract.logs import configure_logging
 
 from ..settings import Settings, load_settings
 from ..store import Store
+from . import locate
+from .ownership import require_state_owner
 
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
 
 class Context:
-    def __init__(self, env_file: Path | None) -> None:
-        self.env_file = env_file
+    def __init__(self, env_file: Path | None, debug: bool = False) -> None:
+        # Without --env-file, the settings scripts/run left in this virtualenv (locate.py).
+        self.env_file = env_file or locate.venv_settings_file()
+        self.debug = debug
         self._settings: Settings | None = None
         self._store: Store | None = None
+
+    @property
+    def database_url(self) -> str | None:
+        """The store's URL once settings are loaded (for error messages), else None."""
+        return self._settings.database_url if self._settings else None
 
     @property
     def settings(self) -> Settings:
@@ -33,12 +42,24 @@ class Context:
             )
         return self._settings
 
-    def store(self) -> Store:
-        """The one store of this command, opened and migrated on first use."""
+    def store(self, create: bool = False) -> Store:
+        """The one store of this command, opened and migrated on first use.
+
+        Only ``init`` and ``serve`` pass ``create``; any other command on a missing store
+        exits 2 naming where it looked. Says on stderr which store it uses.
+        """
         from ..server import open_store
 
         if self._store is None:
-            self._store = open_store(self.settings)
+            require_state_owner(self.settings)
+            if create:
+                self._store = open_store(self.settings)
+            else:
+                self._store = locate.open_existing_store(self.settings, self.env_file)
+            source = f" (settings from {self.env_file})" if self.env_file else ""
+            click.echo(
+                f"modelforge: store {locate.describe_store(self.settings)}{source}", err=True
+            )
         return self._store
 
 
@@ -52,9 +73,19 @@ def emit(as_json: bool, payload: Any, text: str) -> None:
 
 
 def confirmed(question: str) -> bool:
-    """Ask on the terminal; no answer (closed stdin, Ctrl-D) means no."""
+    """Ask on stderr (stdout stays for the answer); no answer (closed stdin, Ctrl-D) means no."""
     try:
-        return click.confirm(question, default=False)
+        return click.confirm(question, default=False, err=True)
     except click.Abort:
         click.echo("", err=True)
         return False
+
+
+def confirm_or_refuse(question: str, yes: bool, as_json: bool) -> None:
+    """Go on when --yes was given or the operator agrees; a script (--json) must say --yes."""
+    if yes:
+        return
+    if as_json:
+        fail("--json does not ask questions: add --yes to go ahead")
+    if not confirmed(question):
+        fail("nothing was changed", code=EXIT_CHECK_FAILED)

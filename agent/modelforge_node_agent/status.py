@@ -1,0 +1,261 @@
+"""``modelforge-node-agent status``: node id, origin, the last successful heartbeat and why
+not, like ``tailscale status``.
+
+The running agent keeps ``status.json`` in its state volume (mode 0600, replaced atomically,
+no secret in it): when each call last succeeded or failed, and why it stopped. ``status``
+reads it with ``identity.json`` and says whether the agent runs, without calling the control
+plane itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from modelforge_contract import PATH_AGENT_HEARTBEAT, mask_secrets
+
+from . import __version__
+from .client import CallFailed, ControlPlaneClient, Refused
+from .identity import NodeState
+
+log = logging.getLogger(__name__)
+
+STATUS_FILE_NAME = "status.json"
+STATUS_FORMAT = 1
+
+# What a failure name means, and the next thing to check (docs/node-agent.md, Diagnosing).
+WHY = {
+    "ConnectError": "nothing listens at that address and port, or a firewall rejects the "
+    "connection: check that the control plane runs and the URL",
+    "DNSError": "the URL's host name does not resolve: check MODELFORGE_AGENT_CONTROL_PLANE_URL "
+    "or set MODELFORGE_AGENT_CONTROL_PLANE_HOST_ADDRESS",
+    "ConnectTimeout": "packets are dropped on the way, or the control plane is overloaded",
+    "ReadTimeout": "the control plane accepted the call but did not answer in time",
+    "TLSError": "the certificate is not trusted or not valid for the host name "
+    "(MODELFORGE_AGENT_CA_CERT_PATH)",
+    "HTTP 401": "the control plane refused the node credential: re-enroll with a fresh token",
+    "HTTP 403": "the credential belongs to another node, or the node was decommissioned",
+    "HTTP 426": "the control plane does not speak this agent's protocol: upgrade one of them",
+}
+
+
+def status_path(state_volume: Path) -> Path:
+    return state_volume / STATUS_FILE_NAME
+
+
+class StatusRecorder:
+    """Keeps status.json current for one run of the agent; never stops the agent."""
+
+    def __init__(self, state_volume: Path, url: str, accelerator_mode: str) -> None:
+        self.path = status_path(state_volume)
+        self._lock = threading.Lock()
+        self._warned = False
+        self.data: dict[str, Any] = {
+            "format": STATUS_FORMAT,
+            "pid": os.getpid(),
+            "started_at": time.time(),
+            "control_plane_url": url,
+            "accelerator_mode": accelerator_mode,
+            "agent_version": __version__,
+            "node_id": None,
+            "calls": {},
+            "stopped": None,
+        }
+
+    def enrolled(self, state: NodeState) -> None:
+        with self._lock:
+            self.data["node_id"] = state.node_id
+            self._write()
+
+    def succeeded(self, method: str, path: str) -> None:
+        with self._lock:
+            call = self.data["calls"].setdefault(f"{method} {path}", {})
+            call["ok_at"] = time.time()
+            self._write()
+
+    def failed(self, method: str, path: str, failure: CallFailed) -> None:
+        with self._lock:
+            call = self.data["calls"].setdefault(f"{method} {path}", {})
+            call.update(
+                failed_at=time.time(),
+                failure=failure.describe(),
+                code=failure.code if isinstance(failure, Refused) else None,
+            )
+            self._write()
+
+    def stopped(self, exit_status: int, message: str | None) -> None:
+        with self._lock:
+            self.data["stopped"] = {
+                "at": time.time(),
+                "exit_status": exit_status,
+                "message": mask_secrets(message)[:1000] if message else None,
+            }
+            self._write()
+
+    def _write(self) -> None:
+        temporary = None
+        try:
+            descriptor, temporary = tempfile.mkstemp(prefix=".status-", dir=self.path.parent)
+            with os.fdopen(descriptor, "w") as handle:
+                json.dump(self.data, handle)
+            os.replace(temporary, self.path)
+        except OSError as exc:
+            if temporary is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+            if not self._warned:
+                self._warned = True
+                log.warning("cannot keep %s current (%s)", self.path, exc.strerror)
+
+
+@dataclass
+class RecordingClient(ControlPlaneClient):
+    """The client, noting each call's outcome in status.json."""
+
+    recorder: StatusRecorder | None = None
+
+    def call(
+        self, method: str, path: str, body: dict[str, Any], authenticated: bool = True
+    ) -> dict[str, Any]:
+        try:
+            answer = super().call(method, path, body, authenticated)
+        except CallFailed as failure:
+            if self.recorder is not None:
+                self.recorder.failed(method, path, failure)
+            raise
+        if self.recorder is not None:
+            self.recorder.succeeded(method, path)
+        return answer
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "m")):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _why(failure: str | None) -> str | None:
+    if not failure:
+        return None
+    for name, meaning in WHY.items():
+        if failure.startswith(name):
+            return meaning
+    if failure.startswith("HTTP 5"):
+        return "the control plane (or a proxy in front of it) failed to answer; check its log"
+    return None
+
+
+def read_status(state_volume: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(status_path(state_volume).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and data.get("format") == STATUS_FORMAT else None
+
+
+def report(state: NodeState | None, recorded: dict[str, Any] | None, url: str | None) -> dict:
+    """The status answer (``--json``); ``healthy`` decides the exit status."""
+    now = time.time()
+    recorded = recorded or {}
+    running = _alive(recorded.get("pid")) and not recorded.get("stopped")
+    beat = (recorded.get("calls") or {}).get(f"POST {PATH_AGENT_HEARTBEAT}") or {}
+    ok_at, failed_at = beat.get("ok_at"), beat.get("failed_at")
+    failing = failed_at is not None and (ok_at is None or failed_at > ok_at)
+    stopped = recorded.get("stopped")
+    problem = None
+    if state is None or not state.node_id:
+        problem = "this host has not joined a control plane yet"
+        next_step = "run `modelforge-node-agent join URL --token-file -` with a fresh token"
+    elif state.credential_refused:
+        problem = f"the control plane refused this node's credential ({state.credential_refused})"
+        next_step = "re-enroll: join again with a fresh token (docs/node-agent.md)"
+    elif not running:
+        problem = "the agent is not running" + (
+            f" (it stopped {ago(now - stopped['at'])} ago with exit status "
+            f"{stopped['exit_status']})"
+            if stopped
+            else ""
+        )
+        next_step = (stopped or {}).get(
+            "message"
+        ) or "start it (systemctl start modelforge-node-agent)"
+    elif failing:
+        problem = f"heartbeats fail: {beat.get('failure')}"
+        next_step = _why(beat.get("failure")) or "see the agent's log"
+    elif ok_at is None:
+        problem = "no heartbeat has succeeded yet"
+        next_step = "wait a few seconds; see the agent's log if it stays so"
+    else:
+        next_step = None
+    return {
+        "node_id": state.node_id if state else None,
+        "identity_id": state.identity_id if state else None,
+        "control_plane_url": recorded.get("control_plane_url") or url,
+        "running": running,
+        "pid": recorded.get("pid") if running else None,
+        "accelerator_mode": recorded.get("accelerator_mode"),
+        "agent_version": recorded.get("agent_version"),
+        "last_heartbeat_at": ok_at,
+        "last_heartbeat_age_seconds": round(now - ok_at, 1) if ok_at else None,
+        "last_failure": beat.get("failure") if failing else None,
+        "last_failure_at": failed_at if failing else None,
+        "stopped": stopped,
+        "healthy": problem is None,
+        "problem": problem,
+        "next_step": next_step,
+    }
+
+
+def render(answer: dict[str, Any]) -> str:
+    now = time.time()
+    beat = (
+        f"ok {ago(now - answer['last_heartbeat_at'])} ago"
+        if answer["last_heartbeat_at"]
+        else "never succeeded"
+    )
+    if answer["last_failure"]:
+        beat = f"failing since {ago(now - answer['last_failure_at'])}: {answer['last_failure']}" + (
+            f" (last ok {ago(now - answer['last_heartbeat_at'])} ago)"
+            if answer["last_heartbeat_at"]
+            else ""
+        )
+    agent = (
+        f"running (pid {answer['pid']}), {answer['accelerator_mode']} mode, "
+        f"version {answer['agent_version']}"
+        if answer["running"]
+        else "not running"
+    )
+    lines = [
+        f"{'node':14} {answer['node_id'] or 'not joined'}",
+        f"{'control plane':14} {answer['control_plane_url'] or '-'}",
+        f"{'agent':14} {agent}",
+        f"{'heartbeat':14} {beat}",
+    ]
+    if answer["problem"]:
+        lines.append(f"{'problem':14} {answer['problem']}")
+        lines.append(f"{'next step':14} {answer['next_step']}")
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""The one-command join shown with every minted token: one ready command per install type.
+
+Each runs ``modelforge-node-agent join ORIGIN --token-file -``, which asks for the token
+without echo (or reads it from stdin), checks the origin, writes the agent's env file (mode
+0600) where that install reads it, persists the identity, enrolls, and then starts the agent
+the way that install runs it. The token is never part of a command line.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from modelforge_contract import (
+    AGENT_ENV_FILE,
+    AGENT_PYZ_PATH,
+    AGENT_SERVICE,
+    AGENT_STATE_DIR,
+    __version__,
+)
+
+# The interpreter systemd/modelforge-node-agent.service runs the agent pyz with (a test
+# keeps the two equal).
+AGENT_PYZ_INTERPRETER = "/usr/bin/python3.11"
+AGENT_IMAGE = f"modelforge-node-agent:{__version__}"
+# A checkout keeps the agent's state beside the control plane's (./var), out of git.
+CHECKOUT_STATE_DIR = "var/node-agent"
+CHECKOUT_ENV_FILE = f"{CHECKOUT_STATE_DIR}/modelforge-node-agent.env"
+
+INSTALL_TYPES = {
+    "systemd": "the agent pyz under systemd (docs/install-systemd.md)",
+    "checkout": "the agent from a ModelForge checkout with its .venv (scripts/run)",
+    "container": "the modelforge-node-agent image under Docker",
+}
+
+
+def join_commands(api_origin: str, accelerator_mode: str) -> dict[str, str]:
+    """{install type: a command for Bash} for a token locked to api_origin."""
+    join = f"join {shlex.quote(api_origin)} --accelerator {accelerator_mode} --token-file -"
+    volume = f"{AGENT_STATE_DIR}:{AGENT_STATE_DIR}"
+    container_env = f"{AGENT_STATE_DIR}/modelforge-node-agent.env"
+    gpus = " --gpus all" if accelerator_mode == "nvidia" else ""
+    return {
+        "systemd": (
+            f"sudo {AGENT_PYZ_INTERPRETER} {AGENT_PYZ_PATH} {join} && "
+            f"sudo systemctl enable --now {AGENT_SERVICE}"
+        ),
+        "checkout": (
+            f".venv/bin/modelforge-node-agent {join} --state-dir {CHECKOUT_STATE_DIR} "
+            f"--env-file {CHECKOUT_ENV_FILE} && "
+            f".venv/bin/modelforge-node-agent --env-file {CHECKOUT_ENV_FILE}"
+        ),
+        "container": (
+            f"docker run --rm -it{gpus} -v {volume} {AGENT_IMAGE} "
+            f"python3 -m modelforge_node_agent.main {join} --env-file {container_env} && "
+            f'docker run -d --name {AGENT_SERVICE} --restart unless-stopped --hostname "$(hostname)"'
+            f"{gpus} --env-file {container_env} -v {volume} {AGENT_IMAGE}"
+        ),
+    }
+
+
+def describe(commands: dict[str, str]) -> str:
+    """The commands as the CLI prints them."""
+    blocks = [f"  {INSTALL_TYPES[kind]}:\n\n    {command}\n" for kind, command in commands.items()]
+    return "\n".join(blocks)
+
+
+__all__ = ["AGENT_ENV_FILE", "INSTALL_TYPES", "describe", "join_commands"]
