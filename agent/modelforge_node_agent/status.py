@@ -13,6 +13,8 @@ import contextlib
 import json
 import logging
 import os
+import shlex
+import sys
 import tempfile
 import threading
 import time
@@ -20,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelforge_contract import PATH_AGENT_HEARTBEAT, mask_secrets
+from modelforge_contract import AGENT_SERVICE, PATH_AGENT_HEARTBEAT, mask_secrets
 
-from . import __version__
+from . import __version__, runtime
 from .client import CallFailed, ControlPlaneClient, Refused
 from .identity import NodeState
 
@@ -65,6 +67,8 @@ class StatusRecorder:
             "control_plane_url": url,
             "accelerator_mode": accelerator_mode,
             "agent_version": __version__,
+            "runtime": runtime.current(),
+            "command": shlex.join(sys.argv),  # never holds a secret: tokens come by env or file
             "node_id": None,
             "calls": {},
             "stopped": None,
@@ -167,6 +171,16 @@ def _why(failure: str | None) -> str | None:
     return None
 
 
+def _start_hint(recorded: dict[str, Any]) -> str:
+    how = recorded.get("runtime")
+    if how == runtime.SYSTEMD:
+        return f"sudo systemctl start {AGENT_SERVICE}"
+    if how == runtime.CONTAINER:
+        return "start the agent's container again (docker start NAME)"
+    command = recorded.get("command")
+    return f"start it again: {command}" if isinstance(command, str) else "start the agent"
+
+
 def read_status(state_volume: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(status_path(state_volume).read_text())
@@ -200,9 +214,7 @@ def report(state: NodeState | None, recorded: dict[str, Any] | None, url: str | 
             if stopped
             else ""
         )
-        next_step = (stopped or {}).get(
-            "message"
-        ) or "start it (systemctl start modelforge-node-agent)"
+        next_step = (stopped or {}).get("message") or _start_hint(recorded)
     elif failing:
         problem = f"heartbeats fail: {beat.get('failure')}"
         next_step = _why(beat.get("failure")) or "see the agent's log"

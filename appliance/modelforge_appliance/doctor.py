@@ -28,6 +28,7 @@ import peewee as pw
 
 from . import models
 from .clock import Clock, isoformat
+from .serving import wildcard_warning
 from .settings import ConfigError, Settings, load_settings, parse_listen
 from .store import SCHEMA_VERSION, Store, redact_url
 
@@ -51,6 +52,7 @@ class Check:
     ok: bool
     detail: str
     fix: str | None = None
+    warning: bool = False  # passes, but deserves a look (shown as "warn", exit 0)
 
 
 def user_name(uid: int) -> str:
@@ -341,17 +343,36 @@ def run_checks(
             else (settings.listen_host, settings.listen_port)
         )
         checks.append(check_port(host, port))
+        origin = check_public_origin(settings, host)
+        if origin is not None:
+            checks.append(origin)
         store_check, newest = check_store(settings, clock)
         checks.append(store_check)
     checks.append(check_clock(clock.now(), newest))
     return checks
 
 
+def check_public_origin(settings: Settings, host: str) -> Check | None:
+    """A warning when agents would have no origin to use: every address, none named."""
+    warning = wildcard_warning(settings, host)
+    if warning is None:
+        return None
+    return Check(
+        "origin",
+        True,
+        warning.split("; set ", 1)[0],
+        "set MODELFORGE_PUBLIC_API_ORIGIN=http://<this host's LAN address>:<port> in the "
+        "env file, or listen on that one address",
+        warning=True,
+    )
+
+
 def render_text(checks: list[Check]) -> str:
     lines = []
     for check in checks:
-        lines.append(f"{'ok  ' if check.ok else 'FAIL'} {check.name:10} {check.detail}")
-        if not check.ok and check.fix:
+        mark = "warn" if check.warning else "ok  " if check.ok else "FAIL"
+        lines.append(f"{mark} {check.name:10} {check.detail}")
+        if (not check.ok or check.warning) and check.fix:
             lines.append(f"     {'':10} fix: {check.fix}")
     failed = sum(not check.ok for check in checks)
     lines.append(

@@ -26,6 +26,7 @@ def missing_extra_message(program: str, extra: str, module: str) -> str:
 
 def main() -> None:
     try:
+        from .cli.completion import COMPLETE_VAR, PROG
         from .cli.main import main as cli
     except ModuleNotFoundError as exc:
         module = (exc.name or "").split(".")[0]
@@ -33,4 +34,4 @@ def main() -> None:
             raise
         print(missing_extra_message("modelforge", "appliance", module), file=sys.stderr)
         sys.exit(EXIT_USAGE)
-    cli()
+    cli(prog_name=PROG, complete_var=COMPLETE_VAR)

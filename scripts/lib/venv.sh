@@ -1,7 +1,9 @@
 # Sourced by scripts/run and scripts/test: make ./.venv with the pinned dependencies.
-# Usage: ensure_venv EXTRAS   (e.g. "appliance" or "appliance,agent,test")
+# Usage: ensure_venv EXTRAS   (e.g. "appliance,agent" or "appliance,agent,test")
+# A virtualenv already holding more extras for the same pyproject.toml/setup.cfg is reused
+# as it is: scripts/run after scripts/test installs nothing.
 ensure_venv() {
-    local extras="$1" py stamp want
+    local extras="$1" py stamp hash
     py=$(command -v python3.11 || command -v python3)
     if ! "$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
         echo "modelforge: Python 3.11 is required (found $("$py" --version 2>&1))" >&2
@@ -12,11 +14,26 @@ ensure_venv() {
         "$py" -m venv .venv
     fi
     stamp=.venv/.modelforge-installed
-    want="$(sha256sum pyproject.toml setup.cfg | sha256sum | cut -c1-16) $extras"
-    if [ ! -f "$stamp" ] || ! grep -qxF "$want" "$stamp"; then
+    hash=$(sha256sum pyproject.toml setup.cfg | sha256sum | cut -c1-16)
+    if ! venv_has_extras "$stamp" "$hash" "$extras"; then
         echo "==> installing pinned dependencies ($extras) into .venv" >&2
         .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$extras]" \
             2> >(grep -v '^WARNING: Location' >&2)
-        echo "$want" >> "$stamp"
+        echo "$hash $extras" >> "$stamp"
     fi
+}
+
+# venv_has_extras STAMP HASH EXTRAS: a line of STAMP has HASH and every one of EXTRAS.
+venv_has_extras() {
+    local stamp="$1" hash="$2" wanted="$3" line_hash line_extras extra missing
+    [ -f "$stamp" ] || return 1
+    while read -r line_hash line_extras; do
+        [ "$line_hash" = "$hash" ] || continue
+        missing=0
+        for extra in ${wanted//,/ }; do
+            case ",$line_extras," in *",$extra,"*) ;; *) missing=1 ;; esac
+        done
+        [ "$missing" = 0 ] && return 0
+    done < "$stamp"
+    return 1
 }

@@ -179,7 +179,7 @@ def test_revoked_credential_stops_the_agent_then_reenrolling_keeps_the_node(
     assert log.count("HTTP 401 on ") == 1, log
     assert "HTTP 401 on POST /api/v1/agent/heartbeat" in log
     assert "credential refused (CREDENTIAL_REVOKED)" in log
-    assert "Runbook step 'Re-enroll a node'" in log
+    assert "(docs/node-agent.md, 'Re-enroll a node')" in log
 
     # Restarting without a fresh token stops again, without calling the control plane.
     again = run_agent({**env, "MODELFORGE_AGENT_ENROLLMENT_TOKEN": ""}, timeout=30)

@@ -229,7 +229,7 @@ def test_nodes_cli_readiness_revoke_cordon_decommission(tmp_path):
     shown = json.loads(host.cli("nodes", "show", node_id, "--json").stdout)
     assert shown["liveness"] == "decommissioned"
     unknown = host.cli("nodes", "readiness", "no-such-node", check=False)
-    assert unknown.returncode == 2 and "no node no-such-node" in unknown.stderr
+    assert unknown.returncode == 7 and "no node 'no-such-node'" in unknown.stderr  # not found
     assert "No active alerts." in host.cli("alerts").stdout
 
 

@@ -114,6 +114,7 @@ def test_a_connected_node_is_not_ready_until_every_check_passes(clocked_control_
         "protocol",
         "agent_health",
         "telemetry_age",
+        "cordoned",
     ]
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import click
 
+from modelforge_contract import EXIT_NOT_FOUND
+
 from .. import admin_tokens, audit
+from ..errors import NotFound
+from .errors import CliError
 from .support import Context, emit
 
 
@@ -46,5 +50,8 @@ def admin_token_list(obj: Context, as_json: bool) -> None:
 @click.pass_obj
 def admin_token_revoke(obj: Context, token_id: str, as_json: bool) -> None:
     """Revoke an admin token by its id (see `admin-token list`)."""
-    row = admin_tokens.revoke_admin_token(obj.store(), token_id, audit.CLI_ACTOR)  # 7: unknown
+    try:
+        row = admin_tokens.revoke_admin_token(obj.store(), token_id, audit.CLI_ACTOR)
+    except NotFound as exc:
+        raise CliError(exc.message, "see `modelforge admin-token list`", EXIT_NOT_FOUND) from None
     emit(as_json, admin_tokens.admin_token_view(row), f"Revoked admin token {token_id}.")

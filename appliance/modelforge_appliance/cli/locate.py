@@ -15,6 +15,7 @@ from pathlib import Path
 from ..clock import Clock
 from ..doctor import sqlite_file
 from ..settings import Settings
+from ..migrations import SCHEMA_VERSION
 from ..store import Store, redact_url
 from .errors import CliError
 
@@ -45,20 +46,27 @@ def missing_store(settings: Settings, settings_file: Path | None) -> CliError:
     )
 
 
+def require_store_file(settings: Settings, settings_file: Path | None) -> None:
+    """Exit 2 when a SQLite store's file does not exist (opening it would create it)."""
+    path = sqlite_file(settings.database_url)
+    if path is not None and not path.is_file():
+        raise missing_store(settings, settings_file)
+
+
 def open_existing_store(settings: Settings, settings_file: Path | None) -> Store:
     """The store, migrated; exit 2 when there is none yet (nothing is created here).
 
     A SQLite store is a file; a PostgreSQL database without the ModelForge schema is no
     store yet either.
     """
-    path = sqlite_file(settings.database_url)
-    if path is not None and not path.is_file():
-        raise missing_store(settings, settings_file)
+    require_store_file(settings, settings_file)
     store = Store(settings.database_url, Clock())
     try:
-        if not store.is_sqlite and store.current_version() == 0:
+        version = store.current_version()
+        if not store.is_sqlite and version == 0:
             raise missing_store(settings, settings_file)
-        store.migrate()
+        if version != SCHEMA_VERSION:  # a current store needs no write (and no fsync) here
+            store.migrate()
     except BaseException:
         store.close()
         raise

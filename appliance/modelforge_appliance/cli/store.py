@@ -8,6 +8,7 @@ import click
 
 from .. import backup
 from ..clock import Clock
+from .locate import require_store_file
 from .ownership import require_state_owner
 from .support import JSON_OPTION, Context, confirm_or_refuse, emit
 
@@ -19,6 +20,7 @@ from .support import JSON_OPTION, Context, confirm_or_refuse, emit
 def backup_command(obj: Context, path: Path, as_json: bool) -> None:
     """Copy the SQLite store to PATH (consistent while serving; mode 0600)."""
     require_state_owner(obj.settings)
+    require_store_file(obj.settings, obj.env_file)  # never creates a store to back up
     done = backup.backup(obj.settings, path)
     emit(as_json, done, f"Backed up the store to {done['backup']} ({done['bytes']} bytes).")
 
