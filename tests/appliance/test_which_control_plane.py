@@ -1,0 +1,143 @@
+"""One source of truth for "which control plane": the CLI uses the store and the origin the
+running server really serves, says which store it used, never creates one outside init and
+serve, and never locks a token to a wildcard address."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import requests
+
+from modelforge_contract import EXIT_USAGE, HEADER_ADMIN_TOKEN, PATH_ADMIN_ENROLLMENTS
+
+from ..support import free_port, fresh_postgres_database, unavailable
+from .cli import CLI, clean_env, run_cli
+
+
+@contextmanager
+def serving(env: dict[str, str], log: Path, *args: str):
+    """`modelforge serve` as a process; yields it with its serving record once written."""
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [*CLI, "serve", *args], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+        record = Path(env["MODELFORGE_STATE_DIR"]) / "serving.json"
+        try:
+            deadline = time.monotonic() + 60
+            while not record.exists():
+                assert process.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            yield process, json.loads(record.read_text())
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                assert process.wait(timeout=15) == 0, log.read_text()
+
+
+@pytest.fixture
+def state_env(tmp_path) -> dict[str, str]:
+    env = clean_env(MODELFORGE_STATE_DIR=str(tmp_path / "state"))
+    assert run_cli("init", env=env).returncode == 0
+    return env
+
+
+def test_enroll_locks_tokens_to_the_origin_serve_really_serves(tmp_path, state_env):
+    # --listen with port 0: only the running server knows the port it got.
+    with serving(state_env, tmp_path / "serve.log", "--listen", "127.0.0.1:0") as (_, record):
+        minted = run_cli("enroll", "--name", "gpu", "--json", env=state_env)
+        assert minted.returncode == 0, minted.stderr
+        assert json.loads(minted.stdout)["api_origin"] == f"http://127.0.0.1:{record['port']}"
+        assert f"modelforge: store {state_env['MODELFORGE_STATE_DIR']}/modelforge.sqlite3" in (
+            minted.stderr
+        )
+        joins = json.loads(minted.stdout)["join_commands"]
+        assert set(joins) == {"systemd", "checkout", "container"}
+        assert all(f"join http://127.0.0.1:{record['port']} " in c for c in joins.values())
+        text = run_cli("enroll", "--name", "gpu", env=state_env)
+        assert f"pid {record['pid']}" in text.stdout
+    assert not (Path(state_env["MODELFORGE_STATE_DIR"]) / "serving.json").exists()
+    stopped = run_cli("enroll", "--name", "gpu", "--json", env=state_env)
+    assert json.loads(stopped.stdout)["api_origin"] == "http://127.0.0.1:8000"
+
+
+def test_a_wildcard_address_never_becomes_a_tokens_origin(tmp_path, state_env):
+    port = free_port()
+    env = {**state_env, "MODELFORGE_LISTEN": f"0.0.0.0:{port}"}
+    log = tmp_path / "serve.log"
+    with serving(env, log) as _:
+        assert "without MODELFORGE_PUBLIC_API_ORIGIN" in log.read_text()
+        refused = run_cli("enroll", "--name", "gpu", env=env)
+        assert refused.returncode == EXIT_USAGE
+        assert "MODELFORGE_PUBLIC_API_ORIGIN" in refused.stderr and refused.stdout == ""
+        # Even the CLI without MODELFORGE_LISTEN knows: it reads what serve bound.
+        assert run_cli("enroll", "--name", "gpu", env=state_env).returncode == EXIT_USAGE
+        wildcard = run_cli("enroll", "--name", "gpu", "--origin", f"http://0.0.0.0:{port}", env=env)
+        assert wildcard.returncode == EXIT_USAGE
+        chosen = run_cli(
+            "enroll", "--name", "gpu", "--origin", "http://10.0.0.5:8000", "--json", env=env
+        )
+        assert json.loads(chosen.stdout)["api_origin"] == "http://10.0.0.5:8000"
+
+        admin = json.loads(
+            run_cli("admin-token", "create", "--name", "t", "--json", env=env).stdout
+        )
+        for host in (f"0.0.0.0:{port}", f"[::]:{port}"):
+            answer = requests.post(
+                f"http://127.0.0.1:{port}{PATH_ADMIN_ENROLLMENTS}",
+                json={"display_name": "gpu", "expires_in_seconds": 900},
+                headers={HEADER_ADMIN_TOKEN: admin["admin_token"], "Host": host},
+                timeout=10,
+            )
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["code"] == "HOST_INVALID"
+        doctor = run_cli("doctor", "--json", "--listen", f"0.0.0.0:{free_port()}", env=env)
+        checks = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}
+        assert checks["origin"]["warning"] is True and checks["origin"]["ok"] is True
+
+    public = {**env, "MODELFORGE_PUBLIC_API_ORIGIN": "http://192.168.1.20:8000"}
+    with serving(public, tmp_path / "public.log") as _:
+        # The CLI has no origin setting of its own here; the running server's applies.
+        minted = run_cli("enroll", "--name", "gpu", "--json", env=env)
+        assert minted.returncode == 0, minted.stderr
+        assert json.loads(minted.stdout)["api_origin"] == "http://192.168.1.20:8000"
+
+
+def test_only_init_and_serve_create_a_store(tmp_path):
+    env = clean_env(MODELFORGE_STATE_DIR=str(tmp_path / "state"))
+    for args in (("nodes",), ("enroll", "--name", "x", "--origin", "http://cp:1"), ("audit",)):
+        result = run_cli(*args, env=env)
+        assert result.returncode == EXIT_USAGE, result.stderr
+        assert f"no ModelForge store at {tmp_path}/state/modelforge.sqlite3" in result.stderr
+        assert not (tmp_path / "state").exists()
+    assert run_cli("init", env=env).returncode == 0
+    assert run_cli("nodes", env=env).returncode == 0
+
+
+@pytest.mark.postgres
+def test_an_empty_postgresql_database_is_no_store(tmp_path):
+    with fresh_postgres_database() as url:
+        env = clean_env(MODELFORGE_STATE_DIR=str(tmp_path / "s"), MODELFORGE_DATABASE_URL=url)
+        refused = run_cli("nodes", env=env)
+        assert refused.returncode == EXIT_USAGE and "no ModelForge store" in refused.stderr
+        assert run_cli("init", env=env).returncode == 0
+        assert run_cli("nodes", env=env).returncode == 0
+
+
+def test_files_left_by_another_user_are_named_with_the_fix(tmp_path, state_env):
+    if os.geteuid() != 0:
+        unavailable("needs root to hand a file to another user")
+    store = Path(state_env["MODELFORGE_STATE_DIR"]) / "modelforge.sqlite3"
+    os.chown(store, 65534, 65534)
+    for args in (("nodes",), ("backup", str(tmp_path / "b.sqlite3")), ("init",)):
+        result = run_cli(*args, env=state_env)
+        assert result.returncode == EXIT_USAGE, result.stderr
+        assert "modelforge.sqlite3 (nobody)" in result.stderr
+        assert f"chown -R root: {store.parent}" in result.stderr
