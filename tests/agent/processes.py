@@ -57,11 +57,13 @@ def run_agent(env: dict[str, str], *args: str, timeout: float = 30) -> subproces
 class AgentProcess:
     """The agent running in the background; its stdout and stderr go to one log file."""
 
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self, env: dict[str, str], log_path: Path, command: list[str] | None = None
+    ) -> None:
         self.log_path = log_path
         self._log = log_path.open("ab")
         self.process = subprocess.Popen(
-            AGENT_COMMAND, env=env, stdout=self._log, stderr=subprocess.STDOUT
+            command or AGENT_COMMAND, env=env, stdout=self._log, stderr=subprocess.STDOUT
         )
 
     def log(self) -> str:

@@ -1,0 +1,225 @@
+"""`modelforge-node-agent join` and `status` as real processes against a real control plane;
+re-enrolling at once with an unused token; refusals that name both origins; messages that fit
+how the agent runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from modelforge_contract import (
+    EXIT_CHECK_FAILED,
+    EXIT_CREDENTIAL_REFUSED,
+    EXIT_ENROLLMENT_REFUSED,
+    EXIT_OK,
+    EXIT_USAGE,
+    HEADER_ADMIN_TOKEN,
+    ONLINE,
+    PATH_ADMIN_ENROLLMENTS,
+)
+from modelforge_node_agent import refusals, runtime
+
+from ..support import free_port
+from .processes import AGENT_COMMAND, AgentProcess, agent_env, wait_until
+
+
+def join(cp_url: str, token: str, where: Path, *extra: str) -> subprocess.CompletedProcess:
+    """The checkout's join command, the token on stdin as a pipe sends it."""
+    return subprocess.run(
+        [
+            *AGENT_COMMAND,
+            "join",
+            cp_url,
+            "--accelerator",
+            "cpu",
+            "--token-file",
+            "-",
+            "--state-dir",
+            str(where),
+            "--env-file",
+            str(where / "agent.env"),
+            *extra,
+        ],
+        input=token + "\n",
+        env=agent_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def status(where: Path) -> tuple[int, dict]:
+    result = subprocess.run(
+        [*AGENT_COMMAND, "status", "--env-file", str(where / "agent.env"), "--json"],
+        env=agent_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return result.returncode, json.loads(result.stdout)
+
+
+def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
+    return {
+        path.name: (path.read_bytes(), path.stat().st_mtime_ns)
+        for path in sorted(directory.iterdir())
+    }
+
+
+def test_join_writes_settings_and_state_then_a_second_join_changes_nothing(
+    restartable_control_plane, tmp_path
+):
+    cp = restartable_control_plane
+    token = cp.plane.mint("GPU Node")["token"]
+    where = tmp_path / "agent"
+    joined = join(cp.url, token, where)
+    assert joined.returncode == EXIT_OK, joined.stderr
+    node_id = json.loads((where / "identity.json").read_text())["node_id"]
+    assert f"as node {node_id}" in joined.stdout
+    assert f"--env-file {where / 'agent.env'}" in joined.stdout  # how to start it here
+    env_file = where / "agent.env"
+    assert env_file.stat().st_mode & 0o777 == 0o600
+    assert (where / "identity.json").stat().st_mode & 0o777 == 0o600
+    settings = env_file.read_text()
+    assert f"MODELFORGE_AGENT_CONTROL_PLANE_URL={cp.url}\n" in settings
+    assert "MODELFORGE_AGENT_ACCELERATOR_MODE=cpu\n" in settings
+    assert f"MODELFORGE_AGENT_STATE_VOLUME={where}\n" in settings
+    assert "HOSTNAME" not in settings  # left to the machine
+    assert token not in settings and token not in joined.stdout + joined.stderr
+    assert [n["node_id"] for n in cp.nodes()] == [node_id]
+
+    before = snapshot(where)
+    again = join(cp.url, cp.plane.mint("GPU Node")["token"], where)
+    assert again.returncode == EXIT_USAGE
+    assert f"already joined as node {node_id}" in again.stderr
+    assert "nothing was changed" in again.stderr and "Traceback" not in again.stderr
+    assert snapshot(where) == before
+    assert len(cp.nodes()) == 1
+
+
+def test_join_refusals_change_nothing_and_name_both_origins(restartable_control_plane, tmp_path):
+    cp = restartable_control_plane
+    nowhere = join(f"http://127.0.0.1:{free_port()}", "mfe_0123456789abcdef_" + "A" * 43, tmp_path)
+    assert nowhere.returncode == EXIT_USAGE
+    assert "cannot reach the control plane" in nowhere.stderr
+    assert not (tmp_path / "agent.env").exists()
+
+    # A token minted through another name of this host is locked to that origin.
+    other = f"http://localhost:{cp.port}"
+    minted = cp.plane.admin(
+        "POST",
+        PATH_ADMIN_ENROLLMENTS,
+        json={"display_name": "gpu", "expires_in_seconds": 900},
+        headers={HEADER_ADMIN_TOKEN: cp.admin_token, "Host": f"localhost:{cp.port}"},
+    )
+    assert minted.json()["api_origin"] == other
+    where = tmp_path / "mismatch"
+    refused = join(cp.url, minted.json()["token"], where)
+    assert refused.returncode == EXIT_ENROLLMENT_REFUSED
+    line = refused.stderr.strip().splitlines()[-1]
+    assert f"locked to {other}, but this agent called {cp.url}" in line
+    assert not (where / "agent.env").exists()
+    enrollment = cp.plane.admin("GET", PATH_ADMIN_ENROLLMENTS).json()["enrollments"][0]
+    assert enrollment["state"] == "pending"  # the refusal did not spend the token
+
+
+def test_status_follows_the_running_agent(restartable_control_plane, tmp_path):
+    cp = restartable_control_plane
+    where = tmp_path / "agent"
+    assert join(cp.url, cp.plane.mint()["token"], where).returncode == EXIT_OK
+    code, answer = status(where)
+    assert code == EXIT_CHECK_FAILED and answer["running"] is False
+    run = agent_env()
+    command = [*AGENT_COMMAND, "--env-file", str(where / "agent.env")]
+    with AgentProcess(run, tmp_path / "a.log", command) as agent:
+        wait_until(lambda: status(where)[0] == EXIT_OK, what="a healthy status")
+        code, answer = status(where)
+        assert answer["node_id"] == cp.nodes()[0]["node_id"]
+        assert answer["control_plane_url"] == cp.url and answer["pid"] == agent.process.pid
+        assert answer["last_heartbeat_age_seconds"] is not None and answer["problem"] is None
+        cp.stop()
+        wait_until(lambda: status(where)[1]["last_failure"], what="a failed heartbeat")
+        code, answer = status(where)
+        assert code == EXIT_CHECK_FAILED
+        assert answer["last_failure"].startswith("ConnectError on POST /api/v1/agent/heartbeat")
+        assert "nothing listens" in answer["next_step"]
+        cp.start()
+        assert agent.terminate()[0] == EXIT_OK
+    code, answer = status(where)
+    assert code == EXIT_CHECK_FAILED and answer["running"] is False
+    assert answer["stopped"]["exit_status"] == EXIT_OK
+    assert (where / "status.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_refused_credential_reenrolls_at_once_with_an_unused_token(
+    restartable_control_plane, tmp_path
+):
+    cp = restartable_control_plane
+    where = tmp_path / "agent"
+    assert join(cp.url, cp.plane.mint()["token"], where).returncode == EXIT_OK
+    node_id = json.loads((where / "identity.json").read_text())["node_id"]
+    spare = cp.plane.mint()["token"]
+    env = agent_env(enrollment_token=spare)
+    command = [*AGENT_COMMAND, "--env-file", str(where / "agent.env")]
+    with AgentProcess(env, tmp_path / "agent.log", command) as agent:
+        agent.wait_for_log(r"kept in reserve")
+        wait_until(lambda: cp.nodes()[0]["liveness"] == ONLINE, what="online")
+        revoked = cp.plane.admin("DELETE", f"/api/v1/admin/hardware/nodes/{node_id}/credential")
+        assert revoked.status_code == 200
+        agent.wait_for_log(r"re-enrolling at once")
+        agent.wait_for_log(rf"re-enrolled .* as node {node_id}")
+        beat = cp.nodes()[0]["last_heartbeat_at"]
+        wait_until(lambda: cp.nodes()[0]["last_heartbeat_at"] != beat, what="a heartbeat")
+        assert agent.process.poll() is None  # no exit 6, no restart needed
+        credentials = cp.plane.admin(
+            "GET", f"/api/v1/admin/hardware/nodes/{node_id}/credentials"
+        ).json()
+        assert (credentials["active"], credentials["revoked"]) == (1, 1)
+
+        # The token is spent now: a second refusal ends in exit 6, not in a loop.
+        cp.plane.admin("DELETE", f"/api/v1/admin/hardware/nodes/{node_id}/credential")
+        assert agent.wait(timeout=30) == EXIT_CREDENTIAL_REFUSED
+    log = agent.log()
+    assert log.count("re-enrolling at once") == 1
+    assert "recreate the container" not in log  # this agent is a plain process
+    assert "start the agent again" in log
+    assert [n["node_id"] for n in cp.nodes()] == [node_id]
+
+
+@pytest.mark.parametrize(
+    ("how", "must", "must_not"),
+    [
+        (runtime.SYSTEMD, ["join URL --token-file -", "systemctl restart"], ["container"]),
+        (runtime.CONTAINER, ["recreate the container"], ["systemctl"]),
+        (runtime.PROCESS, ["start the agent again"], ["container", "systemctl"]),
+    ],
+)
+def test_messages_fit_how_the_agent_runs(how, must, must_not):
+    text = runtime.fresh_token_step(how) + " " + runtime.remove_token_step(how)
+    for phrase in must:
+        assert phrase in text, (how, text)
+    for phrase in must_not:
+        assert phrase not in runtime.fresh_token_step(how), (how, text)
+
+
+def test_how_the_agent_runs_is_seen_from_the_process(tmp_path):
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text("0::/system.slice/modelforge-node-agent.service\n")
+    assert runtime.detect(cgroup, tmp_path, pid=4242, ppid=1) == runtime.SYSTEMD
+    cgroup.write_text("0::/user.slice/user-0.slice/session-3.scope\n")
+    assert runtime.detect(cgroup, tmp_path, pid=4242, ppid=4000) == runtime.PROCESS
+    (tmp_path / ".dockerenv").touch()
+    assert runtime.detect(cgroup, tmp_path, pid=1, ppid=0) == runtime.CONTAINER
+    assert runtime.detect(cgroup, tmp_path, pid=17, ppid=0) == runtime.CONTAINER  # docker exec
+    # A shell's child in a development container is a plain process.
+    assert runtime.detect(cgroup, tmp_path, pid=17, ppid=16) == runtime.PROCESS
+
+
+def test_every_section_the_agent_names_exists():
+    text = (Path(__file__).resolve().parents[2] / refusals.DOC).read_text()
+    headings = {line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")}
+    missing = [section for section in refusals.SECTIONS if section not in headings]
+    assert missing == []
