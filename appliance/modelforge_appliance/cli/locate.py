@@ -14,8 +14,8 @@ from pathlib import Path
 
 from ..clock import Clock
 from ..doctor import sqlite_file
-from ..settings import Settings
 from ..migrations import SCHEMA_VERSION
+from ..settings import Settings
 from ..store import Store, redact_url
 from .errors import CliError
 
