@@ -47,7 +47,8 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "MODELFORGE_PUBLIC_API_ORIGIN",
         None,
         "scheme://host[:port] agents use to reach the API. Enrollment tokens are locked to "
-        "it; when unset, a token is locked to the origin the minting request used.",
+        "it; when unset, a token is locked to the origin the minting request used, or, from "
+        "the CLI, the address the running server bound (never a wildcard address).",
     ),
     SettingSpec(
         "MODELFORGE_TRUSTED_PROXY",

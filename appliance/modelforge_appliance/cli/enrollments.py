@@ -14,6 +14,7 @@ from modelforge_contract import (
 
 from .. import audit, enrollment, join, serving
 from ..errors import NotFound
+from .errors import CliError
 from .support import JSON_OPTION, Context, emit
 
 _DURATION = re.compile(r"(\d+)([smhd]?)")
@@ -123,9 +124,9 @@ def enrollments_revoke(obj: Context, enrollment_id: str, as_json: bool) -> None:
             f"no enrollment {enrollment_id}", next_step="see `modelforge enrollments list`"
         )
     if len(matches) > 1:
-        raise click.UsageError(
-            f"{enrollment_id!r} matches {len(matches)} enrollments ({', '.join(matches[:5])}); "
-            "give more of the id"
+        raise CliError(
+            f"{enrollment_id!r} names {len(matches)} enrollments: {', '.join(matches[:5])}",
+            "give more of the enrollment id",
         )
     row = enrollment.revoke_enrollment(store, matches[0], audit.CLI_ACTOR)
     emit(as_json, row, f"Enrollment {row['enrollment_id']} is {row['state']}.")

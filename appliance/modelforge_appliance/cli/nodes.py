@@ -16,6 +16,7 @@ from .. import alerts, audit, credentials, decommission, nodes, readiness
 from ..errors import NotFound
 from ..models import Node
 from .completion import complete_nodes
+from .errors import CliError
 from .support import JSON_OPTION, Context, confirm_or_refuse, emit, fail
 
 NODE_ARGUMENT = click.argument("node", metavar="NODE", shell_complete=complete_nodes)
@@ -43,8 +44,9 @@ def find_node(obj: Context, reference: str) -> Node:
         )
     if len(candidates) > 1:
         shown = ", ".join(candidates[:6]) + (" …" if len(candidates) > 6 else "")
-        raise click.UsageError(
-            f"{reference!r} names {len(candidates)} nodes ({shown}); give more of the id"
+        raise CliError(
+            f"{reference!r} names {len(candidates)} nodes: {shown}",
+            "give more of the node id (or the whole id)",
         )
     return nodes.get_node(store, candidates[0])
 
