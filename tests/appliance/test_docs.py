@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import modelforge_contract as contract
@@ -39,3 +40,173 @@ class _NoStore:
     """make_app only keeps the store for handlers; listing routes calls none."""
 
     clock = None
+
+
+# -- every command, subcommand and flag the documentation names exists ------------------
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+_FENCE = re.compile(r"```[^\n]*\n(.*?)```", re.S)
+_INLINE = re.compile(r"`([^`\n]+)`")
+_SEPARATORS = re.compile(r"\s*(?:&&|\|\||;|\$\(|\|(?=\s))\s*")
+# docker run options that take a value (the image follows them)
+_DOCKER_VALUE_OPTIONS = {
+    "-v", "-e", "-u", "-w", "--user", "--name", "--env-file", "--hostname", "--gpus",
+    "--network", "--restart", "--tmpfs", "--entrypoint", "--volume", "--env",
+}  # fmt: skip
+
+
+def _programs():
+    from modelforge_appliance.cli.main import main as appliance
+    from modelforge_node_agent.main import main as agent
+    from modelforge_release.cli import main as release
+
+    return {
+        "modelforge": appliance,
+        "mf": appliance,  # the docs' helper that runs modelforge as the service
+        "modelforge.pyz": appliance,
+        "modelforge_appliance.cli": appliance,
+        "modelforge-node-agent": agent,
+        "modelforge-node-agent.pyz": agent,
+        "modelforge_node_agent.main": agent,
+        "modelforge-release": release,
+    }
+
+
+def _snippets(text: str) -> list[str]:
+    fenced = _FENCE.findall(text)
+    prose = _FENCE.sub("", text)
+    lines = []
+    for block in fenced:
+        lines += block.replace("\\\n", " ").splitlines()
+    # Two or more spaces start an aligned comment or description (README's command list).
+    return [re.split(r"\s{2,}", line.strip())[0] for line in lines] + _INLINE.findall(prose)
+
+
+def _command_words(words: list[str]) -> tuple[str, list[str]] | None:
+    """(program, its arguments) when the words start one of our programs, else None."""
+    while words and (words[0] in ("sudo", "exec", "env") or re.fullmatch(r"[A-Z_]+=\S*", words[0])):
+        words = words[1:]
+    if words[:2] == ["docker", "exec"]:
+        words = [w for w in words[2:] if not w.startswith("-")][1:]
+    elif words[:2] == ["docker", "run"]:
+        rest, i = words[2:], 0
+        while i < len(rest) and rest[i].startswith("-"):
+            i += 2 if rest[i] in _DOCKER_VALUE_OPTIONS else 1
+        words = rest[i + 1 :]  # past the image
+    if words and re.fullmatch(r"(\S*/)?python3(\.\d+)?", words[0]):
+        words = [w for w in words[1:] if w not in ("-I", "-S", "-E")]
+        if words[:1] == ["-m"]:
+            words = words[1:]
+    if not words:
+        return None
+    program = words[0].rsplit("/", 1)[-1]
+    return (program, words[1:]) if program in _programs() else None
+
+
+def _check(command, args: list[str], path: str, problems: list[str], params: set[str]) -> None:
+    """Walk args through command's subcommands; every option must be one it takes."""
+    import click
+
+    params = params | {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+    params |= {"-h", "--help", "--version"}
+    for index, word in enumerate(args):
+        word = word.strip("[]").replace("\\|", "|")
+        if not word or word in ("…", "...") or word.startswith(("#", ">", "<", "2>")):
+            return
+        if word.startswith("-") and len(word) > 1:
+            if word.split("=")[0] not in params:
+                problems.append(f"{path}: {word} is not an option")
+            continue
+        if isinstance(command, click.Group):
+            names = word.split("|")
+            if all(re.fullmatch(r"[a-z][a-z-]*", n) for n in names):
+                for name in names:
+                    sub = command.commands.get(name)
+                    if sub is None:
+                        problems.append(f"{path}: no command {name!r}")
+                    else:
+                        _check(sub, args[index + 1 :], f"{path} {name}", problems, params)
+                return
+
+
+def test_every_command_and_flag_in_the_docs_exists():
+    problems: list[str] = []
+    seen = 0
+    for doc in DOCS:
+        for line in _snippets(doc.read_text()):
+            for part in _SEPARATORS.split(line.strip().lstrip("$ ")):
+                try:
+                    words = shlex.split(part, comments=True)
+                except ValueError:
+                    words = part.split()
+                found = _command_words(words)
+                if found is None:
+                    continue
+                program, args = found
+                seen += 1
+                where = f"{doc.relative_to(ROOT)}: {program}"
+                _check(_programs()[program], args, where, problems, set())
+    assert seen > 100  # the extraction found the documented commands
+    assert problems == []
+
+
+def test_the_docs_command_check_catches_a_wrong_command_or_flag():
+    problems: list[str] = []
+    appliance = _programs()["modelforge"]
+    _check(appliance, ["nodes", "shwo", "NODE"], "x", problems, set())
+    _check(appliance, ["nodes", "show", "NODE", "--jsn"], "x", problems, set())
+    _check(appliance, ["admin-token", "create|list|remove"], "x", problems, set())
+    assert len(problems) == 3, problems
+    assert _command_words(["docker", "exec", "cp", "modelforge", "init"]) == (
+        "modelforge",
+        ["init"],
+    )
+    assert (
+        _command_words(shlex.split("sudo python3.11 /opt/modelforge/modelforge.pyz serve"))[0]
+        == "modelforge.pyz"
+    )
+
+
+# -- every exit code in the tables is one the code uses, and every one is in a table ------
+
+
+def _exit_tables() -> dict[str, set[int]]:
+    """{doc: codes} from tables whose first column is an exit status (not HTTP statuses)."""
+    found: dict[str, set[int]] = {}
+    for doc in DOCS:
+        rows = [line for line in doc.read_text().splitlines() if line.startswith("|")]
+        header = None
+        for row in rows:
+            cells = [cell.strip().strip("`").lower() for cell in row.strip("|").split("|")]
+            if cells[0] in ("exit", "status", "exit status"):
+                header = cells
+                continue
+            if header is not None and re.fullmatch(r"\d+", cells[0]) and int(cells[0]) < 100:
+                found.setdefault(str(doc.relative_to(ROOT)), set()).add(int(cells[0]))
+    return found
+
+
+def _codes_the_code_uses() -> set[int]:
+    values = {
+        name: value
+        for name, value in vars(contract).items()
+        if name.startswith("EXIT_") and isinstance(value, int)
+    }
+    used: set[int] = set()
+    for part in ("appliance", "agent", "release"):
+        for source in (ROOT / part).rglob("*.py"):
+            text = source.read_text()
+            used |= {value for name, value in values.items() if re.search(rf"\b{name}\b", text)}
+            used |= {int(n) for n in re.findall(r"EXIT_\w+ = (\d+)", text)}
+    return used
+
+
+def test_every_exit_code_in_the_tables_is_one_the_code_uses():
+    tables = _exit_tables()
+    assert {"README.md", "docs/cli.md", "docs/node-agent.md"} <= set(tables), tables
+    used = _codes_the_code_uses()
+    for doc, codes in tables.items():
+        assert codes <= used, (doc, codes - used)
+    documented = set().union(*tables.values())
+    defined = {v for k, v in vars(contract).items() if k.startswith("EXIT_") and isinstance(v, int)}
+    assert defined <= documented, defined - documented
