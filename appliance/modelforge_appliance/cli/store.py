@@ -21,6 +21,7 @@ def backup_command(obj: Context, path: Path, as_json: bool) -> None:
     """Copy the SQLite store to PATH (consistent while serving; mode 0600)."""
     require_state_owner(obj.settings)
     require_store_file(obj.settings, obj.env_file)  # never creates a store to back up
+    obj.announce_store()
     done = backup.backup(obj.settings, path)
     emit(as_json, done, f"Backed up the store to {done['backup']} ({done['bytes']} bytes).")
 
@@ -43,6 +44,7 @@ def restore_command(
     Asks on the terminal first; with --json, --yes is required.
     """
     require_state_owner(obj.settings)
+    obj.announce_store()
     confirm_or_refuse(f"Replace the store in {obj.settings.state_dir} with {path}?", yes, as_json)
     done = backup.restore(obj.settings, path, Clock(), accept_lost_revocations)
     kept = done["kept_from_current_store"]

@@ -56,11 +56,13 @@ class Context:
                 self._store = open_store(self.settings)
             else:
                 self._store = locate.open_existing_store(self.settings, self.env_file)
-            source = f" (settings from {self.env_file})" if self.env_file else ""
-            click.echo(
-                f"modelforge: store {locate.describe_store(self.settings)}{source}", err=True
-            )
+            self.announce_store()
         return self._store
+
+    def announce_store(self) -> None:
+        """Say on stderr which store this command uses, and where that came from."""
+        source = f" (settings from {self.env_file})" if self.env_file else ""
+        click.echo(f"modelforge: store {locate.describe_store(self.settings)}{source}", err=True)
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:

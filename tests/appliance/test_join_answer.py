@@ -1,0 +1,70 @@
+"""The mint answer for the one-command join: env file and join commands per install type,
+the accelerator mode asked for, and refusals that name both origins."""
+
+from __future__ import annotations
+
+import shlex
+
+from modelforge_contract import PATH_ADMIN_ENROLLMENTS
+from modelforge_contract.envfile import parse_env_file
+
+from ..support import error_code, new_identity
+
+
+def test_mint_answer_carries_join_commands_and_an_env_file_without_a_hostname(
+    sqlite_control_plane,
+):
+    cp = sqlite_control_plane
+    answer = cp.admin(
+        "POST",
+        PATH_ADMIN_ENROLLMENTS,
+        json={"display_name": "GPU Node", "expires_in_seconds": 900, "accelerator_mode": "cpu"},
+    )
+    assert answer.status_code == 201, answer.text
+    body = answer.json()
+    settings = parse_env_file(body["env_file"])
+    assert settings["MODELFORGE_AGENT_ACCELERATOR_MODE"] == "cpu"
+    assert settings["MODELFORGE_AGENT_CONTROL_PLANE_URL"] == cp.url
+    assert "MODELFORGE_AGENT_HOSTNAME" not in settings  # two "GPU Node"s must not collide
+    assert body["accelerator_mode"] == "cpu"
+    assert set(body["join_commands"]) == {"systemd", "checkout", "container"}
+    for kind, command in body["join_commands"].items():
+        assert body["token"] not in command
+        words = shlex.split(command.split(" && ")[0])
+        join_at = words.index("join")
+        assert words[join_at + 1] == cp.url, kind
+        assert words[words.index("--accelerator") + 1] == "cpu", kind
+        assert words[words.index("--token-file") + 1] == "-", kind
+    assert "--gpus" not in body["join_commands"]["container"]  # cpu mode
+    assert body["start_command"].startswith("bash -c ")  # kept for the console's wizard
+
+    default = cp.mint()
+    assert "--accelerator nvidia" in default["join_commands"]["systemd"]
+    assert "--gpus all" in default["join_commands"]["container"]
+    refused = cp.admin(
+        "POST",
+        PATH_ADMIN_ENROLLMENTS,
+        json={"display_name": "x", "expires_in_seconds": 900, "accelerator_mode": "tpu"},
+    )
+    assert refused.status_code == 400 and error_code(refused) == "FIELD_CHOICE"
+
+
+def test_an_origin_mismatch_names_both_origins(sqlite_control_plane):
+    cp = sqlite_control_plane
+    token = cp.mint()["token"]
+    refused = cp.enroll(token, identity=new_identity(), headers={"Host": "cp.lan:8000"})
+    assert refused.status_code == 403
+    body = refused.json()
+    assert body["error"]["code"] == "ENROLLMENT_ORIGIN_MISMATCH"
+    assert (body["api_origin"], body["request_origin"]) == (cp.url, "http://cp.lan:8000")
+    assert f"MODELFORGE_AGENT_CONTROL_PLANE_URL={cp.url}" in body["error"]["next_step"]
+
+
+def test_the_heartbeat_answer_asks_for_what_the_control_plane_lacks(sqlite_control_plane):
+    cp = sqlite_control_plane
+    enrolled = cp.enroll(cp.mint()["token"], identity=new_identity()).json()
+    node_id, credential = enrolled["node_id"], enrolled["credential"]
+    assert cp.heartbeat(credential, node_id).json()["republish"] == ["inventory"]
+    inventory = {"node_id": node_id, "agent_version": "0.1.0", "accelerators": []}
+    assert cp.agent("PUT", "/api/v1/agent/inventory", credential, json=inventory).ok
+    assert cp.heartbeat(credential, node_id).json()["republish"] == []
