@@ -7,6 +7,8 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from .support import free_port, wait_until_answering
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +40,22 @@ def run_once(state_dir: Path, log_path: Path) -> str:
     return log_path.read_text()
 
 
-def test_scripts_run_serves_healthz_and_reuses_its_state(tmp_path):
+@pytest.fixture
+def venv_settings():
+    """scripts/run here writes this clone's .venv/modelforge.env; put back what was there."""
+    path = ROOT / ".venv" / "modelforge.env"
+    before = path.read_bytes() if path.exists() else None
+    yield path
+    if before is None:
+        path.unlink(missing_ok=True)
+    else:
+        path.write_bytes(before)
+
+
+def test_scripts_run_serves_healthz_and_reuses_its_state(tmp_path, venv_settings):
     first = run_once(tmp_path / "state", tmp_path / "first.log")
+    # The CLI of this virtualenv finds the store scripts/run serves.
+    assert f"MODELFORGE_STATE_DIR={tmp_path / 'state'}\n" in venv_settings.read_text()
     assert "First admin token (shown once" in first
     assert first.count("mfa_") == 1
     assert "Enroll a node" in first
