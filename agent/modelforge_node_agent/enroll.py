@@ -101,7 +101,7 @@ def ensure_enrolled(
     that ends in exit 6 at once, not in a refusal from the control plane.
     """
     if state.enrolled:
-        if settings.enrollment_token:
+        if settings.enrollment_token and announce_spent_token:
             # A spent token is never sent again once a credential exists (invariant 2).
             log.info(
                 "already enrolled as node %s; %s",

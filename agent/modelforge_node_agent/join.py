@@ -111,7 +111,9 @@ def read_token(source: str) -> str:
 
 def _already_joined(state_dir: Path, env_path: Path) -> AgentExit | None:
     state = load_state(state_dir)
-    if state is None or not state.enrolled:
+    if state is None or not state.enrolled or not env_path.exists():
+        # Enrolled without its env file (a join cut short after enrolling): join again
+        # writes it; the enrollment goes to the same node id.
         return None
     return AgentExit(
         EXIT_USAGE,
@@ -203,14 +205,13 @@ def run_join(request: JoinRequest, stop: threading.Event) -> int:
     refusal = _already_joined(state_dir, env_path)
     if refusal is not None:
         raise refusal
-    token = read_token(request.token_file)
-    settings = load_settings(
-        {
-            **env,
-            "MODELFORGE_AGENT_STATE_VOLUME": str(state_dir),
-            "MODELFORGE_AGENT_ENROLLMENT_TOKEN": token,
-        }
-    )
+    existing = load_state(state_dir)
+    # Enrolled, but the env file never got written: write it; no token is needed.
+    resuming = existing is not None and existing.enrolled
+    local = {**env, "MODELFORGE_AGENT_STATE_VOLUME": str(state_dir)}
+    if not resuming:
+        local["MODELFORGE_AGENT_ENROLLMENT_TOKEN"] = read_token(request.token_file)
+    settings = load_settings(local)
     try:
         preflight = run_preflight(settings)
     except PreflightFailure as failure:
@@ -238,6 +239,8 @@ def run_join(request: JoinRequest, stop: threading.Event) -> int:
             return tries[0] >= ENROLL_TRIES or stop.wait(delay)
 
         client = ControlPlaneClient(settings.require_control_plane(), session)
+        if resuming:
+            log.info("already enrolled as node %s; writing the missing %s", state.node_id, env_path)
         enrolled = ensure_enrolled(
             settings, state, client, stop, wait=bounded_wait, announce_spent_token=False
         )

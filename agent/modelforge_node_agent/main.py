@@ -402,6 +402,7 @@ def join_command(
     try:
         status = run_join(request, stop)
     except Stopping:
+        log.error("interrupted: the env file was not written; run join again")
         status = EXIT_USAGE
     except (ConfigError, StateError) as error:
         log.error("%s", error)
@@ -436,7 +437,14 @@ def status_command(obj: dict, env_file: Path | None, state_dir: Path | None, as_
 
     settings = _load_settings(env_file or obj.get("env_file"))
     volume = state_dir.absolute() if state_dir else settings.state_volume
-    answer = report(load_state(volume), read_status(volume), settings.control_plane_url)
+    try:
+        state = load_state(volume)
+    except StateError as error:
+        click.echo(
+            f"modelforge-node-agent: {error}; run status as the agent's user or root", err=True
+        )
+        sys.exit(EXIT_USAGE)
+    answer = report(state, read_status(volume), settings.control_plane_url)
     click.echo(json.dumps(answer, indent=2) if as_json else render(answer))
     sys.exit(EXIT_OK if answer["healthy"] else EXIT_CHECK_FAILED)
 

@@ -107,7 +107,8 @@ def _republish(
     wanted = []
     if inventory_at is None or inventory_at < enrolled_at:
         wanted.append(REPUBLISH_INVENTORY)
-    if mode != "cpu" and (telemetry_at is None or telemetry_at < enrolled_at):
+    # An nvidia node must send telemetry to be ready; an auto node sends it when it has GPUs.
+    if mode == "nvidia" and (telemetry_at is None or telemetry_at < enrolled_at):
         wanted.append(REPUBLISH_TELEMETRY)
     return tuple(wanted)
 

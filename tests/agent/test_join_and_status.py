@@ -99,6 +99,18 @@ def test_join_writes_settings_and_state_then_a_second_join_changes_nothing(
     assert snapshot(where) == before
     assert len(cp.nodes()) == 1
 
+    # A join cut short after enrolling left no env file: joining again only writes it.
+    (where / "agent.env").unlink()
+    spare = cp.plane.mint("GPU Node")
+    resumed = join(cp.url, spare["token"], where)
+    assert resumed.returncode == EXIT_OK, resumed.stderr
+    assert f"as node {node_id}" in resumed.stdout and (where / "agent.env").read_text() == settings
+    assert [n["node_id"] for n in cp.nodes()] == [node_id]
+    enrollments = cp.plane.admin("GET", PATH_ADMIN_ENROLLMENTS).json()["enrollments"]
+    assert {e["enrollment_id"]: e["state"] for e in enrollments}[
+        spare["enrollment_id"]
+    ] == "pending"
+
 
 def test_join_refusals_change_nothing_and_name_both_origins(restartable_control_plane, tmp_path):
     cp = restartable_control_plane
