@@ -21,9 +21,11 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import requests
 
 from modelforge_contract import (
+    ACCELERATOR_MODES,
     AGENT_ENV_FILE,
     AGENT_SERVICE,
     AGENT_STATE_DIR,
@@ -37,10 +39,12 @@ from modelforge_contract.envfile import format_env_file
 from . import runtime
 from .client import ControlPlaneClient
 from .enroll import ensure_enrolled, load_or_create_identity
-from .identity import load_state, state_path
+from .identity import StateError, load_state, state_path
+from .logs import configure_logging
 from .nvidia import PreflightFailure, run_preflight
 from .refusals import AgentExit
 from .settings import ConfigError, load_settings
+from .signals import Stopping, install_signal_handlers
 from .transport import REQUEST_TIMEOUT, exception_name, make_session
 
 log = logging.getLogger(__name__)
@@ -262,3 +266,104 @@ def run_join(request: JoinRequest, stop: threading.Event) -> int:
         f"Start the agent: {start_step(env_path, request)}"
     )
     return EXIT_OK
+
+
+@click.command("join")
+@click.argument("url")
+@click.option(
+    "--token-file",
+    default="-",
+    show_default=True,
+    metavar="PATH|-",
+    help="Read the enrollment token from this file, or from stdin with '-' (a prompt without "
+    "echo on a terminal). Never pass the token as an argument.",
+)
+@click.option(
+    "--accelerator",
+    "accelerator_mode",
+    type=click.Choice(ACCELERATOR_MODES),
+    default="nvidia",
+    show_default=True,
+    help="nvidia: require a working GPU (the preflight runs first); cpu: a CPU-only node; "
+    "auto: nvidia when NVIDIA devices are seen.",
+)
+@click.option(
+    "--hostname",
+    help="The host name this node reports. Default: the machine's own (left out of the env file).",
+)
+@click.option(
+    "--env-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=AGENT_ENV_FILE,
+    show_default=True,
+    help="Where to write the agent's settings (mode 0600): where the unit's EnvironmentFile= "
+    "reads them.",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=AGENT_STATE_DIR,
+    show_default=True,
+    help="The agent's state volume: identity and credential (the unit's StateDirectory=).",
+)
+@click.option(
+    "--root",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Write under this directory instead of / (an image being built, a trial run).",
+)
+@click.option(
+    "--ca-cert",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="PEM bundle of a private CA that signed the control plane's certificate.",
+)
+@click.option(
+    "--host-address",
+    help="Dial this address instead of resolving the URL's host (the URL's name is still "
+    "verified).",
+)
+@click.pass_obj
+def join_command(
+    obj: dict,
+    url: str,
+    token_file: str,
+    accelerator_mode: str,
+    hostname: str | None,
+    env_file: Path,
+    state_dir: Path,
+    root: Path | None,
+    ca_cert: Path | None,
+    host_address: str | None,
+) -> None:
+    """Join this host to the control plane at URL, in one step.
+
+    Checks the settings and that this host has not joined yet, reads the token, runs the
+    NVIDIA preflight, checks that URL answers, persists the identity, enrolls, and writes the
+    agent's env file (mode 0600, no secrets). A second join of a joined host is refused and
+    changes nothing. Exit statuses as for the agent.
+    """
+    configure_logging("INFO")
+    request = JoinRequest(
+        url=url,
+        token_file=token_file,
+        accelerator_mode=accelerator_mode,
+        env_file=env_file,
+        state_dir=state_dir,
+        hostname=hostname,
+        root=root,
+        ca_cert=ca_cert,
+        host_address=host_address,
+    )
+    stop = threading.Event()
+    install_signal_handlers(stop)
+    try:
+        status = run_join(request, stop)
+    except Stopping:
+        log.error("interrupted: the env file was not written; run join again")
+        status = EXIT_USAGE
+    except (ConfigError, StateError) as error:
+        log.error("%s", error)
+        status = EXIT_USAGE
+    except AgentExit as refused:
+        log.error("%s", refused.message)
+        status = refused.exit_code
+    sys.exit(status)

@@ -10,9 +10,7 @@ refused after enrollment, 70 internal error.
 from __future__ import annotations
 
 import errno
-import json
 import logging
-import signal
 import sys
 import threading
 import traceback
@@ -23,9 +21,6 @@ from urllib.parse import urlsplit
 import click
 
 from modelforge_contract import (
-    ACCELERATOR_MODES,
-    AGENT_ENV_FILE,
-    AGENT_STATE_DIR,
     EXIT_CHECK_FAILED,
     EXIT_CREDENTIAL_REFUSED,
     EXIT_ENROLLMENT_REFUSED,
@@ -40,13 +35,15 @@ from modelforge_contract import (
 
 from . import __version__
 from .enroll import ensure_enrolled, load_or_create_identity, token_is_spent
-from .identity import NodeState, StateError, load_state, save_state
+from .identity import NodeState, StateError, save_state
+from .join import join_command
 from .logs import configure_logging
 from .nvidia import PreflightFailure, PreflightResult, run_preflight
 from .publisher import DEFAULT_HEARTBEAT_INTERVAL, Publisher
 from .refusals import AgentExit
 from .settings import SETTINGS, AgentSettings, ConfigError, load_settings
-from .status import RecordingClient, StatusRecorder
+from .signals import Stopping, install_signal_handlers
+from .status import RecordingClient, StatusRecorder, status_command
 from .transport import make_session
 
 log = logging.getLogger("modelforge_node_agent")
@@ -76,10 +73,6 @@ EXIT_STATUSES = (
     ),
     (EXIT_INTERNAL, "an internal error (a bug): one line says so; --debug shows the traceback"),
 )
-
-
-class Stopping(BaseException):
-    """Raised in the main thread by SIGTERM/SIGINT so a blocking call there ends at once."""
 
 
 # An OSError about a path the operator gave or configured is theirs to fix (exit 2).
@@ -127,18 +120,6 @@ class AgentGroup(click.Group):
                 )
             click.echo(f"modelforge-node-agent: {mask_secrets(line)}", err=True)
             sys.exit(code)
-
-
-def _install_signal_handlers(stop: threading.Event) -> None:
-    def handle(signum: int, _frame: Any) -> None:
-        first = not stop.is_set()
-        stop.set()
-        if first:
-            log.info("stopping on %s", signal.Signals(signum).name)
-            raise Stopping
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
 
 
 def _warn_about_transport(settings: AgentSettings, url: str) -> None:
@@ -245,7 +226,7 @@ def _load_settings(env_file: Path | None) -> AgentSettings:
 def run(settings: AgentSettings) -> int:
     """Run the agent until stopped or refused; the exit status, also in status.json."""
     stop = threading.Event()
-    _install_signal_handlers(stop)
+    install_signal_handlers(stop)
     recorder = StatusRecorder(
         settings.state_volume, settings.control_plane_url or "", settings.accelerator_mode
     )
@@ -310,143 +291,9 @@ def main(ctx: click.Context, preflight: bool, env_file: Path | None, debug: bool
     sys.exit(run(settings))
 
 
-@main.command("join")
-@click.argument("url")
-@click.option(
-    "--token-file",
-    default="-",
-    show_default=True,
-    metavar="PATH|-",
-    help="Read the enrollment token from this file, or from stdin with '-' (a prompt without "
-    "echo on a terminal). Never pass the token as an argument.",
-)
-@click.option(
-    "--accelerator",
-    "accelerator_mode",
-    type=click.Choice(ACCELERATOR_MODES),
-    default="nvidia",
-    show_default=True,
-    help="nvidia: require a working GPU (the preflight runs first); cpu: a CPU-only node; "
-    "auto: nvidia when NVIDIA devices are seen.",
-)
-@click.option(
-    "--hostname",
-    help="The host name this node reports. Default: the machine's own (left out of the env file).",
-)
-@click.option(
-    "--env-file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=AGENT_ENV_FILE,
-    show_default=True,
-    help="Where to write the agent's settings (mode 0600): where the unit's EnvironmentFile= "
-    "reads them.",
-)
-@click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=AGENT_STATE_DIR,
-    show_default=True,
-    help="The agent's state volume: identity and credential (the unit's StateDirectory=).",
-)
-@click.option(
-    "--root",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Write under this directory instead of / (an image being built, a trial run).",
-)
-@click.option(
-    "--ca-cert",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="PEM bundle of a private CA that signed the control plane's certificate.",
-)
-@click.option(
-    "--host-address",
-    help="Dial this address instead of resolving the URL's host (the URL's name is still "
-    "verified).",
-)
-@click.pass_obj
-def join_command(
-    obj: dict,
-    url: str,
-    token_file: str,
-    accelerator_mode: str,
-    hostname: str | None,
-    env_file: Path,
-    state_dir: Path,
-    root: Path | None,
-    ca_cert: Path | None,
-    host_address: str | None,
-) -> None:
-    """Join this host to the control plane at URL, in one step.
-
-    Checks the settings and that this host has not joined yet, reads the token, runs the
-    NVIDIA preflight, checks that URL answers, persists the identity, enrolls, and writes the
-    agent's env file (mode 0600, no secrets). A second join of a joined host is refused and
-    changes nothing. Exit statuses as for the agent.
-    """
-    from .join import JoinRequest, run_join
-
-    configure_logging("INFO")
-    request = JoinRequest(
-        url=url,
-        token_file=token_file,
-        accelerator_mode=accelerator_mode,
-        env_file=env_file,
-        state_dir=state_dir,
-        hostname=hostname,
-        root=root,
-        ca_cert=ca_cert,
-        host_address=host_address,
-    )
-    stop = threading.Event()
-    _install_signal_handlers(stop)
-    try:
-        status = run_join(request, stop)
-    except Stopping:
-        log.error("interrupted: the env file was not written; run join again")
-        status = EXIT_USAGE
-    except (ConfigError, StateError) as error:
-        log.error("%s", error)
-        status = EXIT_USAGE
-    except AgentExit as refused:
-        log.error("%s", refused.message)
-        status = refused.exit_code
-    sys.exit(status)
-
-
-@main.command("status")
-@click.option(
-    "--env-file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="The agent's settings file, to find its state volume (default: as the agent would).",
-)
-@click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="The agent's state volume (default: MODELFORGE_AGENT_STATE_VOLUME, else "
-    f"{AGENT_STATE_DIR}).",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.pass_obj
-def status_command(obj: dict, env_file: Path | None, state_dir: Path | None, as_json: bool) -> None:
-    """Node id, control plane, whether the agent runs, its last heartbeat and why not.
-
-    Reads the state volume; calls nothing. Exits 0 when the agent runs and its last heartbeat
-    succeeded, 1 otherwise.
-    """
-    from .status import read_status, render, report
-
-    settings = _load_settings(env_file or obj.get("env_file"))
-    volume = state_dir.absolute() if state_dir else settings.state_volume
-    try:
-        state = load_state(volume)
-    except StateError as error:
-        click.echo(
-            f"modelforge-node-agent: {error}; run status as the agent's user or root", err=True
-        )
-        sys.exit(EXIT_USAGE)
-    answer = report(state, read_status(volume), settings.control_plane_url)
-    click.echo(json.dumps(answer, indent=2) if as_json else render(answer))
-    sys.exit(EXIT_OK if answer["healthy"] else EXIT_CHECK_FAILED)
+# `join` and `status` live with what they do; `python3 -m modelforge_node_agent.main` has both.
+main.add_command(join_command)
+main.add_command(status_command)
 
 
 if __name__ == "__main__":

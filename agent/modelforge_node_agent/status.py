@@ -22,11 +22,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelforge_contract import AGENT_SERVICE, PATH_AGENT_HEARTBEAT, mask_secrets
+import click
+
+from modelforge_contract import (
+    AGENT_SERVICE,
+    AGENT_STATE_DIR,
+    EXIT_CHECK_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    PATH_AGENT_HEARTBEAT,
+    mask_secrets,
+)
 
 from . import __version__, runtime
 from .client import CallFailed, ControlPlaneClient, Refused
-from .identity import NodeState
+from .identity import NodeState, StateError, load_state
+from .settings import ConfigError, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -271,3 +282,41 @@ def render(answer: dict[str, Any]) -> str:
         lines.append(f"{'problem':14} {answer['problem']}")
         lines.append(f"{'next step':14} {answer['next_step']}")
     return "\n".join(lines)
+
+
+@click.command("status")
+@click.option(
+    "--env-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The agent's settings file, to find its state volume (default: as the agent would).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The agent's state volume (default: MODELFORGE_AGENT_STATE_VOLUME, else "
+    f"{AGENT_STATE_DIR}).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def status_command(obj: dict, env_file: Path | None, state_dir: Path | None, as_json: bool) -> None:
+    """Node id, control plane, whether the agent runs, its last heartbeat and why not.
+
+    Reads the state volume; calls nothing. Exits 0 when the agent runs and its last heartbeat
+    succeeded, 1 otherwise.
+    """
+    try:
+        settings = load_settings(env_file=env_file or obj.get("env_file"))
+    except ConfigError as error:
+        click.echo(f"modelforge-node-agent: {error}", err=True)
+        sys.exit(error.exit_code)
+    volume = state_dir.absolute() if state_dir else settings.state_volume
+    try:
+        state = load_state(volume)
+    except StateError as error:
+        click.echo(
+            f"modelforge-node-agent: {error}; run status as the agent's user or root", err=True
+        )
+        sys.exit(EXIT_USAGE)
+    answer = report(state, read_status(volume), settings.control_plane_url)
+    click.echo(json.dumps(answer, indent=2) if as_json else render(answer))
+    sys.exit(EXIT_OK if answer["healthy"] else EXIT_CHECK_FAILED)
