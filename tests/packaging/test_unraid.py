@@ -52,6 +52,7 @@ def test_template_console_runs_a_program_the_image_has():
     # runs the CLI itself, as every docker exec in docs/install-unraid.md does.
     shell = template().findtext("Shell")
     assert shell == "modelforge"
-    assert f"docker exec modelforge-control-plane {shell} " in (
-        ROOT / "docs" / "install-unraid.md"
-    ).read_text()
+    assert (
+        f"docker exec modelforge-control-plane {shell} "
+        in (ROOT / "docs" / "install-unraid.md").read_text()
+    )
