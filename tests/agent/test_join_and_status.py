@@ -14,6 +14,7 @@ from modelforge_contract import (
     EXIT_CHECK_FAILED,
     EXIT_CREDENTIAL_REFUSED,
     EXIT_ENROLLMENT_REFUSED,
+    EXIT_NVIDIA_PREFLIGHT,
     EXIT_OK,
     EXIT_USAGE,
     HEADER_ADMIN_TOKEN,
@@ -23,10 +24,18 @@ from modelforge_contract import (
 from modelforge_node_agent import refusals, runtime
 
 from ..support import free_port
-from .processes import AGENT_COMMAND, AgentProcess, agent_env, wait_until
+from .nvml import h100_80g_x8, without_devices
+from .processes import AGENT_COMMAND, AgentProcess, agent_env, nvml_env, wait_until
 
 
-def join(cp_url: str, token: str, where: Path, *extra: str) -> subprocess.CompletedProcess:
+def join(
+    cp_url: str,
+    token: str,
+    where: Path,
+    *extra: str,
+    mode: str = "cpu",
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     """The checkout's join command, the token on stdin as a pipe sends it."""
     return subprocess.run(
         [
@@ -34,7 +43,7 @@ def join(cp_url: str, token: str, where: Path, *extra: str) -> subprocess.Comple
             "join",
             cp_url,
             "--accelerator",
-            "cpu",
+            mode,
             "--token-file",
             "-",
             "--state-dir",
@@ -44,7 +53,7 @@ def join(cp_url: str, token: str, where: Path, *extra: str) -> subprocess.Comple
             *extra,
         ],
         input=token + "\n",
-        env=agent_env(),
+        env=env or agent_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -136,6 +145,26 @@ def test_join_refusals_change_nothing_and_name_both_origins(restartable_control_
     assert not (where / "agent.env").exists()
     enrollment = cp.plane.admin("GET", PATH_ADMIN_ENROLLMENTS).json()["enrollments"][0]
     assert enrollment["state"] == "pending"  # the refusal did not spend the token
+
+
+def test_join_in_nvidia_mode_runs_the_preflight_first(
+    restartable_control_plane, fake_nvml_dir, tmp_path
+):
+    cp = restartable_control_plane
+    token = cp.plane.mint()["token"]
+    no_gpu = agent_env(**nvml_env(fake_nvml_dir, without_devices(h100_80g_x8()), tmp_path / "n0"))
+    failed = join(cp.url, token, tmp_path / "none", mode="nvidia", env=no_gpu)
+    assert failed.returncode == EXIT_NVIDIA_PREFLIGHT
+    assert "NVIDIA_DEVICE_NOT_FOUND" in failed.stderr
+    assert "docker run --gpus" not in failed.stderr  # a plain process: the host's driver
+    assert not (tmp_path / "none").exists()  # nothing written, the token unspent
+
+    gpus = agent_env(**nvml_env(fake_nvml_dir, h100_80g_x8(), tmp_path / "n8"))
+    joined = join(cp.url, token, tmp_path / "gpu", mode="nvidia", env=gpus)
+    assert joined.returncode == EXIT_OK, joined.stderr
+    assert "8 GPU(s)" in joined.stderr and "nvidia mode" in joined.stdout
+    assert "MODELFORGE_AGENT_ACCELERATOR_MODE=nvidia\n" in (tmp_path / "gpu/agent.env").read_text()
+    assert cp.nodes()[0]["accelerator_mode"] == "nvidia"
 
 
 def test_status_follows_the_running_agent(restartable_control_plane, tmp_path):
