@@ -140,6 +140,12 @@ FIELD_FORMAT = "FIELD_FORMAT"
 QUERY_INVALID = "QUERY_INVALID"
 HOST_INVALID = "HOST_INVALID"
 
+# -- refusals the HTTP server gives before any route runs (issue 14) -----------
+# waitress answers these itself; the control plane renders them in the one error shape.
+REQUEST_MALFORMED = "REQUEST_MALFORMED"  # 400: not well-formed HTTP/1.1
+HEADERS_TOO_LARGE = "HEADERS_TOO_LARGE"  # 431
+TRANSFER_ENCODING_UNSUPPORTED = "TRANSFER_ENCODING_UNSUPPORTED"  # 501: not chunked
+
 
 # -- exit codes (DESIGN §4) ---------------------------------------------------
 
