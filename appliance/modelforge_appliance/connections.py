@@ -111,14 +111,19 @@ class Channel(HTTPChannel):
         # that connects and says nothing is a slow client, not an idle keep-alive one.
         self.request_began: float | None = self.creation_time
         self._timed_request: object | None = None
+        self._fresh = True
 
     def received(self, data: bytes) -> bool:
         result = super().received(data)
-        if self.request is not self._timed_request:
-            # Either the request being received completed (none is pending now), or a
-            # new one started in this chunk of bytes.
+        if self.request is None:
+            # Nothing half-received: the connection is idle, and the idle timeout applies.
+            self.request_began, self._timed_request = None, None
+        elif self.request is not self._timed_request:
+            # A request began in this chunk of bytes (the first one: when the connection
+            # opened).
             self._timed_request = self.request
-            self.request_began = time.time() if self.request is not None else None
+            self.request_began = self.creation_time if self._fresh else time.time()
+        self._fresh = False
         return result
 
 

@@ -169,6 +169,7 @@ def create_server(settings: Settings, store: Store, host: str, port: int) -> Ser
     app.metrics.connections_open.set_function(
         lambda: sum(len(each.active_channels) for each in servers)
     )
+    server.app = app  # the bottle application (tests mount a failing route on it)
     server.heartbeats = app.heartbeats  # started and stopped by run_until
     server.refusals = app.refusals  # its pending counts are written when run_until stops
     return server

@@ -150,6 +150,9 @@ TRANSFER_ENCODING_UNSUPPORTED = "TRANSFER_ENCODING_UNSUPPORTED"  # 501: not chun
 # -- exit codes (DESIGN §4) ---------------------------------------------------
 
 EXIT_OK = 0
+# The node agent stops here when one of its own loops fails unexpectedly (a bug): better
+# restarted by its supervisor than up and silent (issue 14).
+EXIT_AGENT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_NVIDIA_PREFLIGHT = 3
 EXIT_ENROLLMENT_REFUSED = 4
