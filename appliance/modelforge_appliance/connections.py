@@ -127,13 +127,28 @@ class Channel(HTTPChannel):
         return result
 
 
+# waitress accepts one connection per loop turn; a fleet reconnecting at once (after a
+# restart of the control plane) would then wait on the loop, one turn per agent.
+ACCEPTS_PER_TURN = 64
+
+
 class Server(TcpWSGIServer):
-    """waitress's TCP server with ``Channel`` connections and the request deadline."""
+    """waitress's TCP server with ``Channel`` connections, the request deadline, and
+    accepting every waiting connection (up to ACCEPTS_PER_TURN) in one loop turn."""
 
     channel_class = Channel
     request_timeout: float = 30.0
     # Called with "idle" or "request_timeout" for every connection this server closes.
     on_close: Callable[[str], None] = staticmethod(lambda reason: None)
+
+    def handle_accept(self) -> None:
+        for _ in range(ACCEPTS_PER_TURN):
+            before = len(self._map)
+            if before >= self.adj.connection_limit:
+                return
+            super().handle_accept()
+            if len(self._map) == before:
+                return  # nobody else is waiting (or that accept failed, and was logged)
 
     def maintenance(self, now: float) -> None:
         idle_cutoff = now - self.adj.channel_timeout

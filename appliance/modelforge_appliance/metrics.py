@@ -77,6 +77,11 @@ class Metrics:
             "Client connections open now.",
             registry=self.registry,
         )
+        self.requests_queued = Gauge(
+            "modelforge_requests_queued",
+            "Requests received and waiting for a worker thread (MODELFORGE_THREADS).",
+            registry=self.registry,
+        )
         self.connections_closed = Counter(
             "modelforge_connections_closed",
             "Connections the control plane closed: idle too long, or a request not received "

@@ -43,6 +43,7 @@ wsgi_log = logging.getLogger("modelforge_appliance.wsgi")
 MAX_HEADER_BYTES = 32 * 1024
 # Descriptors beyond the client connections: listeners, triggers, the store, log files.
 SPARE_DESCRIPTORS = 64
+LISTEN_BACKLOG = 4096
 # How often idle connections and request deadlines are checked.
 MAINTENANCE_SECONDS = 1
 
@@ -65,6 +66,9 @@ def waitress_options(settings: Settings) -> dict[str, Any]:
         "max_request_body_size": settings.max_body_bytes + 1,
         "inbuf_overflow": settings.max_body_bytes + 1,
         "max_request_header_size": MAX_HEADER_BYTES,
+        # Connections the kernel completes while the loop is busy wait here (Linux caps it
+        # at net.core.somaxconn).
+        "backlog": LISTEN_BACKLOG,
         "channel_timeout": settings.idle_timeout_seconds,
         "cleanup_interval": MAINTENANCE_SECONDS,
         "asyncore_use_poll": True,
@@ -169,6 +173,10 @@ def create_server(settings: Settings, store: Store, host: str, port: int) -> Ser
     app.metrics.connections_open.set_function(
         lambda: sum(len(each.active_channels) for each in servers)
     )
+    app.metrics.requests_queued.set_function(lambda: len(dispatcher.queue))
+    # waitress warns on every request that waits for a thread; with a fleet reconnecting
+    # at once that is thousands of lines. The queue depth is a metric instead.
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)
     server.app = app  # the bottle application (tests mount a failing route on it)
     server.heartbeats = app.heartbeats  # started and stopped by run_until
     server.refusals = app.refusals  # its pending counts are written when run_until stops
