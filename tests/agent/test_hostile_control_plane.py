@@ -298,7 +298,7 @@ def test_a_trickling_control_plane_cannot_hold_the_agent(hostile, tmp_path):
     assert status == EXIT_OK and took < 1.0, log
 
 
-def test_absurd_intervals_neither_flood_nor_stop_the_heartbeat(hostile, tmp_path):
+def test_absurd_intervals_and_deep_json_neither_flood_nor_stop_the_heartbeat(hostile, tmp_path):
     heartbeat = "/api/v1/agent/heartbeat"
     server = hostile(
         {
@@ -310,6 +310,7 @@ def test_absurd_intervals_neither_flood_nor_stop_the_heartbeat(hostile, tmp_path
                 answer(200, None, raw=b'{"heartbeat_interval_seconds": 1e400}'),
                 answer(200, {**HEARTBEAT_OK, "heartbeat_interval_seconds": "0\nFORGED ERROR line"}),
                 answer(200, None, raw=b'{"heartbeat_interval_seconds": NaN}'),
+                answer(200, None, raw=b"[" * 100_000 + b"]" * 100_000),
                 answer(200, {**HEARTBEAT_OK, "heartbeat_interval_seconds": True}),
                 answer(200, HEARTBEAT_OK),
             ],
@@ -329,7 +330,9 @@ def test_absurd_intervals_neither_flood_nor_stop_the_heartbeat(hostile, tmp_path
     assert status == EXIT_OK and took < 1.0
     assert "ignoring heartbeat_interval_seconds=0?FORGED ERROR line from the control plane" in log
     assert not any(line.startswith("FORGED") for line in log.splitlines())
-    assert "BadResponse on POST /api/v1/agent/heartbeat" in log  # the NaN answer
+    # The NaN answer and the 100k-deep one: one line each, then the next try.
+    assert log.count("BadResponse on POST /api/v1/agent/heartbeat") == 2
+    assert "RecursionError" not in log and "Traceback" not in log
 
 
 @pytest.mark.parametrize(

@@ -137,14 +137,29 @@ def test_the_documented_nginx_example_carries_enrollment_and_heartbeats(tmp_path
             )
             session = make_session(agent_settings)
             assert session.get(f"{origin}/healthz", timeout=10).json() == {"status": "ok"}
-            # A body over MODELFORGE_MAX_BODY_BYTES is refused by the control plane, in JSON.
-            big = session.post(
-                f"{origin}/api/v1/agent/heartbeat",
-                data=b"x" * (cp.settings.max_body_bytes + 1),
-                headers={"Content-Type": "application/json", "X-ModelForge-Agent-Protocol": "1"},
-                timeout=30,
+
+            # The body limit is the control plane's: a body at the limit reaches it (and is
+            # refused as not JSON), one byte more is refused by nginx in the same shape.
+            def post(size: int):
+                return session.post(
+                    f"{origin}/api/v1/agent/heartbeat",
+                    data=b"x" * size,
+                    headers={
+                        "Content-Type": "application/json",
+                        "X-ModelForge-Agent-Protocol": "1",
+                    },
+                    timeout=30,
+                )
+
+            limit = cp.settings.max_body_bytes
+            at_limit = post(limit)
+            assert (at_limit.status_code, at_limit.json()["error"]["code"]) == (
+                400,
+                "BODY_NOT_JSON",
             )
-            assert big.status_code == 413 and big.json()["error"]["code"] == "BODY_TOO_LARGE"
+            over = post(limit + 1)
+            assert (over.status_code, over.json()["error"]["code"]) == (413, "BODY_TOO_LARGE")
+            assert set(over.json()["error"]) == {"code", "message", "next_step"}
 
             minted = cp.mint()
             assert minted["api_origin"] == origin
