@@ -14,12 +14,13 @@ import requests
 
 from modelforge_appliance import admin_tokens, audit
 from modelforge_appliance.clock import ManualClock
+from modelforge_appliance.connections import EventLoop
 from modelforge_appliance.models import AdminToken, Node
 from modelforge_appliance.server import create_server
 from modelforge_appliance.settings import ConfigError, load_settings
 from modelforge_appliance.store import Store
 
-from ..support import error_code, make_settings, new_identity, serve
+from ..support import ControlPlane, error_code, make_settings, new_identity, serve
 from .test_agent_auth import enroll_node
 from .test_settings_and_cli import modelforge
 
@@ -30,8 +31,6 @@ from .test_settings_and_cli import modelforge
 def serve_without_flusher(settings):
     """The real server, but without the heartbeat buffer's background flusher, so that only
     requests can cause a flush: whether one did is then plain to see."""
-    from modelforge_appliance.connections import EventLoop
-
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     store = Store(settings.database_url, ManualClock())
     store.migrate()
@@ -46,8 +45,6 @@ def serve_without_flusher(settings):
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    from ..support import ControlPlane
-
     try:
         yield ControlPlane(
             f"http://127.0.0.1:{server.effective_port}", settings, store, token, server.heartbeats
