@@ -10,6 +10,8 @@ import re
 import secrets
 import socket
 import socketserver
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +21,7 @@ import pytest
 import requests
 
 from modelforge_contract import EXIT_AGENT_FAILED, EXIT_ENROLLMENT_REFUSED, EXIT_OK
-from modelforge_node_agent.client import ControlPlaneClient, TransportFailure
+from modelforge_node_agent.client import ControlPlaneClient, Refused, TransportFailure
 from modelforge_node_agent.identity import new_identity
 from modelforge_node_agent.nvidia import PreflightResult
 from modelforge_node_agent.publisher import Publisher
@@ -217,8 +219,6 @@ def test_each_call_is_bounded_in_time_and_size(hostile, behaviour, failure):
 def test_a_deeply_nested_refusal_is_still_a_refusal(hostile):
     deep = b'{"error": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     server = hostile({"/api/v1/agent/heartbeat": [answer(503, None, raw=deep)]})
-    from modelforge_node_agent.client import Refused
-
     with pytest.raises(Refused) as refused:
         client_for(server).call("POST", "/api/v1/agent/heartbeat", {})
     assert (refused.value.status, refused.value.code) == (503, None)
@@ -367,9 +367,6 @@ def test_the_enrollment_token_is_gone_from_the_agents_own_environment(hostile, t
         "assert settings.enrollment_token, 'the settings keep it for the enrollment'\n"
         "print('MODELFORGE_AGENT_ENROLLMENT_TOKEN' in os.environ)\n"
     )
-    import subprocess
-    import sys
-
     env = agent_env(control_plane_url="http://127.0.0.1:9", enrollment_token=TOKEN)
     result = subprocess.run(
         [sys.executable, "-c", code],

@@ -8,8 +8,10 @@ import contextlib
 import fcntl
 import http.client
 import json
+import logging
 import os
 import socket
+import sys
 import tempfile
 import termios
 import threading
@@ -19,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import requests
+
+from modelforge_contract.logs import configure_logging
 
 from ..support import make_settings, serve
 from .test_agent_auth import enroll_node
@@ -340,11 +344,6 @@ SECRET = "mfc_0123456789abcdef_" + "S" * 43
 
 
 def test_a_route_that_raises_answers_500_and_logs_its_traceback_masked(tmp_path, capfd):
-    import logging
-    import sys
-
-    from modelforge_contract.logs import configure_logging
-
     root = logging.getLogger()
     saved = (root.handlers[:], root.level, sys.excepthook, threading.excepthook)
     configure_logging("INFO")

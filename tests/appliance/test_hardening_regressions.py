@@ -6,6 +6,8 @@ import contextlib
 import json
 import resource
 import sqlite3
+import subprocess
+import sys
 import threading
 from dataclasses import replace
 
@@ -22,7 +24,7 @@ from modelforge_appliance.store import Store
 
 from ..support import ControlPlane, error_code, make_settings, new_identity, serve
 from .test_agent_auth import enroll_node
-from .test_settings_and_cli import modelforge
+from .test_settings_and_cli import ROOT, modelforge
 
 # -- unauthenticated requests write nothing ------------------------------------------------
 
@@ -324,11 +326,6 @@ def limit_files(soft: int, hard: int):
 
 
 def test_a_connection_limit_the_process_cannot_hold_exits_2(tmp_path):
-    import subprocess
-    import sys
-
-    from .test_settings_and_cli import ROOT
-
     env = {
         "MODELFORGE_STATE_DIR": str(tmp_path / "s"),
         "MODELFORGE_CONNECTION_LIMIT": "5000",
@@ -349,11 +346,6 @@ def test_a_connection_limit_the_process_cannot_hold_exits_2(tmp_path):
 
 
 def test_serve_raises_its_own_soft_file_limit_to_fit_the_connections(tmp_path):
-    import subprocess
-    import sys
-
-    from .test_settings_and_cli import ROOT
-
     code = (
         "import resource, sys\n"
         "from modelforge_appliance.server import ensure_file_descriptors\n"
