@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bottle
 
+from ..audit import RefusalLog
 from ..heartbeats import HeartbeatBuffer
 from ..metrics import Metrics
 from ..settings import Settings
@@ -20,14 +21,17 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     """Build the WSGI application for these settings and this store.
 
     ``app.heartbeats`` is the heartbeat buffer; whoever serves the app starts and stops it
-    (``server.run_until``).
+    (``server.run_until``), and writes ``app.refusals``' pending counts when it stops.
     """
     app = bottle.Bottle(catchall=True)
     heartbeats = app.heartbeats = HeartbeatBuffer(store)
     metrics = app.metrics = Metrics(store, settings)
     app.default_error_handler = framework_error
     app.install(answering(metrics))
-    context = ApiContext(settings=settings, store=store, heartbeats=heartbeats, metrics=metrics)
+    refusals = app.refusals = RefusalLog(store)
+    context = ApiContext(
+        settings=settings, store=store, heartbeats=heartbeats, metrics=metrics, refusals=refusals
+    )
     admin.add_routes(app, context)
     agent.add_routes(app, context)
     return app

@@ -31,15 +31,16 @@ from .. import admin_tokens, alerts, audit, credentials, decommission, enrollmen
 from ..errors import Invalid, StoreUnavailable
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..validation import EXECUTE_FIELDS, MINT_FIELDS
-from .http import ApiContext, json_response, query_int, request_origin
+from .http import ApiContext, json_response, query_int, request_header, request_origin
 
 
 def admin_actor(context: ApiContext) -> str:
-    """Authenticate the admin; flush heartbeats so every answer sees the acknowledged ones."""
+    """Authenticate the admin, then flush heartbeats so the answer sees the acknowledged ones.
+
+    In that order: a request without a valid token causes no write at all.
+    """
+    token = admin_tokens.authenticate_admin(context.store, request_header(HEADER_ADMIN_TOKEN))
     context.heartbeats.flush()
-    token = admin_tokens.authenticate_admin(
-        context.store, bottle.request.get_header(HEADER_ADMIN_TOKEN)
-    )
     return audit.admin_actor(token.token_id)
 
 
@@ -53,8 +54,8 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     @app.get(PATH_METRICS)
     def prometheus_metrics():
         # Prometheus sends `authorization: {credentials: mfa_…}` as a Bearer header.
-        bearer = bottle.request.get_header("Authorization", "")
-        header = bottle.request.get_header(HEADER_ADMIN_TOKEN) or bearer.removeprefix("Bearer ")
+        bearer = request_header("Authorization") or ""
+        header = request_header(HEADER_ADMIN_TOKEN) or bearer.removeprefix("Bearer ")
         admin_tokens.authenticate_admin(store, header or None)
         heartbeats.flush()
         return bottle.HTTPResponse(
