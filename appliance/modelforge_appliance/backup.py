@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 LOCK_NAME = "modelforge.lock"
 
 
+def reached_stage(stage: str) -> None:
+    """Called as a restore passes each named stage; tests replace it to pause or SIGKILL there."""
+
+
 class RestoreRefused(Exception):
     """The restore cannot run now or from this file; nothing was changed."""
 
@@ -183,6 +187,7 @@ def restore(
             f"program's {SCHEMA_VERSION}; restore it with that release"
         )
     with state_lock(settings, exclusive=True):
+        reached_stage("locked")
         finalities = _current_finalities(target, accept_lost_revocations)
         staged = target.with_name(f".{target.name}.restoring")
         _copy(source, staged)

@@ -17,6 +17,26 @@ from ..support import free_port, new_identity, wait_until_answering
 NODES = "/api/v1/admin/hardware/nodes"
 AGENT = {"X-ModelForge-Agent-Protocol": "1"}
 
+# The CLI with backup.reached_stage replaced: at the named stage it SIGKILLs itself ("kill")
+# or prints "paused at STAGE" and waits for a line on stdin ("pause"). Tests only: the
+# stage and action are this wrapper's own first two arguments, never a setting.
+_STOPPING_CLI = """
+import os, signal, sys
+from modelforge_appliance import backup
+stage, action = sys.argv[1:3]
+del sys.argv[1:3]
+def reached(name):
+    if name != stage:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    print("paused at " + name, flush=True)
+    sys.stdin.readline()
+backup.reached_stage = reached
+from modelforge_appliance.cli.main import main
+main(prog_name="modelforge")
+"""
+
 
 class Host:
     """A control-plane host: its state directory and the ``modelforge`` CLI on it."""
@@ -43,6 +63,17 @@ class Host:
         if check:
             assert result.returncode == 0, result.stderr
         return result
+
+    def start_cli_stopping_at(self, stage: str, action: str, *args: str) -> subprocess.Popen:
+        """The CLI run as a child that SIGKILLs itself or pauses at a named restore stage."""
+        return subprocess.Popen(
+            [sys.executable, "-c", _STOPPING_CLI, stage, action, *args],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     @contextmanager
     def serving(self):
