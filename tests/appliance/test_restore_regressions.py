@@ -31,7 +31,9 @@ def admin_token_ids(host: Host) -> set[str]:
 def leftovers(host: Host) -> list[str]:
     """Files in the state directory other than the store, its WAL/SHM and the lock."""
     state = Path(host.env["MODELFORGE_STATE_DIR"])
-    return sorted(p.name for p in state.iterdir() if p.name not in STATE_FILES | {"modelforge.lock"})
+    return sorted(
+        p.name for p in state.iterdir() if p.name not in STATE_FILES | {"modelforge.lock"}
+    )
 
 
 def one_line_refusal(result, *phrases: str) -> None:
