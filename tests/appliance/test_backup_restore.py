@@ -41,15 +41,20 @@ main(prog_name="modelforge")
 class Host:
     """A control-plane host: its state directory and the ``modelforge`` CLI on it."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(
+        self, tmp_path: Path, admin_token: str | None = None, database_url: str | None = None
+    ) -> None:
+        """A host on tmp_path/state, initialised there unless its admin token is given."""
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
         self.env["MODELFORGE_STATE_DIR"] = str(tmp_path / "state")
+        if database_url:
+            self.env["MODELFORGE_DATABASE_URL"] = database_url
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / "serve.log"
-        self.admin = {
-            "X-ModelForge-Admin-Token": json.loads(self.cli("init", "--json").stdout)["admin_token"]
-        }
+        if admin_token is None:
+            admin_token = json.loads(self.cli("init", "--json").stdout)["admin_token"]
+        self.admin = {"X-ModelForge-Admin-Token": admin_token}
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         result = subprocess.run(
