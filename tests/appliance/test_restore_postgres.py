@@ -106,3 +106,26 @@ def test_two_restores_in_a_row_keep_revocations_on_postgresql(tmp_path, dumps):
             assert "store.finality_restored" in {e["action"] for e in events}
         saved = sorted(backups.iterdir())
         assert len(saved) == 2 and all(p.stat().st_mode & 0o777 == 0o600 for p in saved)
+
+
+def test_the_state_lock_reaches_across_hosts_on_postgresql(tmp_path):
+    """Two hosts, one database: each has its own state directory, and the lock still holds."""
+    with fresh_postgres_database() as url:
+        a = Host(tmp_path / "a", database_url=url)
+        b = Host(tmp_path / "b", admin_token=a.admin["X-ModelForge-Admin-Token"], database_url=url)
+        record = tmp_path / "record.json"
+        b.cli("save-finality", str(record))
+        with a.serving():
+            refused = b.cli("restore-finality", str(record), check=False)
+            assert refused.returncode == 2, refused.stderr
+            assert "possibly from another host" in refused.stderr
+        paused = a.start_cli_stopping_at("locked", "pause", "restore-finality", str(record))
+        try:
+            assert paused.stdout.readline().strip() == "paused at locked"
+            for args in (("admin-token", "create", "--name", "late"), ("init",)):
+                result = b.cli(*args, check=False)
+                assert result.returncode == 2 and "a restore is running" in result.stderr
+        finally:
+            _, err = paused.communicate("\n", timeout=60)
+        assert paused.returncode == 0, err
+        assert b.cli("admin-token", "create", "--name", "after").returncode == 0
