@@ -25,7 +25,7 @@ from modelforge_contract import (
     NODE_DECOMMISSIONED,
 )
 
-from . import audit, credentials, tokens
+from . import audit, credentials, finality, tokens
 from .clock import isoformat
 from .errors import ApiError, Conflict, Forbidden, Gone, Invalid, NotFound, Unauthorized
 from .models import EnrollmentToken, Node
@@ -336,6 +336,9 @@ def _known_node(store: Store, request: EnrollRequest, identity_digest: str | Non
         query = query.for_update()
     node = query.first()
     if node is None:
+        # A restore can bring back a store without this node; its retirement stays final.
+        if finality.identity_retired(request.identity_id):
+            raise _identity_decommissioned()
         return None
     if not hmac.compare_digest(identity_digest or "", node.identity_digest or ""):
         raise Forbidden(
@@ -345,9 +348,13 @@ def _known_node(store: Store, request: EnrollRequest, identity_digest: str | Non
             "as a new node (then decommission the old one).",
         )
     if node.decommissioned_at is not None:
-        raise Forbidden(
-            "this identity belongs to a decommissioned node",
-            code=NODE_DECOMMISSIONED,
-            next_step="Delete the agent's identity file to enroll the hardware as a new node.",
-        )
+        raise _identity_decommissioned()
     return node
+
+
+def _identity_decommissioned() -> Forbidden:
+    return Forbidden(
+        "this identity belongs to a decommissioned node",
+        code=NODE_DECOMMISSIONED,
+        next_step="Delete the agent's identity file to enroll the hardware as a new node.",
+    )

@@ -97,3 +97,19 @@ class DecommissionConfirmation(BaseModel):
     created_at = pw.DoubleField()
     expires_at = pw.DoubleField()
     used_at = pw.DoubleField(null=True)
+
+
+class Finality(BaseModel):
+    """One secret id that was revoked or spent: the record a restore carries (finality.py).
+
+    Written by the store's own triggers (migration 3), never changed or deleted.
+    """
+
+    kind = pw.CharField(max_length=32)
+    subject_id = pw.CharField(max_length=64)
+    final_at = pw.DoubleField()
+    reason = pw.CharField(max_length=120, null=True)
+
+    class Meta:
+        table_name = "finality"
+        primary_key = pw.CompositeKey("kind", "subject_id")

@@ -15,6 +15,7 @@ MODELS = [
     models.Credential,
     models.AuditEvent,
     models.DecommissionConfirmation,
+    models.Finality,
 ]
 
 
@@ -30,7 +31,11 @@ def test_migrated_tables_match_the_models(database_url):
             assert set(columns) == set(fields), table
             for name, field in fields.items():
                 assert columns[name].null == field.null, f"{table}.{name} nullability"
-                assert columns[name].primary_key == field.primary_key, f"{table}.{name}"
+            key = model._meta.primary_key
+            key_columns = (
+                set(key.field_names) if isinstance(key, pw.CompositeKey) else {key.column_name}
+            )
+            assert {c.name for c in columns.values() if c.primary_key} == key_columns, table
             for field in fields.values():
                 if isinstance(field, pw.ForeignKeyField):
                     keys = {(k.column, k.dest_table) for k in db.get_foreign_keys(table)}
