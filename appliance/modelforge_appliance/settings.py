@@ -86,6 +86,29 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "1048576",
         "Largest request body accepted; larger bodies are refused with 413 BODY_TOO_LARGE.",
     ),
+    SettingSpec(
+        "MODELFORGE_TELEMETRY_RETENTION_SECONDS",
+        "86400",
+        "How long per-GPU telemetry samples are kept for the console's charts; older ones "
+        "are pruned in bounded batches.",
+    ),
+    SettingSpec(
+        "MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS",
+        "1800",
+        "A console session unused for this long is signed out.",
+    ),
+    SettingSpec(
+        "MODELFORGE_CONSOLE_SESSION_MAX_SECONDS",
+        "43200",
+        "A console session ends this long after sign-in, however busy. Must be at least the "
+        "idle limit.",
+    ),
+    SettingSpec(
+        "MODELFORGE_RELEASE_MANIFEST",
+        None,
+        "Path of the release manifest (modelforge-VERSION-manifest.json). When set, the Enroll "
+        "node wizard accepts only a node-agent image entry equal to that release's entry.",
+    ),
     SettingSpec("MODELFORGE_THREADS", "8", "Worker threads of the waitress server."),
     SettingSpec("MODELFORGE_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
 )
@@ -115,6 +138,10 @@ class Settings:
     max_body_bytes: int
     threads: int
     log_level: str
+    telemetry_retention_seconds: int = 86400
+    session_idle_seconds: int = 1800
+    session_max_seconds: int = 43200
+    release_manifest: Path | None = None
 
     @property
     def listen(self) -> str:
@@ -257,6 +284,15 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
             f"MODELFORGE_LOG_LEVEL={log_level!r} is not DEBUG, INFO, WARNING or ERROR"
         )
 
+    session_idle = _int(env, "MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS", 60, 86400)
+    session_max = _int(env, "MODELFORGE_CONSOLE_SESSION_MAX_SECONDS", 300, 30 * 86400)
+    if session_max < session_idle:
+        raise ConfigError(
+            f"MODELFORGE_CONSOLE_SESSION_MAX_SECONDS ({session_max}) must be at least "
+            f"MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS ({session_idle})"
+        )
+    manifest = env.get("MODELFORGE_RELEASE_MANIFEST") or None
+
     return Settings(
         state_dir=state_dir,
         database_url=database_url,
@@ -274,4 +310,10 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         max_body_bytes=_int(env, "MODELFORGE_MAX_BODY_BYTES", 1024, 64 * 1024 * 1024),
         threads=_int(env, "MODELFORGE_THREADS", 1, 256),
         log_level=log_level,
+        telemetry_retention_seconds=_int(
+            env, "MODELFORGE_TELEMETRY_RETENTION_SECONDS", 3600, 90 * 86400
+        ),
+        session_idle_seconds=session_idle,
+        session_max_seconds=session_max,
+        release_manifest=Path(manifest).expanduser().absolute() if manifest else None,
     )

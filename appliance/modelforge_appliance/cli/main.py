@@ -115,12 +115,14 @@ def serve(obj: Context, listen: str | None) -> None:
     logging.getLogger("modelforge").info("stopped")
 
 
+from .admin_password import admin_password  # noqa: E402
 from .admin_tokens import admin_token  # noqa: E402
 from .enrollments import enroll  # noqa: E402
 from .nodes import alerts_command, nodes_group  # noqa: E402
 from .store import backup_command, restore_command  # noqa: E402
 
 for command in (
+    admin_password,
     admin_token,
     enroll,
     nodes_group,
