@@ -311,7 +311,7 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         threads=_int(env, "MODELFORGE_THREADS", 1, 256),
         log_level=log_level,
         telemetry_retention_seconds=_int(
-            env, "MODELFORGE_TELEMETRY_RETENTION_SECONDS", 3600, 90 * 86400
+            env, "MODELFORGE_TELEMETRY_RETENTION_SECONDS", 300, 90 * 86400
         ),
         session_idle_seconds=session_idle,
         session_max_seconds=session_max,

@@ -70,6 +70,10 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     def root():
         return redirect(CONSOLE)
 
+    @app.get("/favicon.ico")
+    def favicon():
+        return bottle.HTTPResponse(status=204, headers={"Cache-Control": "max-age=86400"})
+
     @app.get("/console")
     def console_without_slash():
         return redirect(CONSOLE)

@@ -134,7 +134,12 @@ async function mint() {
   copyButton.disabled = false;
   $("enroll-id").textContent = enrollment.enrollment_id;
   $("enroll-expires").textContent = new Date(Date.now() + seconds * 1000).toLocaleTimeString();
-  $("enroll-env").textContent = enrollment.env_file;
+  // The accelerator mode is not a secret: set it in the generated file here.
+  const mode = $("enroll-accelerator").value;
+  $("enroll-env").textContent = enrollment.env_file.replace(
+    /^MODELFORGE_AGENT_ACCELERATOR_MODE=.*$/m,
+    `MODELFORGE_AGENT_ACCELERATOR_MODE=${mode}`,
+  );
   $("enroll-start-command").textContent = enrollment.start_command;
   $("enroll-more-commands").replaceChildren(...commandBlocks(enrollment));
   tick();
@@ -274,7 +279,10 @@ $("enroll-open").addEventListener("click", () => {
   dialog.showModal();
   $("enroll-name").focus();
 });
-$("enroll-close").addEventListener("click", () => dialog.close());
+$("enroll-close").addEventListener("click", () => {
+  reset(); // at once, not only when the close event comes round
+  dialog.close();
+});
 dialog.addEventListener("close", reset); // the Close button, Escape, anything
 window.addEventListener("pagehide", () => clearToken("closed"));
 $("enroll-submit").addEventListener("click", mint);

@@ -36,6 +36,12 @@
       <option value="{{seconds}}"{{' selected' if seconds == 900 else ''}}>{{label}}</option>
 % end
     </select>
+    <label for="enroll-accelerator">Accelerator mode of the node</label>
+    <select id="enroll-accelerator" data-testid="enroll-accelerator">
+      <option value="nvidia" selected>nvidia — require NVML and at least one GPU</option>
+      <option value="auto">auto — NVIDIA when the node has NVIDIA devices</option>
+      <option value="cpu">cpu — a CPU-only node</option>
+    </select>
     <p>The token is locked to the API origin
       <code id="enroll-origin" data-testid="enroll-origin">{{api_origin}}</code>: the agent must use exactly it.</p>
     <p>Nodes enrolled here start with <code>production_eligible=false</code>.</p>
