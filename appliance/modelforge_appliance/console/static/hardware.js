@@ -61,18 +61,29 @@ function updateRow(row, node, now) {
   setText(cells.eligible, node.production_eligible ? "yes" : "no");
 }
 
-function renderAlerts(alerts) {
-  alertsBox.replaceChildren(
-    ...alerts.map((alert) =>
-      el(
-        "div",
-        { class: `alert ${alert.severity}`, "data-testid": "alert" },
-        el("strong", { text: `${alert.kind.replace(/_/g, " ")}: ` }),
-        el("a", { href: `/console/nodes/${encodeURIComponent(alert.node_id)}`, text: alert.display_name }),
-        ` — ${alert.message}. ${alert.next_step}`,
-      ),
-    ),
+const ALERTS_SHOWN = 5;
+
+function alertLine(alert) {
+  return el(
+    "div",
+    { class: `alert ${alert.severity}`, "data-testid": "alert" },
+    el("strong", { text: `${alert.kind.replace(/_/g, " ")}: ` }),
+    el("a", { href: `/console/nodes/${encodeURIComponent(alert.node_id)}`, text: alert.display_name }),
+    ` — ${alert.message}. ${alert.next_step}`,
   );
+}
+
+// Critical alerts first; past a handful, the rest fold away so the fleet stays in view.
+function renderAlerts(alerts) {
+  const ordered = [...alerts].sort((a, b) => (a.severity === "critical" ? 0 : 1) - (b.severity === "critical" ? 0 : 1));
+  const shown = ordered.slice(0, ALERTS_SHOWN).map(alertLine);
+  const rest = ordered.slice(ALERTS_SHOWN);
+  if (rest.length) {
+    const open = alertsBox.querySelector("details") ? alertsBox.querySelector("details").open : false;
+    const more = el("details", { open }, el("summary", { text: `${rest.length} more alert${rest.length === 1 ? "" : "s"}` }), ...rest.map(alertLine));
+    shown.push(more);
+  }
+  alertsBox.replaceChildren(...shown);
 }
 
 let busy = false;
@@ -99,6 +110,7 @@ async function refreshOnce() {
     status.textContent = `Could not refresh: ${errorText(error)}`;
     return;
   }
+  const fetched = performance.now();
   const now = Date.parse(fleet.server_time);
   renderAlerts(alerts.alerts);
   const seen = new Set();
@@ -121,9 +133,11 @@ async function refreshOnce() {
     }
   }
   refreshes += 1;
-  const took = Math.round(performance.now() - started);
+  // Timings for the browser test and bench/console.py: the whole refresh, and its DOM part.
+  const done = performance.now();
   document.body.setAttribute("data-fleet-refreshes", String(refreshes));
-  document.body.setAttribute("data-fleet-refresh-ms", String(took));
+  document.body.setAttribute("data-fleet-refresh-ms", String(Math.round(done - started)));
+  document.body.setAttribute("data-fleet-render-ms", String(Math.round(done - fetched)));
   setText(
     status,
     `${fleet.nodes.length} node${fleet.nodes.length === 1 ? "" : "s"} · refreshed every ${REFRESH_SECONDS} s`,
