@@ -138,6 +138,7 @@ async function refreshOnce() {
   document.body.setAttribute("data-fleet-refreshes", String(refreshes));
   document.body.setAttribute("data-fleet-refresh-ms", String(Math.round(done - started)));
   document.body.setAttribute("data-fleet-render-ms", String(Math.round(done - fetched)));
+  document.body.setAttribute("data-fleet-rendered-at", String(Math.round(done)));
   setText(
     status,
     `${fleet.nodes.length} node${fleet.nodes.length === 1 ? "" : "s"} · refreshed every ${REFRESH_SECONDS} s`,
