@@ -27,12 +27,13 @@ def open_store(settings: Settings, clock: Clock | None = None) -> Store:
 def waitress_options(settings: Settings) -> dict:
     proxy = {}
     if settings.trusted_proxy:
-        # waitress rewrites wsgi.url_scheme and HTTP_HOST from these headers, and only for
-        # requests from this address; it strips them from everyone else.
+        # waitress rewrites wsgi.url_scheme, HTTP_HOST and REMOTE_ADDR from these headers,
+        # and only for requests from this address; it strips them from everyone else. The
+        # client address is what console sign-in throttling counts failures by.
         proxy = {
             "trusted_proxy": settings.trusted_proxy,
             "trusted_proxy_count": 1,
-            "trusted_proxy_headers": {"x-forwarded-proto", "x-forwarded-host"},
+            "trusted_proxy_headers": {"x-forwarded-proto", "x-forwarded-host", "x-forwarded-for"},
         }
     return {
         **proxy,

@@ -344,3 +344,24 @@ def test_admin_password_prompts_twice_without_echo_on_a_terminal(tmp_path):
 def test_unusable_passwords_are_refused_before_hashing(bad):
     with pytest.raises(sessions.PasswordRefused):
         sessions.check_new_password(bad)
+
+
+def test_throttling_counts_the_real_client_address(tmp_path, sqlite_control_plane):
+    """Spoofed X-Forwarded-For never escapes the throttle; behind the trusted proxy, one
+    client's failures do not lock out another."""
+    cp = sqlite_control_plane
+    set_password(cp)
+    for attempt in range(sessions.FREE_FAILURES):
+        spoofed = ConsoleClient(cp, headers={"X-Forwarded-For": f"10.0.0.{attempt}"})
+        assert spoofed.sign_in("wrong").status_code == 401
+    assert ConsoleClient(cp, headers={"X-Forwarded-For": "10.9.9.9"}).sign_in().status_code == 429
+
+    settings = replace(make_settings(tmp_path / "proxied"), trusted_proxy="127.0.0.1")
+    with serve(settings) as proxied:
+        set_password(proxied)
+        for _ in range(sessions.FREE_FAILURES):
+            attacker = ConsoleClient(proxied, headers={"X-Forwarded-For": "203.0.113.7"})
+            assert attacker.sign_in("wrong").status_code == 401
+        assert attacker.sign_in().status_code == 429
+        admin = ConsoleClient(proxied, headers={"X-Forwarded-For": "192.0.2.10"})
+        assert admin.sign_in().status_code == 200
