@@ -161,6 +161,39 @@ def _current_finalities(path: Path, accept_loss: bool) -> dict[str, list[tuple]]
         ) from None
 
 
+def _current_password(path: Path) -> tuple | None:
+    """The admin password hash the store being replaced holds, if it is readable and has one."""
+    if not path.exists():
+        return None
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return conn.execute("SELECT password_hash, set_at FROM admin_password").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError:  # an older schema, or an unreadable file
+        return None
+
+
+def _keep_console_security(store: Store, password: tuple | None, now: float) -> None:
+    """A restore never revives a console session or an admin password replaced since.
+
+    Sessions that were open at backup time may have been signed out since: every restored
+    session ends. A password set after the backup (perhaps because the old one leaked)
+    stays the password.
+    """
+    store.db.execute_sql("UPDATE console_session SET ended_at = ? WHERE ended_at IS NULL", (now,))
+    if password is None:
+        return
+    password_hash, set_at = password
+    store.db.execute_sql(
+        "INSERT INTO admin_password (id, password_hash, set_at) VALUES (1, ?, ?) "
+        "ON CONFLICT (id) DO UPDATE SET password_hash = excluded.password_hash, "
+        "set_at = excluded.set_at WHERE admin_password.set_at < excluded.set_at",
+        (password_hash, set_at),
+    )
+
+
 def _reapply(store: Store, finalities: dict[str, list[tuple]]) -> dict[str, int]:
     kept = {}
     for name, rows in finalities.items():
@@ -184,6 +217,7 @@ def restore(
         )
     with state_lock(settings, exclusive=True):
         finalities = _current_finalities(target, accept_lost_revocations)
+        password = _current_password(target)
         staged = target.with_name(f".{target.name}.restoring")
         _copy(source, staged)
         store = Store(f"sqlite:///{staged}", clock)
@@ -191,6 +225,7 @@ def restore(
             store.migrate()
             with store.write():
                 kept = _reapply(store, finalities)
+                _keep_console_security(store, password, clock.now())
                 # Placement and readiness wait for a fresh measurement, never a snapshot.
                 store.db.execute_sql("UPDATE node SET inventory_at = NULL, telemetry_at = NULL")
                 audit.record(

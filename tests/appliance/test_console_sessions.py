@@ -365,3 +365,36 @@ def test_throttling_counts_the_real_client_address(tmp_path, sqlite_control_plan
         assert attacker.sign_in().status_code == 429
         admin = ConsoleClient(proxied, headers={"X-Forwarded-For": "192.0.2.10"})
         assert admin.sign_in().status_code == 200
+
+
+def test_a_restore_revives_no_session_and_no_replaced_password(tmp_path):
+    from .test_backup_restore import Host
+
+    host = Host(tmp_path)
+    cli(Path(host.env["MODELFORGE_STATE_DIR"]), "admin-password", "set", stdin=PASSWORD + "\n")
+    backup = tmp_path / "backup.sqlite3"
+    with host.serving():
+        plane = _Plane(host.url)
+        signed_out = ConsoleClient(plane)
+        assert signed_out.sign_in().status_code == 200
+        host.cli("backup", str(backup))
+        cookie = signed_out.http.cookies[SESSION_COOKIE]
+        assert signed_out.http.post(
+            host.url + "/console/sign-out", headers={"X-CSRF-Token": signed_out.csrf}, timeout=30
+        ).ok
+    state = Path(host.env["MODELFORGE_STATE_DIR"])
+    assert cli(state, "admin-password", "set", stdin="a newer long password\n").returncode == 0
+    host.cli("restore", str(backup), "--yes")
+    with host.serving():
+        revived = ConsoleClient(_Plane(host.url))
+        revived.http.cookies.set(SESSION_COOKIE, cookie)
+        assert error_code(revived.api("GET", "/admin/alerts")) == "SESSION_EXPIRED"
+        assert ConsoleClient(_Plane(host.url)).sign_in().status_code == 401
+        assert ConsoleClient(_Plane(host.url)).sign_in("a newer long password").status_code == 200
+
+
+class _Plane:
+    """What ConsoleClient needs of a control plane that runs as its own process."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
