@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -212,7 +213,19 @@ def test_the_wizard_enrolls_a_real_agent_and_the_token_is_left_nowhere(browser, 
         )
 
 
-def test_revoking_the_unused_token_clears_it(browser, sqlite_control_plane):
+def assert_token_gone_from_server(cp, caplog, token: str) -> None:
+    """Neither the control plane's log (captured at DEBUG) nor its SQLite files hold it."""
+    cp.heartbeats.flush()
+    assert token not in caplog.text and token.split("_", 2)[2] not in caplog.text
+    state = Path(cp.store.sqlite_path).parent
+    for path in state.iterdir():
+        if path.is_file():
+            data = path.read_bytes()
+            assert token.split("_", 2)[2].encode() not in data, f"the token is in {path.name}"
+
+
+def test_revoking_the_unused_token_clears_it(browser, sqlite_control_plane, caplog):
+    caplog.set_level(logging.DEBUG)
     cp = sqlite_control_plane
     set_password(cp)
     page = browser.new_page()
@@ -225,9 +238,11 @@ def test_revoking_the_unused_token_clears_it(browser, sqlite_control_plane):
     [row] = cp.admin("GET", "/api/v1/admin/node-enrollments").json()["enrollments"]
     assert row["state"] == "revoked"
     assert cp.enroll(token).status_code == 410
+    assert_token_gone_from_server(cp, caplog, token)
 
 
-def test_reaching_the_expiry_clears_the_token(browser, sqlite_control_plane):
+def test_reaching_the_expiry_clears_the_token(browser, sqlite_control_plane, caplog):
+    caplog.set_level(logging.DEBUG)
     cp = sqlite_control_plane
     set_password(cp)
     page = browser.new_page()
@@ -241,6 +256,7 @@ def test_reaching_the_expiry_clears_the_token(browser, sqlite_control_plane):
     page.clock.run_for(2_000)
     assert page.get_by_test_id("enroll-countdown").text_content() == "expired"
     assert_token_gone_from_browser(page, browser.context, token, urls)
+    assert_token_gone_from_server(cp, caplog, token)
 
 
 def test_pasted_manifest_entries_are_checked_field_by_field(browser, tmp_path):

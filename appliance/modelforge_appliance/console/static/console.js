@@ -15,6 +15,8 @@ export class ApiError extends Error {
   }
 }
 
+let leaving = false; // one redirect to the sign-in page, however many calls were refused
+
 export async function api(method, path, body) {
   const headers = { Accept: "application/json" };
   if (method !== "GET") headers["X-CSRF-Token"] = csrfToken;
@@ -25,7 +27,8 @@ export async function api(method, path, body) {
   }
   const response = await fetch(`/api/v1${path}`, init);
   const data = await response.json().catch(() => ({}));
-  if (response.status === 401 && data.error && data.error.code === "SESSION_EXPIRED") {
+  if (response.status === 401 && data.error && data.error.code === "SESSION_EXPIRED" && !leaving) {
+    leaving = true;
     window.location.assign("/console/sign-in");
   }
   if (!response.ok) throw new ApiError(response.status, data);
