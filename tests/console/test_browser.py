@@ -440,3 +440,44 @@ def test_a_node_page_shows_charts_and_runs_its_actions(browser, tmp_path):
         assert "node.cordoned" in audit.inner_text() and "node.uncordoned" in audit.inner_text()
         node = cp.admin("GET", f"/api/v1/admin/hardware/nodes/{node_id}").json()
         assert node["liveness"] == "decommissioned"
+
+
+def test_the_wizard_shows_every_command_field_the_mint_answer_carries(
+    browser, sqlite_control_plane
+):
+    """Another part of the house adds install-specific commands to the mint answer
+    (``join_commands``); the wizard renders whatever it finds, without knowing their count."""
+    cp = sqlite_control_plane
+    set_password(cp)
+    page = browser.new_page()
+    extra = {
+        "join_commands": [
+            {
+                "install_type": "agent pyz under systemd",
+                "command": "sudo modelforge-node-agent join",
+            },
+            {"install_type": "checkout", "command": "scripts/run-agent join"},
+            {
+                "install_type": "container",
+                "command": "docker run --rm -it modelforge-node-agent join",
+            },
+        ],
+        "doctor_command": "modelforge-node-agent --preflight",
+    }
+
+    def add_fields(route):
+        answer = route.fetch()
+        body = answer.json()
+        route.fulfill(response=answer, json={**body, **extra})
+
+    page.route("**/api/v1/admin/node-enrollments", add_fields)
+    sign_in(page, cp.url)
+    open_wizard_and_mint(page)
+    blocks = page.get_by_test_id("enroll-command")
+    expect(blocks).to_have_count(4)
+    text = page.get_by_test_id("enroll-more-commands").inner_text()
+    for item in extra["join_commands"]:
+        assert item["install_type"] in text and item["command"] in text
+    assert "modelforge-node-agent --preflight" in text
+    page.get_by_test_id("enroll-close").click()
+    expect(blocks).to_have_count(0)
