@@ -272,7 +272,12 @@ def _record_of_current_store(path: Path, accept_loss: bool) -> list[finality.Ent
 
 
 def _prepare(
-    staged: Path, source: Path, version: int, record: list[finality.Entry], clock: Clock
+    staged: Path,
+    source: Path,
+    version: int,
+    record: list[finality.Entry],
+    password: tuple | None,
+    clock: Clock,
 ) -> finality.Carried:
     """Migrate the staged copy and carry the record into it; it becomes one plain file."""
     store = Store(sqlite_url(staged), clock)
@@ -280,6 +285,7 @@ def _prepare(
         store.migrate()
         with store.write():
             carried = finality.carry_into(store, record)
+            _keep_console_security(store, password, clock.now())
             # Placement and readiness wait for a fresh measurement, never a snapshot.
             store.db.execute_sql("UPDATE node SET inventory_at = NULL, telemetry_at = NULL")
             audit.record(
@@ -324,6 +330,39 @@ def _fold_wal(target: Path) -> None:
         Path(f"{target}{suffix}").unlink(missing_ok=True)
 
 
+def _current_password(path: Path) -> tuple | None:
+    """The admin password hash the store being replaced holds, if it is readable and has one."""
+    if not path.exists():
+        return None
+    try:
+        conn = _open_read_only(path)
+        try:
+            return conn.execute("SELECT password_hash, set_at FROM admin_password").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError:  # an older schema, or an unreadable file
+        return None
+
+
+def _keep_console_security(store: Store, password: tuple | None, now: float) -> None:
+    """A restore never revives a console session or an admin password replaced since.
+
+    Sessions that were open at backup time may have been signed out since: every restored
+    session ends. A password set after the backup (perhaps because the old one leaked)
+    stays the password.
+    """
+    store.db.execute_sql("UPDATE console_session SET ended_at = ? WHERE ended_at IS NULL", (now,))
+    if password is None:
+        return
+    password_hash, set_at = password
+    store.db.execute_sql(
+        "INSERT INTO admin_password (id, password_hash, set_at) VALUES (1, ?, ?) "
+        "ON CONFLICT (id) DO UPDATE SET password_hash = excluded.password_hash, "
+        "set_at = excluded.set_at WHERE admin_password.set_at < excluded.set_at",
+        (password_hash, set_at),
+    )
+
+
 def restore(
     settings: Settings, source: Path, clock: Clock, accept_lost_revocations: bool = False
 ) -> dict[str, Any]:
@@ -338,6 +377,7 @@ def restore(
         reached_stage("locked")
         clear_interrupted_restore(settings)
         record = _record_of_current_store(target, accept_lost_revocations)
+        password = _current_password(target)
         reached_stage("record-read")
         staging = _staging(target)
         staging.mkdir(mode=0o700)
@@ -350,7 +390,7 @@ def restore(
             reached_stage("copied")
             # What is checked is what is restored: the copy, not the name it came from.
             version = _check_backup(staged, source)
-            carried = _prepare(staged, source, version, record, clock)
+            carried = _prepare(staged, source, version, record, password, clock)
             reached_stage("prepared")
             _fold_wal(target)
             reached_stage("folded")

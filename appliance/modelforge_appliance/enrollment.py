@@ -81,16 +81,35 @@ def agent_env_file(api_origin: str, display_name: str) -> str:
     )
 
 
-# Reads the token without echo into a mode-0600 temporary env file that is removed
-# on exit, error or signal; the token never reaches shell history or process arguments.
-START_COMMAND = (
-    "bash -c 'set +x; umask 077; tok_file=$(mktemp); "
-    'trap "rm -f \\"$tok_file\\"" EXIT INT TERM HUP; '
-    'IFS= read -rsp "Enrollment token: " tok; echo; '
-    'printf "MODELFORGE_AGENT_ENROLLMENT_TOKEN=%s\\n" "$tok" > "$tok_file"; unset tok; '
-    'set -a; . ./modelforge-node.env; . "$tok_file"; set +a; rm -f "$tok_file"; '
-    "exec modelforge-node-agent'"
+# The start command for Bash (agent pyz under systemd's user, or a checkout). Tracing is
+# turned off first; the token is read without echo, checked for its shape (so nothing else
+# is ever sourced), written to a mode-0600 temporary env file that is removed before the
+# agent starts, and on any exit, error or signal; it never reaches argv or shell history.
+# tests/appliance/test_start_command.py runs it with real bash.
+_START_STEPS = (
+    "set +x",
+    "umask 077",
+    '[ -f ./modelforge-node.env ] || { echo "modelforge: run this in the directory that '
+    'holds modelforge-node.env" >&2; exit 2; }',
+    "tok_file=$(mktemp) || exit 1",
+    'trap "rm -f \\"$tok_file\\"" EXIT',
+    'trap "rm -f \\"$tok_file\\"; exit 130" INT',
+    'trap "rm -f \\"$tok_file\\"; exit 143" TERM',
+    'trap "rm -f \\"$tok_file\\"; exit 129" HUP',
+    'IFS= read -rsp "Enrollment token: " tok',
+    "echo >&2",
+    "[[ $tok =~ ^mfe_[0-9a-f]{8,32}_[A-Za-z0-9_-]{20,}$ ]] || { unset tok; echo "
+    '"modelforge: that is not an enrollment token (mfe_...)" >&2; exit 2; }',
+    'printf "MODELFORGE_AGENT_ENROLLMENT_TOKEN=%s\\n" "$tok" > "$tok_file"',
+    "unset tok",
+    "set -a",
+    ". ./modelforge-node.env",
+    '. "$tok_file"',
+    "set +a",
+    'rm -f "$tok_file"',
+    "exec modelforge-node-agent",
 )
+START_COMMAND = "bash -c '" + "; ".join(_START_STEPS) + "'"
 
 
 @dataclass(frozen=True)

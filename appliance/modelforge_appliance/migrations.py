@@ -13,8 +13,13 @@ import peewee as pw
 
 # Column types that differ between the two stores.
 _TYPES = {
-    "sqlite": {"double": "REAL", "bool": "INTEGER", "serial": "INTEGER"},
-    "postgresql": {"double": "DOUBLE PRECISION", "bool": "BOOLEAN", "serial": "SERIAL"},
+    "sqlite": {"double": "REAL", "bool": "INTEGER", "serial": "INTEGER", "bigserial": "INTEGER"},
+    "postgresql": {
+        "double": "DOUBLE PRECISION",
+        "bool": "BOOLEAN",
+        "serial": "SERIAL",
+        "bigserial": "BIGSERIAL",
+    },
 }
 
 
@@ -221,6 +226,25 @@ _FINALITY_POSTGRESQL = (
     '"finality" FOR EACH STATEMENT EXECUTE FUNCTION "finality_only_grows"()',
 )
 
+# 4: the console (admin password, sessions, sign-in throttling) and telemetry history.
+_CONSOLE_AND_TELEMETRY = (
+    'CREATE TABLE "admin_password" ("id" INTEGER NOT NULL PRIMARY KEY, '
+    '"password_hash" VARCHAR(100) NOT NULL, "set_at" {double} NOT NULL)',
+    'CREATE TABLE "console_session" ("session_id" VARCHAR(32) NOT NULL PRIMARY KEY, '
+    '"digest" VARCHAR(64) NOT NULL, "created_at" {double} NOT NULL, '
+    '"last_seen_at" {double} NOT NULL, "expires_at" {double} NOT NULL, "ended_at" {double})',
+    'CREATE TABLE "sign_in_throttle" ("address" VARCHAR(64) NOT NULL PRIMARY KEY, '
+    '"failures" INTEGER NOT NULL, "last_failure_at" {double} NOT NULL, '
+    '"blocked_until" {double} NOT NULL)',
+    'CREATE TABLE "gpu_sample" ("id" {bigserial} NOT NULL PRIMARY KEY, '
+    '"node_id" VARCHAR(40) NOT NULL, "gpu_uuid" VARCHAR(96) NOT NULL, '
+    '"gpu_index" INTEGER NOT NULL, "at" {double} NOT NULL, "utilization_gpu_percent" INTEGER, '
+    '"memory_used_bytes" BIGINT NOT NULL, "memory_total_bytes" BIGINT, "temperature_c" INTEGER, '
+    '"power_w" {double})',
+    'CREATE INDEX "gpu_sample_at" ON "gpu_sample" ("at")',
+    'CREATE INDEX "gpu_sample_node_id_at" ON "gpu_sample" ("node_id", "at")',
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
@@ -231,5 +255,6 @@ MIGRATIONS: tuple[Migration, ...] = (
         sqlite=_FINALITY_SQLITE,
         postgresql=_FINALITY_POSTGRESQL,
     ),
+    Migration(4, "console sessions, admin password, telemetry history", _CONSOLE_AND_TELEMETRY),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

@@ -116,6 +116,7 @@ def serve(obj: Context, listen: str | None) -> None:
     logging.getLogger("modelforge").info("stopped")
 
 
+from .admin_password import admin_password  # noqa: E402
 from .admin_tokens import admin_token  # noqa: E402
 from .enrollments import enroll  # noqa: E402
 from .nodes import alerts_command, nodes_group  # noqa: E402
@@ -127,6 +128,7 @@ from .store import (  # noqa: E402
 )
 
 for command in (
+    admin_password,
     admin_token,
     enroll,
     nodes_group,
