@@ -112,6 +112,7 @@ class ControlPlane:
     store: Store
     admin_token: str
     heartbeats: object = None  # the server's HeartbeatBuffer
+    server: object = None  # the waitress server (its bottle app is server.app)
 
     def admin(self, method: str, path: str, **kwargs) -> requests.Response:
         headers = {HEADER_ADMIN_TOKEN: self.admin_token, **kwargs.pop("headers", {})}
@@ -178,7 +179,7 @@ def serve(settings: Settings, clock: Clock | None = None) -> Iterator[ControlPla
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.effective_port}"
-        yield ControlPlane(url, settings, store, token, server.heartbeats)
+        yield ControlPlane(url, settings, store, token, server.heartbeats, server)
     finally:
         stop.set()
         thread.join(timeout=5)

@@ -2,9 +2,10 @@
 
 Without a command it runs the agent; ``join`` enrolls a new node in one step and ``status``
 reports on the running one. Exit statuses (EXIT_STATUSES, docs/node-agent.md): 0 stopped by
-SIGTERM/SIGINT or preflight passed, 1 ``status``: not healthy, 2 configuration or state
-volume, 3 NVIDIA preflight, 4 enrollment refused, 5 protocol incompatible, 6 credential
-refused after enrollment, 70 internal error.
+SIGTERM/SIGINT or preflight passed, 1 a publication loop failed unexpectedly (a bug; the
+supervisor restarts the agent) or ``status``: not healthy, 2 configuration or state volume,
+3 NVIDIA preflight, 4 enrollment refused, 5 protocol incompatible, 6 credential refused
+after enrollment, 70 internal error.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from urllib.parse import urlsplit
 import click
 
 from modelforge_contract import (
-    EXIT_CHECK_FAILED,
+    EXIT_AGENT_FAILED,
     EXIT_CREDENTIAL_REFUSED,
     EXIT_ENROLLMENT_REFUSED,
     EXIT_INTERNAL,
@@ -50,7 +51,12 @@ log = logging.getLogger("modelforge_node_agent")
 
 EXIT_STATUSES = (
     (EXIT_OK, "stopped by SIGTERM or SIGINT; --preflight passed; join done; status: healthy"),
-    (EXIT_CHECK_FAILED, "status: the agent is not running, or its last heartbeat failed"),
+    # One status, two commands: the running agent and `status` (EXIT_CHECK_FAILED).
+    (
+        EXIT_AGENT_FAILED,
+        "a publication loop failed unexpectedly (a bug, logged): the agent exits so that its "
+        "supervisor restarts it; status: the agent is not running, or its last heartbeat failed",
+    ),
     (
         EXIT_USAGE,
         "a setting is wrong, the node is not enrolled and has no token, the state volume / "

@@ -259,14 +259,26 @@ def read_env_file(path: Path) -> dict[str, str]:
         raise ConfigError(str(exc)) from None
 
 
+TOKEN_VARIABLE = "MODELFORGE_AGENT_ENROLLMENT_TOKEN"
+
+
 def load_settings(
     env: Mapping[str, str] | None = None, env_file: Path | None = None
 ) -> AgentSettings:
     """Parse and validate every MODELFORGE_AGENT_* variable once; raise ConfigError.
 
     Values from ``env_file`` apply unless the environment sets the same name.
+
+    Reading the process environment also removes the enrollment token from it: the
+    settings keep the value for the one enrollment (and for re-enrolling at once when the
+    credential is refused later), and nothing this process starts inherits it. (The
+    kernel's copy, /proc/<pid>/environ, cannot be changed from inside; docs/node-agent.md
+    says what remains.)
     """
-    env = dict(os.environ if env is None else env)
+    if env is None:
+        env = dict(os.environ)
+        os.environ.pop(TOKEN_VARIABLE, None)
+    env = dict(env)
     if env_file is not None:
         env = {**read_env_file(env_file), **env}
     check_names(env)

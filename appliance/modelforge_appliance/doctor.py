@@ -353,18 +353,18 @@ def run_checks(
 
 
 def check_public_origin(settings: Settings, host: str) -> Check | None:
-    """A warning when agents would have no origin to use: every address, none named."""
+    """A warning when agents would have no origin to use: every address or a reverse proxy,
+    and none named."""
     warning = wildcard_warning(settings, host)
     if warning is None:
         return None
-    return Check(
-        "origin",
-        True,
-        warning.split("; set ", 1)[0],
-        "set MODELFORGE_PUBLIC_API_ORIGIN=http://<this host's LAN address>:<port> in the "
-        "env file, or listen on that one address",
-        warning=True,
+    fix = (
+        "set MODELFORGE_PUBLIC_API_ORIGIN=https://<the proxy's address> in the env file"
+        if settings.trusted_proxies
+        else "set MODELFORGE_PUBLIC_API_ORIGIN=http://<this host's LAN address>:<port> in the "
+        "env file, or listen on that one address"
     )
+    return Check("origin", True, warning.split("; set ", 1)[0], fix, warning=True)
 
 
 def render_text(checks: list[Check]) -> str:

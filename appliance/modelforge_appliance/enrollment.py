@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ from modelforge_contract import (
     NODE_DECOMMISSIONED,
 )
 
-from . import audit, credentials, tokens
+from . import audit, credentials, finality, tokens
 from .clock import isoformat
 from .errors import ApiError, Conflict, Forbidden, Gone, Invalid, NotFound, Unauthorized
 from .join import join_commands
@@ -83,16 +84,35 @@ def agent_env_file(api_origin: str, accelerator_mode: str = DEFAULT_ACCELERATOR_
     )
 
 
-# Reads the token without echo into a mode-0600 temporary env file that is removed
-# on exit, error or signal; the token never reaches shell history or process arguments.
-START_COMMAND = (
-    "bash -c 'set +x; umask 077; tok_file=$(mktemp); "
-    'trap "rm -f \\"$tok_file\\"" EXIT INT TERM HUP; '
-    'IFS= read -rsp "Enrollment token: " tok; echo; '
-    'printf "MODELFORGE_AGENT_ENROLLMENT_TOKEN=%s\\n" "$tok" > "$tok_file"; unset tok; '
-    'set -a; . ./modelforge-node.env; . "$tok_file"; set +a; rm -f "$tok_file"; '
-    "exec modelforge-node-agent'"
+# The start command for Bash (agent pyz under systemd's user, or a checkout). Tracing is
+# turned off first; the token is read without echo, checked for its shape (so nothing else
+# is ever sourced), written to a mode-0600 temporary env file that is removed before the
+# agent starts, and on any exit, error or signal; it never reaches argv or shell history.
+# tests/appliance/test_start_command.py runs it with real bash.
+_START_STEPS = (
+    "set +x",
+    "umask 077",
+    '[ -f ./modelforge-node.env ] || { echo "modelforge: run this in the directory that '
+    'holds modelforge-node.env" >&2; exit 2; }',
+    "tok_file=$(mktemp) || exit 1",
+    'trap "rm -f \\"$tok_file\\"" EXIT',
+    'trap "rm -f \\"$tok_file\\"; exit 130" INT',
+    'trap "rm -f \\"$tok_file\\"; exit 143" TERM',
+    'trap "rm -f \\"$tok_file\\"; exit 129" HUP',
+    'IFS= read -rsp "Enrollment token: " tok',
+    "echo >&2",
+    "[[ $tok =~ ^mfe_[0-9a-f]{8,32}_[A-Za-z0-9_-]{20,}$ ]] || { unset tok; echo "
+    '"modelforge: that is not an enrollment token (mfe_...)" >&2; exit 2; }',
+    'printf "MODELFORGE_AGENT_ENROLLMENT_TOKEN=%s\\n" "$tok" > "$tok_file"',
+    "unset tok",
+    "set -a",
+    ". ./modelforge-node.env",
+    '. "$tok_file"',
+    "set +a",
+    'rm -f "$tok_file"',
+    "exec modelforge-node-agent",
 )
+START_COMMAND = "bash -c '" + "; ".join(_START_STEPS) + "'"
 
 
 @dataclass(frozen=True)
@@ -211,8 +231,14 @@ def _refusal_for(row: EnrollmentToken, now: float) -> ApiError:
     return Gone("this enrollment token has expired", code=ENROLLMENT_TOKEN_EXPIRED)
 
 
-def claim_token(store: Store, request: EnrollRequest) -> Enrolled:
-    """Claim a token for a node; refusals are audited and leave nothing else behind."""
+def claim_token(
+    store: Store, request: EnrollRequest, refusals: audit.RefusalLog | None = None
+) -> Enrolled:
+    """Claim a token for a node; refusals are audited and leave nothing else behind.
+
+    With ``refusals``, repeats of one refusal (a consumed token replayed) are counted and
+    written once per window instead of one row each.
+    """
     parsed = tokens.parse(request.token, KIND_ENROLLMENT)
     enrollment_id = parsed[0] if parsed else None
     try:
@@ -221,14 +247,15 @@ def claim_token(store: Store, request: EnrollRequest) -> Enrolled:
         if refusal.code == ENROLLMENT_TOKEN_INVALID:
             # Anyone can send garbage: logged and counted, but not written to the store.
             raise
-        audit.record_alone(
-            store,
-            f"enrollment:{enrollment_id}",
-            "enrollment.refused",
-            enrollment_id=enrollment_id,
-            code=refusal.code,
-            hostname=request.hostname,
-        )
+        what = {"enrollment_id": enrollment_id, "code": refusal.code}
+        actor = f"enrollment:{enrollment_id}"
+        if refusals is None:
+            audit.record_alone(
+                store, actor, "enrollment.refused", **what, hostname=request.hostname
+            )
+        else:
+            key = (str(enrollment_id), refusal.code)
+            refusals.record(key, actor, "enrollment.refused", **what, hostname=request.hostname)
         raise
 
 
@@ -323,9 +350,13 @@ def _identity_digest(request: EnrollRequest) -> str | None:
     if request.identity_id is None:
         return None
     parsed = tokens.parse(request.identity_secret, KIND_IDENTITY)
-    if parsed is None or parsed[0] != request.identity_id:
+    # Exactly as sent: the digest stored at the first enrollment is compared with the one of
+    # every later one, so a secret that only matches after trimming would enroll once and
+    # never again.
+    if parsed is None or parsed[0] != request.identity_id or parsed[1] != request.identity_secret:
         raise Invalid(
-            "identity.identity_secret is not a well-formed secret for identity.identity_id",
+            "identity.identity_secret is not a well-formed secret for identity.identity_id "
+            "(exactly, without surrounding spaces)",
             code=FIELD_FORMAT,
             next_step="Let the node agent generate its identity; do not edit the state file.",
         )
@@ -341,8 +372,11 @@ def _known_node(store: Store, request: EnrollRequest, identity_digest: str | Non
         query = query.for_update()
     node = query.first()
     if node is None:
+        # A restore can bring back a store without this node; its retirement stays final.
+        if finality.identity_retired(request.identity_id):
+            raise _identity_decommissioned()
         return None
-    if not tokens.digest_matches(request.identity_secret, node.identity_digest or ""):
+    if not hmac.compare_digest(identity_digest or "", node.identity_digest or ""):
         raise Forbidden(
             "this identity id is enrolled with a different identity secret",
             code=IDENTITY_SECRET_MISMATCH,
@@ -350,9 +384,13 @@ def _known_node(store: Store, request: EnrollRequest, identity_digest: str | Non
             "as a new node (then decommission the old one).",
         )
     if node.decommissioned_at is not None:
-        raise Forbidden(
-            "this identity belongs to a decommissioned node",
-            code=NODE_DECOMMISSIONED,
-            next_step="Delete the agent's identity file to enroll the hardware as a new node.",
-        )
+        raise _identity_decommissioned()
     return node
+
+
+def _identity_decommissioned() -> Forbidden:
+    return Forbidden(
+        "this identity belongs to a decommissioned node",
+        code=NODE_DECOMMISSIONED,
+        next_step="Delete the agent's identity file to enroll the hardware as a new node.",
+    )

@@ -4,7 +4,8 @@
 it runs; the CLI reads that record, so a token minted on the host is locked to the origin the
 running server answers on, whatever ``--listen`` said. One rule decides a CLI token's origin
 (:func:`token_origin`), and a wildcard or unspecified address never becomes one: no agent can
-dial ``0.0.0.0``.
+dial ``0.0.0.0``. Behind a reverse proxy (MODELFORGE_TRUSTED_PROXY) the bound address is not
+one either: agents address the proxy, so a token needs MODELFORGE_PUBLIC_API_ORIGIN there.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Serving:
     port: int
     started_at: float
     public_api_origin: str | None = None  # the server's MODELFORGE_PUBLIC_API_ORIGIN
+    behind_proxy: bool = False  # the server trusts a reverse proxy (MODELFORGE_TRUSTED_PROXY)
 
     @property
     def listen(self) -> str:
@@ -60,7 +62,14 @@ def record_path(settings: Settings) -> Path:
 
 def record_serving(settings: Settings, host: str, port: int) -> Serving:
     """Write the record atomically (mode 0600); the server calls it once it is bound."""
-    serving = Serving(os.getpid(), host, int(port), time.time(), settings.public_api_origin)
+    serving = Serving(
+        os.getpid(),
+        host,
+        int(port),
+        time.time(),
+        settings.public_api_origin,
+        bool(settings.trusted_proxies),
+    )
     path = record_path(settings)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{RECORD_NAME}.", dir=settings.state_dir)
     try:
@@ -92,6 +101,7 @@ def read_record(settings: Settings) -> Serving | None:
             int(data["port"]),
             float(data["started_at"]),
             normalize_origin(origin) if origin else None,
+            data.get("behind_proxy") is True,
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -114,8 +124,19 @@ def running(settings: Settings) -> Serving | None:
 
 
 def wildcard_warning(settings: Settings, host: str) -> str | None:
-    """The warning for serving on every address with no origin for agents, or None."""
-    if settings.public_api_origin or not is_unspecified(host):
+    """The warning for serving where agents have no origin to use (on every address, or
+    behind a reverse proxy) with no MODELFORGE_PUBLIC_API_ORIGIN, or None."""
+    if settings.public_api_origin:
+        return None
+    if settings.trusted_proxies:
+        return (
+            "behind a reverse proxy (MODELFORGE_TRUSTED_PROXY) without "
+            "MODELFORGE_PUBLIC_API_ORIGIN: agents address the proxy, not this listen address, "
+            "so `modelforge enroll` refuses, and tokens minted through the API lock to the "
+            "origin the proxy forwards; set MODELFORGE_PUBLIC_API_ORIGIN=https://<the proxy's "
+            "address> (docs/reverse-proxy.md)"
+        )
+    if not is_unspecified(host):
         return None
     return (
         f"listening on {host or '*'} (every address) without MODELFORGE_PUBLIC_API_ORIGIN: "
@@ -136,7 +157,7 @@ def token_origin(settings: Settings, override: str | None = None) -> TokenOrigin
 
     In order: ``--origin``, MODELFORGE_PUBLIC_API_ORIGIN (this command's, then the running
     server's), the address the running server bound, the listen setting. A wildcard address
-    is never an origin.
+    is never an origin, nor the listen address behind a trusted reverse proxy.
     """
     if override:
         try:
@@ -153,6 +174,13 @@ def token_origin(settings: Settings, override: str | None = None) -> TokenOrigin
         return TokenOrigin(
             serving.public_api_origin,
             f"MODELFORGE_PUBLIC_API_ORIGIN of the running control plane (pid {serving.pid})",
+        )
+    if settings.trusted_proxies or (serving is not None and serving.behind_proxy):
+        raise ConfigError(
+            "the control plane is behind a reverse proxy (MODELFORGE_TRUSTED_PROXY): agents "
+            "address the proxy, not the address it listens on; set "
+            "MODELFORGE_PUBLIC_API_ORIGIN=https://<the proxy's address> (and restart the "
+            "control plane), or pass --origin https://<the proxy's address>"
         )
     host, port = (
         (serving.host, serving.port) if serving else (settings.listen_host, settings.listen_port)

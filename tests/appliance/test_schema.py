@@ -16,13 +16,18 @@ MODELS = [
     models.Credential,
     models.AuditEvent,
     models.DecommissionConfirmation,
+    models.Finality,
+    models.AdminPassword,
+    models.ConsoleSession,
+    models.SignInThrottle,
+    models.GpuSample,
 ]
 
 
 def test_migrated_tables_match_the_models(database_url):
     store = Store(database_url, Clock())
     try:
-        assert store.migrate() == [migration.version for migration in MIGRATIONS]
+        assert store.migrate() == [m.version for m in MIGRATIONS]
         db = store.db
         for model in MODELS:
             table = model._meta.table_name
@@ -31,7 +36,11 @@ def test_migrated_tables_match_the_models(database_url):
             assert set(columns) == set(fields), table
             for name, field in fields.items():
                 assert columns[name].null == field.null, f"{table}.{name} nullability"
-                assert columns[name].primary_key == field.primary_key, f"{table}.{name}"
+            key = model._meta.primary_key
+            key_columns = (
+                set(key.field_names) if isinstance(key, pw.CompositeKey) else {key.column_name}
+            )
+            assert {c.name for c in columns.values() if c.primary_key} == key_columns, table
             for field in fields.values():
                 if isinstance(field, pw.ForeignKeyField):
                     keys = {(k.column, k.dest_table) for k in db.get_foreign_keys(table)}
@@ -42,3 +51,8 @@ def test_migrated_tables_match_the_models(database_url):
                     assert (field.column_name,) in unique, f"{table}.{field.column_name}"
     finally:
         store.close()
+
+
+def test_migrations_are_numbered_one_after_another():
+    """Merged branches renumber their provisional migrations: no gap, no repeat."""
+    assert [m.version for m in MIGRATIONS] == list(range(1, len(MIGRATIONS) + 1))

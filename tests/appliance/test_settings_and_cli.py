@@ -204,6 +204,6 @@ def test_a_store_from_a_newer_program_is_refused(state_env):
 
 def test_migrations_apply_once(tmp_path):
     store = Store(f"sqlite:///{tmp_path}/m.sqlite3", Clock())
-    assert store.migrate() == [migration.version for migration in MIGRATIONS]
+    assert store.migrate() == [m.version for m in MIGRATIONS]
     assert store.migrate() == []
     assert store.current_version() == SCHEMA_VERSION

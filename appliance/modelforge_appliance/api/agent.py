@@ -23,16 +23,17 @@ from .. import credentials, enrollment, nodes
 from ..clock import isoformat
 from ..errors import ApiError, UpgradeRequired
 from ..validation import ENROLL_FIELDS, HEARTBEAT_FIELDS, INVENTORY_FIELDS, TELEMETRY_FIELDS
-from .http import ApiContext, json_response, request_origin
+from .http import ApiContext, json_response, request_header, request_origin
 
 
 def agent_protocol() -> int:
     """Invariant 8: every agent call names its protocol; anything else gets 426."""
-    header = bottle.request.get_header(HEADER_AGENT_PROTOCOL)
+    header = request_header(HEADER_AGENT_PROTOCOL)
     answer = compatibility_of(header)
     if answer != COMPATIBLE:
+        shown = header if header is None else header[:32]
         raise UpgradeRequired(
-            f"agent protocol {header!r} is not accepted ({answer})",
+            f"agent protocol {shown!r} is not accepted ({answer})",
             next_step=COMPATIBILITY_NEXT_STEPS[answer],
             extra={"compatibility": answer},
         )
@@ -41,13 +42,12 @@ def agent_protocol() -> int:
 
 def agent_caller(context: ApiContext, node_id: str) -> credentials.Caller:
     """The node whose credential this request carries (401/403 otherwise, invariant 4)."""
-    return credentials.authenticate_node(
-        context.store, bottle.request.get_header("Authorization"), node_id
-    )
+    return credentials.authenticate_node(context.store, request_header("Authorization"), node_id)
 
 
 def source_address() -> str | None:
-    """The peer address waitress saw (never X-Forwarded-For, which any client can write)."""
+    """The peer address as waitress saw it: the proxy's client behind a trusted proxy
+    (server.forwarded_headers); an X-Forwarded-For from anyone else is dropped."""
     return bottle.request.environ.get("REMOTE_ADDR") or None
 
 
@@ -61,7 +61,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
 
     def claim(request: enrollment.EnrollRequest) -> enrollment.Enrolled:
         try:
-            enrolled = enrollment.claim_token(store, request)
+            enrolled = enrollment.claim_token(store, request, context.refusals)
         except ApiError as refusal:
             metrics.enrollments.labels(refusal.code).inc()
             raise
@@ -132,5 +132,5 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         agent_protocol()
         fields = context.body(TELEMETRY_FIELDS)
         caller = agent_caller(context, fields["node_id"])
-        at = nodes.record_telemetry(store, caller, fields["samples"], source_address())
+        at = context.telemetry.record(caller, fields["samples"], source_address())
         return json_response({"server_time": isoformat(at), "compatibility": COMPATIBLE})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,15 +22,18 @@ from modelforge_contract import (
     METHOD_NOT_ALLOWED,
     NOT_FOUND,
     QUERY_INVALID,
+    REQUEST_MALFORMED,
     compatibility_of,
 )
 
+from ..audit import RefusalLog
 from ..errors import ApiError, Invalid, StoreUnavailable
 from ..heartbeats import HeartbeatBuffer
 from ..metrics import Metrics
 from ..serving import is_unspecified
 from ..settings import Settings, normalize_origin
 from ..store import Store
+from ..telemetry import TelemetryHistory
 from ..validation import Field, parse_body
 
 log = logging.getLogger(__name__)
@@ -41,15 +45,49 @@ ORIGIN_MAX_LENGTH = 300  # the column that keeps a token's origin
 
 @dataclass(frozen=True)
 class ApiContext:
-    """What the route modules share: settings, store, heartbeat buffer and metrics."""
+    """What the route modules share: settings, store, heartbeat buffer, metrics, and the
+    rate-limited audit of repeated refusals."""
 
     settings: Settings
     store: Store
     heartbeats: HeartbeatBuffer
     metrics: Metrics
+    refusals: RefusalLog
+    telemetry: TelemetryHistory
 
     def body(self, fields: dict[str, Field]) -> dict[str, Any]:
         return parse_body(bottle.request.environ, self.settings.max_body_bytes, fields)
+
+
+def request_header(name: str) -> str | None:
+    """A request header as text. HTTP carries bytes; a value that is not UTF-8 comes back
+    with U+FFFD in place of the bad bytes, so it fails every check like any other wrong
+    value (401, 426 UNKNOWN) instead of raising (bottle's own ``get_header`` would)."""
+    raw = bottle.request.environ.get("HTTP_" + name.upper().replace("-", "_"))
+    if raw is None:
+        return None
+    return raw.encode("latin-1", "replace").decode("utf-8", "replace")
+
+
+# Every answer, page or JSON: scripts and styles only from this origin, no inline code, no
+# framing, no referrer, no guessing of content types.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+    "Cross-Origin-Opener-Policy": "same-origin",
+}
+
+
+def security_headers() -> None:
+    """An ``after_request`` hook: runs for routes, error pages and 404s alike."""
+    for name, value in SECURITY_HEADERS.items():
+        bottle.response.set_header(name, value)
 
 
 def json_response(body: dict[str, Any], status: int = 200) -> bottle.HTTPResponse:
@@ -100,14 +138,13 @@ def _api_errors(callback: Callable, args: tuple, kwargs: dict) -> bottle.HTTPRes
 def _with_compatibility(error: ApiError) -> ApiError:
     """Every agent response carries ``compatibility``, refusals included (DESIGN §3)."""
     if bottle.request.path.startswith(AGENT_PREFIX) and "compatibility" not in error.extra:
-        error.extra["compatibility"] = compatibility_of(
-            bottle.request.get_header(HEADER_AGENT_PROTOCOL)
-        )
+        error.extra["compatibility"] = compatibility_of(request_header(HEADER_AGENT_PROTOCOL))
     return error
 
 
 def framework_error(error: bottle.HTTPError) -> str:
-    """404, 405 and uncaught exceptions from bottle itself, in the one error shape."""
+    """404, 405, other refusals and uncaught exceptions from bottle itself, in the one error
+    shape; agent routes add ``compatibility`` as everywhere else."""
     bottle.response.content_type = "application/json"
     bottle.response.set_header("Cache-Control", "no-store")
     if error.status_code == 404:
@@ -124,6 +161,13 @@ def framework_error(error: bottle.HTTPError) -> str:
             status=405,
             next_step=f"Use one of: {error.headers.get('Allow', '')}.",
         )
+    elif 400 <= error.status_code < 500:
+        body = ApiError(
+            "the request is not well-formed",
+            code=REQUEST_MALFORMED,
+            status=error.status_code,
+            next_step="Send a well-formed request; see docs/api.md.",
+        )
     else:
         if error.exception is not None:
             log.error(
@@ -138,7 +182,7 @@ def framework_error(error: bottle.HTTPError) -> str:
             status=500,
             next_step="Retry; if it persists, check the control plane's log.",
         )
-    return json.dumps(body.body())
+    return json.dumps(_with_compatibility(body).body())
 
 
 def request_origin(environ: dict[str, Any]) -> str:
@@ -155,11 +199,14 @@ def request_origin(environ: dict[str, Any]) -> str:
     return origin if len(origin) <= ORIGIN_MAX_LENGTH else "unknown"
 
 
+_DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() also takes "²"
+
+
 def query_int(name: str, default: int | None, low: int, high: int) -> int | None:
     raw = bottle.request.query.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not low <= int(raw) <= high:
+    if not _DIGITS.fullmatch(raw) or not low <= int(raw) <= high:
         raise Invalid(
             f"query parameter {name} must be an integer in {low}..{high}", code=QUERY_INVALID
         )

@@ -13,9 +13,10 @@ import click
 from modelforge_contract import PROTOCOL_VERSION, __version__
 
 from .. import admin_tokens, audit, serving
-from ..backup import RestoreRefused, state_lock
+from ..backup import RestoreRefused
 from ..doctor import doctor
 from ..settings import ConfigError, Settings, parse_listen
+from ..statelock import StateBusy
 from ..store import Store, StoreVersionError
 from .errors import report
 from .support import Context, emit, fail
@@ -29,7 +30,7 @@ class Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (ConfigError, StoreVersionError, RestoreRefused) as exc:
+        except (ConfigError, StoreVersionError, RestoreRefused, StateBusy) as exc:
             fail(str(exc))
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
@@ -65,6 +66,7 @@ def main(ctx: click.Context, env_file: Path | None, debug: bool) -> None:
     # Everything this program writes (store, WAL, backups, lock) is for its own user only.
     os.umask(0o077)
     ctx.obj = Context(env_file, debug)
+    ctx.call_on_close(ctx.obj.close)  # the state lock is held until the command ends
 
 
 @main.command()
@@ -105,7 +107,7 @@ def serve(obj: Context, listen: str | None) -> None:
     host, port = (
         parse_listen(listen, "--listen") if listen else (settings.listen_host, settings.listen_port)
     )
-    store = obj.store(create=True)
+    store = obj.store(create=True)  # takes the state lock before it migrates; held until we stop
     if not admin_tokens.has_admin_tokens(store):
         click.echo("modelforge: no admin token exists yet; run `modelforge init` first.", err=True)
     try:
@@ -122,13 +124,13 @@ def serve(obj: Context, listen: str | None) -> None:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    with state_lock(settings, exclusive=False):  # `modelforge restore` waits for us to stop
-        # What the CLI on this host reads to lock tokens to the origin really served.
-        record = serving.record_serving(settings, host, server.effective_port)
-        try:
-            run_until(server, stop)
-        finally:
-            serving.clear_serving(settings, record)
+    # What the CLI on this host reads to lock tokens to the origin really served. The state
+    # lock (obj.store) is held until we stop, so `modelforge restore` waits for us.
+    record = serving.record_serving(settings, host, server.effective_port)
+    try:
+        run_until(server, stop)
+    finally:
+        serving.clear_serving(settings, record)
     log.info("stopped")
 
 
@@ -150,14 +152,21 @@ def _banner(settings: Settings, store: Store, host: str, port: int) -> str:
     )
 
 
+from .admin_password import admin_password  # noqa: E402
 from .admin_tokens import admin_token  # noqa: E402
 from .audit import audit_command  # noqa: E402
 from .completion import completion  # noqa: E402
 from .enrollments import enroll, enrollments_group  # noqa: E402
 from .nodes import alerts_command, nodes_group  # noqa: E402
-from .store import backup_command, restore_command  # noqa: E402
+from .store import (  # noqa: E402
+    backup_command,
+    restore_command,
+    restore_finality_command,
+    save_finality_command,
+)
 
 for command in (
+    admin_password,
     admin_token,
     enroll,
     enrollments_group,
@@ -166,6 +175,8 @@ for command in (
     audit_command,
     backup_command,
     restore_command,
+    save_finality_command,
+    restore_finality_command,
     doctor,
     completion,
 ):

@@ -12,6 +12,7 @@ import click
 from modelforge_contract import EXIT_CHECK_FAILED, EXIT_USAGE
 from modelforge_contract.logs import configure_logging
 
+from .. import statelock
 from ..settings import Settings, load_settings
 from ..store import Store
 from . import locate
@@ -27,6 +28,7 @@ class Context:
         self.debug = debug
         self._settings: Settings | None = None
         self._store: Store | None = None
+        self._lock: statelock.StateLock | None = None
 
     @property
     def database_url(self) -> str | None:
@@ -46,12 +48,23 @@ class Context:
         """The one store of this command, opened and migrated on first use.
 
         Only ``init`` and ``serve`` pass ``create``; any other command on a missing store
-        exits 2 naming where it looked. Says on stderr which store it uses.
+        exits 2 naming where it looked, and leaves nothing behind. The owner check comes
+        first (a lock file or WAL made by another user would lock the service out), then
+        the state lock, held until the command ends: while a restore runs, the command is
+        refused (exit 2) before it reads, migrates or writes anything. Says on stderr which
+        store it uses.
         """
+        from ..backup import clear_interrupted_restore
         from ..server import open_store
 
         if self._store is None:
             require_state_owner(self.settings)
+            if not create:
+                # Before the lock, which would create the state directory.
+                locate.require_store_file(self.settings, self.env_file)
+            if self._lock is None:
+                self._lock = statelock.acquire(self.settings, exclusive=False)
+                clear_interrupted_restore(self.settings)
             if create:
                 self._store = open_store(self.settings)
             else:
@@ -63,6 +76,14 @@ class Context:
         """Say on stderr which store this command uses, and where that came from."""
         source = f" (settings from {self.env_file})" if self.env_file else ""
         click.echo(f"modelforge: store {locate.describe_store(self.settings)}{source}", err=True)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:
