@@ -436,6 +436,13 @@ def restore_finality(settings: Settings, path: Path, clock: Clock) -> dict[str, 
         entries = finality.load(path)
     except finality.RecordFileError as exc:
         raise RestoreRefused(str(exc)) from None
+    if isinstance(open_database(settings.database_url), pw.SqliteDatabase):
+        store_file = sqlite_path(settings)
+        if not store_file.is_file():  # checked before the lock, which makes the directory
+            raise RestoreRefused(
+                f"there is no store at {store_file}; restore-finality carries a record into a "
+                "restored store (docs/runbooks/backup-restore.md)"
+            )
     with statelock.held(settings, exclusive=True):
         reached_stage("locked")
         store = Store(settings.database_url, clock)

@@ -5,6 +5,7 @@ Time moves on the injectable clock: idle and absolute expiry, throttling windows
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import select
@@ -275,8 +276,15 @@ def stored_hash(state: Path) -> str | None:
     return row[0] if row else None
 
 
-def test_admin_password_set_reads_one_line_from_stdin(tmp_path):
+def initialised(tmp_path: Path) -> Path:
+    """A state directory with a store: only init and serve create one."""
     state = tmp_path / "state"
+    assert cli(state, "init").returncode == 0
+    return state
+
+
+def test_admin_password_set_reads_one_line_from_stdin(tmp_path):
+    state = initialised(tmp_path)
     short = cli(state, "admin-password", "set", stdin="too short\n")
     assert short.returncode == 2 and "at least 12 characters" in short.stderr
     assert stored_hash(state) is None
@@ -290,20 +298,39 @@ def test_admin_password_set_reads_one_line_from_stdin(tmp_path):
     assert empty.returncode == 2 and "no password on stdin" in empty.stderr
 
 
+def test_admin_password_set_follows_the_cli_conventions(tmp_path):
+    """No store: refused before any prompt, naming where it looked, and nothing created.
+    --json: the answer parses and carries no password; a terminal is not prompted."""
+    missing = tmp_path / "missing"
+    refused = cli(missing, "admin-password", "set", stdin=f"{PASSWORD}\n")
+    assert refused.returncode == 2 and "no ModelForge store at" in refused.stderr
+    assert "Traceback" not in refused.stderr and not missing.exists()
+    state = initialised(tmp_path)
+    done = cli(state, "admin-password", "set", "--json", stdin=f"{PASSWORD}\n")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"password_set": True, "sessions_signed_out": 0}
+    assert PASSWORD not in done.stdout + done.stderr
+    helped = cli(state, "admin-password", "set", "-h")
+    assert helped.returncode == 0 and "--json" in helped.stdout
+
+
 def test_admin_password_is_never_taken_from_the_command_line(tmp_path):
-    state = tmp_path / "state"
+    state = initialised(tmp_path)
     refused = cli(state, "admin-password", "set", PASSWORD, stdin=f"{PASSWORD}\n")
     assert refused.returncode == 2
     assert "unexpected extra argument" in refused.stderr.lower()
     assert stored_hash(state) is None
 
 
-def _run_on_a_terminal(state: Path, typed: list[str]) -> tuple[int, str]:
+PROMPTS = (b"New admin password: ", b"Repeat it: ")
+
+
+def _run_on_a_terminal(state: Path, typed: list[str], *args: str) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
     env["MODELFORGE_STATE_DIR"] = str(state)
     primary, secondary = pty.openpty()
     process = subprocess.Popen(
-        [sys.executable, "-m", "modelforge_appliance.cli", "admin-password", "set"],
+        [sys.executable, "-m", "modelforge_appliance.cli", "admin-password", "set", *args],
         stdin=secondary,
         stdout=secondary,
         stderr=secondary,
@@ -323,14 +350,16 @@ def _run_on_a_terminal(state: Path, typed: list[str]) -> tuple[int, str]:
         if not chunk:
             break
         output += chunk
-        if pending and output.count(b": ") > len(typed) - len(pending):
+        # Type only at a prompt (echo is off there); other lines (which store) come first.
+        asked = sum(output.count(prompt) for prompt in PROMPTS)
+        if pending and asked > len(typed) - len(pending):
             os.write(primary, pending.pop(0).encode() + b"\r")
     os.close(primary)
     return process.wait(timeout=30), output.decode(errors="replace")
 
 
 def test_admin_password_prompts_twice_without_echo_on_a_terminal(tmp_path):
-    state = tmp_path / "state"
+    state = initialised(tmp_path)
     status, output = _run_on_a_terminal(state, [PASSWORD, PASSWORD + "!"])
     assert status == 2 and "differ" in output
     assert PASSWORD not in output
@@ -338,6 +367,9 @@ def test_admin_password_prompts_twice_without_echo_on_a_terminal(tmp_path):
     assert status == 0, output
     assert output.count("password") >= 1 and PASSWORD not in output
     assert stored_hash(state).startswith("$2b$")
+    # A script (--json) is never prompted, even on a terminal: it sends the line on stdin.
+    status, output = _run_on_a_terminal(state, [], "--json")
+    assert status == 2 and "--json does not ask questions" in output
 
 
 @pytest.mark.parametrize("bad", ["   leading spaces ok?", "x" * 73])

@@ -37,9 +37,13 @@ def leftovers(host: Host) -> list[str]:
 
 
 def one_line_refusal(result, *phrases: str) -> None:
+    """Exit 2 and one line saying why (after the line that names the store, if the command
+    got that far: every command says which store it uses)."""
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.strip().splitlines()
+    if len(lines) == 2 and lines[0].startswith("modelforge: store "):
+        lines = lines[1:]
     assert len(lines) == 1 and lines[0].startswith("modelforge: "), result.stderr
     for phrase in phrases:
         assert phrase in lines[0], lines[0]

@@ -34,7 +34,7 @@ def node(tmp_path):
     """A node's working directory with the generated env file and the stand-in agent."""
     work = tmp_path / "node"
     work.mkdir()
-    (work / "modelforge-node.env").write_text(agent_env_file("http://127.0.0.1:8000", "GPU Node"))
+    (work / "modelforge-node.env").write_text(agent_env_file("http://127.0.0.1:8000"))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     agent = bin_dir / "modelforge-node-agent"
@@ -136,7 +136,9 @@ def test_success_starts_the_agent_with_the_token_and_removes_the_file(node):
     record = node["record"].read_text()
     assert f"MODELFORGE_AGENT_ENROLLMENT_TOKEN={TOKEN}\n" in record
     assert "MODELFORGE_AGENT_CONTROL_PLANE_URL=http://127.0.0.1:8000\n" in record
-    assert "MODELFORGE_AGENT_HOSTNAME=gpu-node\n" in record
+    assert "MODELFORGE_AGENT_ACCELERATOR_MODE=nvidia\n" in record
+    # The host name is left to the machine: two nodes minted as "GPU Node" never share one.
+    assert "MODELFORGE_AGENT_HOSTNAME" not in record
     argv_lines = [line for line in record.splitlines() if line.startswith(("ARGV=", "/bin/bash"))]
     assert argv_lines and not any(TOKEN in line for line in argv_lines)
     assert "tok=" not in record and "tok_file=" not in record  # no helper variables leak
