@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 
@@ -27,6 +26,7 @@ from modelforge_appliance.models import Finality
 from modelforge_appliance.store import Store
 
 from ..support import make_settings, new_identity
+from .old_schema import downgrade
 
 ORIGIN = "http://127.0.0.1:8000"
 
@@ -156,13 +156,10 @@ def test_chained_restores_of_backups_from_before_the_record(tmp_path):
     store.migrate()
 
     def backup_as_schema_2(path):
+        """A backup exactly as a release before the record wrote it: none of migrations 3+."""
         backup.backup(settings, path)
-        db = sqlite3.connect(path)
-        with db:
-            for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'"):
-                db.execute(f'DROP TRIGGER "{name}"')
-            db.execute("DROP TABLE finality")
-            db.execute("DELETE FROM schema_version WHERE version > 2")
+        db = pw.SqliteDatabase(str(path))
+        downgrade(db, 2)
         db.close()
 
     b0, b1 = tmp_path / "b0.sqlite3", tmp_path / "b1.sqlite3"
