@@ -68,7 +68,9 @@ class DebianLock:
 
     def layer_packages(self, layer: str) -> list[PinnedPackage]:
         if layer not in self.layers:
-            raise DebianError(f"the Debian lock has no layer {layer!r}; run packaging/lock-debian.sh")
+            raise DebianError(
+                f"the Debian lock has no layer {layer!r}; run packaging/lock-debian.sh"
+            )
         return [self.packages[name] for name in self.layers[layer]]
 
     def digest(self) -> str:
@@ -189,7 +191,9 @@ def dependency_groups(fields: dict[str, str]) -> list[list[str]]:
     groups = []
     for key in ("Pre-Depends", "Depends"):
         for group in filter(None, (part.strip() for part in fields.get(key, "").split(","))):
-            alternatives = [re.sub(r"\(.*?\)|\[.*?\]|:\w+", "", alt).strip() for alt in group.split("|")]
+            alternatives = [
+                re.sub(r"\(.*?\)|\[.*?\]|:\w+", "", alt).strip() for alt in group.split("|")
+            ]
             groups.append([alt for alt in alternatives if alt])
     return groups
 

@@ -31,7 +31,6 @@ import time
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -147,7 +146,7 @@ class BuildContext:
 
     @property
     def created(self) -> str:
-        return datetime.fromtimestamp(self.epoch, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.epoch))
 
     @property
     def multiarch(self) -> str:
@@ -195,7 +194,9 @@ def default_revision(source: Path) -> str:
     commit = git(source, "rev-parse", "HEAD")
     if commit is None:
         return "unknown"
-    return commit + ("-dirty" if git(source, "status", "--porcelain", "--untracked-files=no") else "")
+    return commit + (
+        "-dirty" if git(source, "status", "--porcelain", "--untracked-files=no") else ""
+    )
 
 
 def default_epoch(source: Path) -> int:
@@ -263,12 +264,16 @@ def first_party(ctx: BuildContext, tree: Tree, packages: dict[str, str]) -> None
     for package, folder in packages.items():
         source = ctx.source / folder / package
         if not (source / "__init__.py").is_file():
-            raise BuildError(f"{source} is not a Python package; is --source a ModelForge checkout?")
+            raise BuildError(
+                f"{source} is not a Python package; is --source a ModelForge checkout?"
+            )
         tree.add_staged(source, f"{SITE_PACKAGES}/{package}", origin=f"{folder}/{package}")
 
 
 def locked_wheels(ctx: BuildContext, tree: Tree, requirements: str, origin: str) -> Path:
-    pip = ensure_pip(ctx.work_dir, ctx.source / "packaging" / "requirements-build.txt", ctx.cache_dir)
+    pip = ensure_pip(
+        ctx.work_dir, ctx.source / "packaging" / "requirements-build.txt", ctx.cache_dir
+    )
     staging = ctx.work_dir / "staging" / origin
     install_locked(
         pip,
@@ -312,7 +317,9 @@ def control_plane_layer(ctx: BuildContext, tree: Tree) -> None:
 def node_agent_layer(ctx: BuildContext, tree: Tree) -> None:
     locked_wheels(ctx, tree, "requirements-agent.txt", "node-agent")
     first_party(ctx, tree, {"modelforge_contract": "contract", "modelforge_node_agent": "agent"})
-    tree.add_file("usr/local/bin/modelforge-node-agent", launcher("modelforge_node_agent.main"), True)
+    tree.add_file(
+        "usr/local/bin/modelforge-node-agent", launcher("modelforge_node_agent.main"), True
+    )
     tree.add_dir("var/lib/modelforge-node-agent", mode=0o700, uid=SERVICE_UID, gid=SERVICE_UID)
 
 
@@ -543,7 +550,9 @@ def load_images(client: Any, ctx: BuildContext, images: list[BuiltImage]) -> dic
         loaded = attrs["RootFS"]["Layers"]
         expected = [layer.diff_id for layer in image.layers]
         if loaded != expected:
-            raise BuildError(f"dockerd reports layers {loaded} for {tag}, the build made {expected}")
+            raise BuildError(
+                f"dockerd reports layers {loaded} for {tag}, the build made {expected}"
+            )
         result[image.spec.name] = {
             "tag": tag,
             "image_id": attrs["Id"],

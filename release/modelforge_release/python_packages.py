@@ -94,7 +94,9 @@ def install_locked(
     """Install exactly the wheels of a ``--generate-hashes`` lock into ``target``."""
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
-    platforms = [arg for tag in manylinux_platforms(architecture, glibc) for arg in ("--platform", tag)]
+    platforms = [
+        arg for tag in manylinux_platforms(architecture, glibc) for arg in ("--platform", tag)
+    ]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     env.pop("PIP_REQUIRE_VIRTUALENV", None)
     _run(

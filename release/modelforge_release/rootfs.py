@@ -116,7 +116,9 @@ class Tree:
         self._parents(path, entry.origin)
         self.entries[path] = entry
 
-    def add_dir(self, path: str, mode: int = 0o755, uid: int = 0, gid: int = 0, origin: str = "") -> None:
+    def add_dir(
+        self, path: str, mode: int = 0o755, uid: int = 0, gid: int = 0, origin: str = ""
+    ) -> None:
         self._put(path, Entry("dir", mode, uid=uid, gid=gid, origin=origin or self.name))
 
     def add_file(
@@ -143,7 +145,9 @@ class Tree:
                 executable = bool(path.stat().st_mode & 0o111)
                 self.add_file(target, path, executable=executable, origin=origin)
 
-    def add_deb(self, pkg: PinnedPackage, deb: DebContents, only: Iterable[str] | None = None) -> int:
+    def add_deb(
+        self, pkg: PinnedPackage, deb: DebContents, only: Iterable[str] | None = None
+    ) -> int:
         """The package's files, chiselled; ``only`` limits it to those paths (and the
         package's copyright file). Returns how many entries were added."""
         wanted = {normal_path(p) for p in only} if only is not None else None
@@ -311,11 +315,10 @@ def forbidden_paths(view: dict[str, Entry]) -> list[str]:
     found = []
     for path, entry in view.items():
         directory, name = posixpath.split(path)
-        if directory in FORBIDDEN_DIRS and name in FORBIDDEN_NAMES:
-            found.append(path)
-        elif path == "var/lib/dpkg/info" or name.startswith("libnvidia-ml.so"):
-            found.append(path)
-        elif entry.kind == "file" and entry.mode & 0o6000:
+        shell_or_packager = directory in FORBIDDEN_DIRS and name in FORBIDDEN_NAMES
+        driver = name.startswith("libnvidia-ml.so")
+        set_id = entry.kind == "file" and entry.mode & 0o6000
+        if shell_or_packager or driver or set_id or path == "var/lib/dpkg/info":
             found.append(path)
     return sorted(found)
 
@@ -373,7 +376,11 @@ def elf_dependencies(data: bytes) -> tuple[list[str], list[str]] | None:
     if strtab_vaddr is None:
         return [], []
     strtab = next(
-        (off + strtab_vaddr - vaddr for vaddr, off, size in loads if vaddr <= strtab_vaddr < vaddr + size),
+        (
+            off + strtab_vaddr - vaddr
+            for vaddr, off, size in loads
+            if vaddr <= strtab_vaddr < vaddr + size
+        ),
         None,
     )
     if strtab is None:
@@ -411,7 +418,10 @@ def missing_libraries(
             continue
         needed, run_paths = found
         origin = posixpath.dirname(path)
-        search = [normal_path(p.replace("$ORIGIN", "/" + origin).replace("${ORIGIN}", "/" + origin)) for p in run_paths]
+        search = [
+            normal_path(p.replace("$ORIGIN", "/" + origin).replace("${ORIGIN}", "/" + origin))
+            for p in run_paths
+        ]
         for name in needed:
             if name in allowed:
                 continue

@@ -1,0 +1,410 @@
+"""Read an image tarball without a daemon, in one streaming pass, in constant memory.
+
+Two layouts are understood:
+
+- the ``docker save`` layout of Docker before 25 (what Debian's dockerd 20.10 writes):
+  ``manifest.json`` naming, per image, its ``RepoTags``, a ``<id>.json`` configuration
+  and ``<dir>/layer.tar`` files; Docker 25 and later write the same ``manifest.json``
+  pointing into ``blobs/sha256/`` beside an OCI index;
+- the OCI image layout (``oci-layout``, ``index.json``, ``blobs/sha256/<hex>``) that
+  containerd and skopeo write, where layers are usually gzip-compressed and the
+  configuration's diff ids are the digests of the decompressed streams.
+
+Every regular file is hashed as it streams past (and, when it is gzip, decompressed and
+hashed again); only small JSON files are kept. The tarball's own SHA-256 comes out of the
+same pass, so ``verify-bundle`` reads the largest file of a release once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import re
+import tarfile
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from .digest import CHUNK_BYTES, Progress, wants_progress
+
+GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# JSON documents (manifests, configurations, indexes) are kept in memory up to this size.
+MAX_JSON_BYTES = 4 << 20
+MAX_KEPT_BYTES = 64 << 20
+OCI_MANIFEST_TYPES = (
+    "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.docker.distribution.manifest.v2+json",
+)
+OCI_INDEX_TYPES = (
+    "application/vnd.oci.image.index.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+)
+_BLOB = re.compile(r"blobs/sha256/([0-9a-f]{64})")
+_CONFIG_NAME = re.compile(r"([0-9a-f]{64})\.json")
+
+
+class ArchiveError(Exception):
+    """The tarball cannot be read as an image archive at all."""
+
+
+@dataclass
+class Member:
+    """One regular file of the tarball, as it streamed past."""
+
+    name: str
+    size: int
+    sha256: str  # sha256:<hex> of the bytes as stored
+    compression: str  # "none", "gzip" or "zstd"
+    content_sha256: str | None  # sha256:<hex> of the decompressed stream (gzip), else = sha256
+    data: bytes | None = None  # kept for small JSON documents
+    error: str | None = None  # a stream that does not decompress
+
+
+@dataclass
+class ArchiveImage:
+    """One image found in the tarball, with what it claims and what its files are."""
+
+    tags: list[str]
+    source: str  # where it is described, e.g. "manifest.json[2]" or "index.json"
+    config_name: str | None
+    config: dict[str, Any] | None
+    layer_names: list[str]
+    problems: list[tuple[str, str]] = field(default_factory=list)  # (field, message)
+
+    def entry(self, tag: str) -> dict[str, Any]:
+        """The image in the manifest's terms, for ``entry_differences``."""
+        config = self.config or {}
+        return {
+            "tag": tag,
+            "architecture": config.get("architecture"),
+            "os": config.get("os"),
+            "rootfs_layers": list((config.get("rootfs") or {}).get("diff_ids") or []),
+            "labels": dict((config.get("config") or {}).get("Labels") or {}),
+        }
+
+
+@dataclass
+class Archive:
+    layout: str  # "docker" or "oci"
+    sha256: str  # sha256 hex of the whole tarball
+    size: int
+    members: dict[str, Member]
+    images: list[ArchiveImage]
+
+    def find(self, tag: str) -> ArchiveImage | None:
+        return next((image for image in self.images if tag in image.tags), None)
+
+
+class HashingReader:
+    """Wraps a binary file: what is read through it is hashed and counted."""
+
+    def __init__(self, file: BinaryIO, meter: Progress | None = None) -> None:
+        self.file = file
+        self.digest = hashlib.sha256()
+        self.size = 0
+        self.meter = meter
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.file.read(size)
+        self.digest.update(data)
+        self.size += len(data)
+        if self.meter:
+            self.meter.update(self.size)
+        return data
+
+    def drain(self) -> None:
+        while self.read(CHUNK_BYTES):
+            pass
+
+
+class _Gunzip:
+    """Streaming gzip decompression and hashing, concatenated members included."""
+
+    def __init__(self) -> None:
+        self.digest = hashlib.sha256()
+        self.inflate = zlib.decompressobj(zlib.MAX_WBITS | 16)
+        self.error: str | None = None
+
+    def feed(self, data: bytes) -> None:
+        if self.error:
+            return
+        try:
+            while data:
+                # Bounded output per call: a highly compressed stream cannot balloon memory.
+                out = self.inflate.decompress(data, CHUNK_BYTES)
+                self.digest.update(out)
+                data = self.inflate.unconsumed_tail
+                if self.inflate.eof:
+                    data = self.inflate.unused_data + data
+                    self.inflate = zlib.decompressobj(zlib.MAX_WBITS | 16)
+        except zlib.error as exc:
+            self.error = f"gzip stream is corrupt ({exc})"
+
+    def finish(self) -> str | None:
+        if not self.error:
+            try:
+                while True:
+                    out = self.inflate.flush()
+                    if not out:
+                        break
+                    self.digest.update(out)
+            except zlib.error as exc:
+                self.error = f"gzip stream is corrupt ({exc})"
+        return self.error
+
+
+def _read_member(tar: tarfile.TarFile, info: tarfile.TarInfo) -> Member:
+    stream = tar.extractfile(info)
+    assert stream is not None
+    digest = hashlib.sha256()
+    first = stream.read(CHUNK_BYTES)
+    compression = "none"
+    if first.startswith(GZIP_MAGIC):
+        compression = "gzip"
+    elif first.startswith(ZSTD_MAGIC):
+        compression = "zstd"
+    gunzip = _Gunzip() if compression == "gzip" else None
+    keep = info.size <= MAX_JSON_BYTES and first[:1] in (b"{", b"[")
+    kept = [first] if keep else None
+    chunk = first
+    while chunk:
+        digest.update(chunk)
+        if gunzip:
+            gunzip.feed(chunk)
+        chunk = stream.read(CHUNK_BYTES)
+        if kept is not None and chunk:
+            kept.append(chunk)
+    sha256 = "sha256:" + digest.hexdigest()
+    error = gunzip.finish() if gunzip else None
+    content = ("sha256:" + gunzip.digest.hexdigest()) if gunzip else sha256
+    return Member(
+        name=_normal(info.name),
+        size=info.size,
+        sha256=sha256,
+        compression=compression,
+        content_sha256=None if compression == "zstd" or error else content,
+        data=b"".join(kept) if kept is not None else None,
+        error=error,
+    )
+
+
+def scan(path: Path, progress: Any = None) -> tuple[str, int, dict[str, Member]]:
+    """Stream the tarball once: (its sha256 hex, its size, every regular file by name).
+
+    A symbolic or hard link to a file (docker save links a layer shared by two images)
+    is listed under its own name too, as the file it leads to.
+    """
+    members: dict[str, Member] = {}
+    links: dict[str, str] = {}
+    kept = 0
+    with path.open("rb", buffering=0) as raw:
+        size = path.stat().st_size
+        meter = Progress(progress, path.name, size) if wants_progress(progress, size) else None
+        reader = HashingReader(raw, meter)  # type: ignore[arg-type]
+        try:
+            with tarfile.open(fileobj=reader, mode="r|", bufsize=CHUNK_BYTES) as tar:  # type: ignore[call-overload]
+                for info in tar:
+                    name = _normal(info.name)
+                    if info.issym():
+                        links[name] = _normal(
+                            posixpath.join(posixpath.dirname(name), info.linkname)
+                        )
+                    elif info.islnk():
+                        links[name] = _normal(info.linkname)
+                    if not info.isfile():
+                        continue
+                    member = _read_member(tar, info)
+                    if member.data is not None:
+                        kept += len(member.data)
+                        if kept > MAX_KEPT_BYTES:
+                            raise ArchiveError(
+                                f"{path.name}: too many JSON documents to be an image archive"
+                            )
+                    members[name] = member
+        except (tarfile.TarError, EOFError) as exc:
+            raise ArchiveError(f"{path.name} is not a readable tar archive ({exc})") from None
+        finally:
+            if meter:
+                meter.close()
+        reader.drain()  # the end-of-archive padding counts for the file's checksum
+    for name in links:
+        target, hops = links[name], 0
+        while target in links and hops < 16:
+            target, hops = links[target], hops + 1
+        if target in members:
+            members[name] = members[target]
+    return reader.digest.hexdigest(), reader.size, members
+
+
+def _normal(name: str) -> str:
+    return posixpath.normpath("/" + name).lstrip("/")
+
+
+def _json(member: Member | None) -> Any:
+    if member is None or member.data is None:
+        return None
+    try:
+        return json.loads(member.data)
+    except ValueError:
+        return None
+
+
+def _config_problems(name: str, member: Member | None) -> list[tuple[str, str]]:
+    """A configuration's file name (docker) or blob name (OCI) is its own digest."""
+    if member is None:
+        return [("config", f"{name} is missing from the tarball")]
+    match = _CONFIG_NAME.fullmatch(name) or _BLOB.fullmatch(name)
+    if match and member.sha256 != "sha256:" + match.group(1):
+        return [("config", f"{name} does not match its digest (it is {member.sha256})")]
+    if _json(member) is None:
+        return [("config", f"{name} is not a JSON image configuration")]
+    return []
+
+
+def _layer_problems(image: ArchiveImage, members: dict[str, Member]) -> list[tuple[str, str]]:
+    """Each layer file, decompressed if need be, must hash to the diff id the config lists."""
+    problems = []
+    diff_ids = image.entry("")["rootfs_layers"]
+    if len(diff_ids) != len(image.layer_names):
+        problems.append(
+            (
+                "rootfs_layers",
+                f"the configuration lists {len(diff_ids)} layers, the tarball has "
+                f"{len(image.layer_names)} for this image",
+            )
+        )
+    for index, name in enumerate(image.layer_names):
+        member = members.get(name)
+        field_name = f"rootfs_layers[{index}]"
+        if member is None:
+            problems.append((field_name, f"{name} is missing from the tarball"))
+            continue
+        blob = _BLOB.fullmatch(name)
+        if blob and member.sha256 != "sha256:" + blob.group(1):
+            problems.append(
+                (field_name, f"{name} does not match its digest (it is {member.sha256})")
+            )
+        if member.error:
+            problems.append((field_name, f"{name}: {member.error}"))
+        elif member.compression == "zstd":
+            problems.append(
+                (field_name, f"{name} is zstd-compressed, which this tool cannot check")
+            )
+        elif index < len(diff_ids) and member.content_sha256 != diff_ids[index]:
+            problems.append(
+                (
+                    field_name,
+                    f"{name} has content {member.content_sha256}, the configuration says {diff_ids[index]}",
+                )
+            )
+    return problems
+
+
+def _docker_images(members: dict[str, Member]) -> list[ArchiveImage]:
+    manifest = _json(members.get("manifest.json"))
+    if not isinstance(manifest, list):
+        raise ArchiveError("manifest.json is not a list of images")
+    images = []
+    for index, item in enumerate(manifest):
+        if not isinstance(item, dict):
+            raise ArchiveError(f"manifest.json[{index}] is not an object")
+        config_name = str(item.get("Config") or "")
+        image = ArchiveImage(
+            tags=[str(tag) for tag in item.get("RepoTags") or []],
+            source=f"manifest.json[{index}]",
+            config_name=config_name,
+            config=_json(members.get(config_name)),
+            layer_names=[str(name) for name in item.get("Layers") or []],
+        )
+        image.problems += _config_problems(config_name, members.get(config_name))
+        image.problems += _layer_problems(image, members)
+        images.append(image)
+    return images
+
+
+def _short_tag(name: str) -> str:
+    """``docker.io/library/x:1`` as Docker shows it locally: ``x:1``."""
+    for prefix in ("docker.io/library/", "docker.io/"):
+        if name.startswith(prefix):
+            return name.removeprefix(prefix)
+    return name
+
+
+def _descriptors(
+    members: dict[str, Member], index: Any, source: str, depth: int = 0
+) -> Iterator[tuple[dict[str, Any], dict[str, str]]]:
+    """Image manifest descriptors reachable from an index, with inherited annotations."""
+    if depth > 4 or not isinstance(index, dict):
+        return
+    for descriptor in index.get("manifests") or []:
+        if not isinstance(descriptor, dict):
+            continue
+        annotations = {str(k): str(v) for k, v in (descriptor.get("annotations") or {}).items()}
+        media = descriptor.get("mediaType")
+        if media in OCI_INDEX_TYPES:
+            nested = _json(members.get(_blob_name(descriptor)))
+            for inner, inner_annotations in _descriptors(members, nested, source, depth + 1):
+                yield inner, {**annotations, **inner_annotations}
+        else:
+            yield descriptor, annotations
+
+
+def _blob_name(descriptor: dict[str, Any]) -> str:
+    digest = str(descriptor.get("digest") or "")
+    return "blobs/" + digest.replace(":", "/", 1)
+
+
+def _oci_images(members: dict[str, Member]) -> list[ArchiveImage]:
+    index = _json(members.get("index.json"))
+    if not isinstance(index, dict):
+        raise ArchiveError("index.json is not an OCI image index")
+    images = []
+    for descriptor, notes in _descriptors(members, index, "index.json"):
+        name = _blob_name(descriptor)
+        manifest_member = members.get(name)
+        tags = []
+        if "io.containerd.image.name" in notes:
+            tags.append(_short_tag(notes["io.containerd.image.name"]))
+        ref = notes.get("org.opencontainers.image.ref.name", "")
+        if ":" in ref:  # a full name:tag (skopeo's oci:DIR:name:tag), not a bare tag
+            tags.append(_short_tag(ref))
+        image = ArchiveImage(
+            tags=tags, source=f"index.json ({name})", config_name=None, config=None, layer_names=[]
+        )
+        images.append(image)
+        if manifest_member is None:
+            image.problems.append(("manifest", f"{name} is missing from the tarball"))
+            continue
+        if manifest_member.sha256 != descriptor.get("digest"):
+            image.problems.append(
+                ("manifest", f"{name} does not match its digest (it is {manifest_member.sha256})")
+            )
+        manifest = _json(manifest_member)
+        if not isinstance(manifest, dict):
+            image.problems.append(("manifest", f"{name} is not an image manifest"))
+            continue
+        config_descriptor = manifest.get("config") or {}
+        image.config_name = _blob_name(config_descriptor)
+        image.config = _json(members.get(image.config_name))
+        image.problems += _config_problems(image.config_name, members.get(image.config_name))
+        image.layer_names = [
+            _blob_name(layer) for layer in manifest.get("layers") or [] if isinstance(layer, dict)
+        ]
+        image.problems += _layer_problems(image, members)
+    return images
+
+
+def read_archive(path: Path, progress: Any = None) -> Archive:
+    """Scan the tarball and describe every image in it (problems are collected, not raised)."""
+    sha256, size, members = scan(path, progress)
+    if "manifest.json" in members:
+        return Archive("docker", sha256, size, members, _docker_images(members))
+    if "index.json" in members:
+        return Archive("oci", sha256, size, members, _oci_images(members))
+    raise ArchiveError(
+        f"{path.name} holds neither manifest.json (docker save) nor index.json (OCI layout)"
+    )
