@@ -1,4 +1,7 @@
-"""Release tooling for ModelForge: SHA256SUMS in GNU coreutils format, and its checker.
+"""Release tooling for ModelForge: the four images, the release bundle, and its verifiers.
 
-Image builds, the bundle and the manifest verifier come with a later issue.
+``modelforge-release images`` builds the images from pinned Debian packages and locked
+wheels (``rootfs.py``, ``images.py``); ``bundle`` saves them with the manifest and
+SHA256SUMS (``bundle.py``); ``verify-sums``, ``verify-bundle`` (``verify.py``,
+``archive.py``), ``verify-image`` and ``verify-container`` (``dockerd.py``) check a release.
 """
