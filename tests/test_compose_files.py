@@ -103,7 +103,9 @@ def test_every_image_falls_back_to_a_local_source_build_never_latest():
         assert "latest" not in settings, name
         for line in settings.splitlines():
             if line.strip().startswith("image:"):
-                assert re.fullmatch(r"\s*image: \$\{MODELFORGE_\w+_IMAGE:-modelforge-[a-z-]+:local\}", line), line
+                assert re.fullmatch(
+                    r"\s*image: \$\{MODELFORGE_\w+_IMAGE:-modelforge-[a-z-]+:local\}", line
+                ), line
         assert "mfe_" not in text and "mfc_" not in text, name
 
 

@@ -32,7 +32,15 @@ from modelforge_contract.manifest import (
 
 from .digest import Progress, sha256_file
 from .dockerd import image_entry, local_image, save_images
-from .images import AGENT_PYZ, CONTROL_PLANE_PYZ, LABEL_PYZ
+from .images import LABEL_PYZ
+from .names import (
+    AGENT_PYZ,
+    CONTROL_PLANE_PYZ,
+    SUMS_NAME,
+    manifest_name,
+    release_names,
+    tarball_name,
+)
 from .sums import (
     compute_entries,
     names_relative_to,
@@ -41,31 +49,9 @@ from .sums import (
     write_sums,
 )
 
-# SHA256SUMS.template, as the verifier needs it when no checkout is at hand (a test keeps
-# the two the same).
-TEMPLATE_NAMES = (
-    "modelforge-{version}-images.tar",
-    "modelforge-{version}-manifest.json",
-    CONTROL_PLANE_PYZ,
-    AGENT_PYZ,
-)
-SUMS_NAME = "SHA256SUMS"
-
 
 class BundleError(Exception):
     """The bundle cannot be made; the message says what to do."""
-
-
-def release_names(version: str) -> list[str]:
-    return [name.replace("{version}", version) for name in TEMPLATE_NAMES]
-
-
-def tarball_name(version: str) -> str:
-    return f"modelforge-{version}-images.tar"
-
-
-def manifest_name(version: str) -> str:
-    return f"modelforge-{version}-manifest.json"
 
 
 @dataclass

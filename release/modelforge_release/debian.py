@@ -280,37 +280,48 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch(pkg: PinnedPackage, cache_dir: Path) -> Path:
-    """The package file from the cache, else from apt; its SHA-256 is checked either way."""
+def fetch(packages: list[PinnedPackage], cache_dir: Path) -> dict[str, Path]:
+    """Each package's file from the cache, else from apt (one ``apt-get download`` for all
+    that are missing); every SHA-256 is checked against the lock, cached or not."""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    target = cache_dir / deb_file_name(pkg)
-    if target.is_file() and sha256_of(target) == pkg.sha256:
-        return target
-    log.info("downloading %s %s", pkg.name, pkg.version)
+    found: dict[str, Path] = {}
+    missing = []
+    for pkg in packages:
+        target = cache_dir / deb_file_name(pkg)
+        if target.is_file() and sha256_of(target) == pkg.sha256:
+            found[pkg.name] = target
+        else:
+            missing.append(pkg)
+    if not missing:
+        return found
+    log.info("downloading %s", ", ".join(f"{pkg.name} {pkg.version}" for pkg in missing))
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as temp:
         result = subprocess.run(
-            ["apt-get", "download", "-q", f"{pkg.name}={pkg.version}"],
+            ["apt-get", "download", "-q", *[f"{pkg.name}={pkg.version}" for pkg in missing]],
             cwd=temp,
             capture_output=True,
             text=True,
             check=False,
         )
-        got = sorted(Path(temp).glob("*.deb"))
-        if result.returncode != 0 or len(got) != 1:
-            reason = (result.stderr.strip().splitlines() or ["no file"])[-1]
-            raise DebianError(
-                f"cannot download {pkg.name}={pkg.version} with apt-get ({reason}). Run "
-                "apt-get update; if Debian no longer serves that version, refresh the lock "
-                "with packaging/lock-debian.sh"
-            )
-        actual = sha256_of(got[0])
-        if actual != pkg.sha256:
-            raise DebianError(
-                f"{pkg.name}={pkg.version}: downloaded file has SHA-256 {actual}, the lock "
-                f"pins {pkg.sha256}; refusing it"
-            )
-        os.replace(got[0], target)
-    return target
+        for pkg in missing:
+            downloaded = Path(temp) / deb_file_name(pkg)
+            if result.returncode != 0 or not downloaded.is_file():
+                reason = (result.stderr.strip().splitlines() or ["no file"])[-1]
+                raise DebianError(
+                    f"cannot download {pkg.name}={pkg.version} with apt-get ({reason}). Run "
+                    "apt-get update; if Debian no longer serves that version, refresh the lock "
+                    "with packaging/lock-debian.sh"
+                )
+            actual = sha256_of(downloaded)
+            if actual != pkg.sha256:
+                raise DebianError(
+                    f"{pkg.name}={pkg.version}: downloaded file has SHA-256 {actual}, the lock "
+                    f"pins {pkg.sha256}; refusing it"
+                )
+            target = cache_dir / deb_file_name(pkg)
+            os.replace(downloaded, target)
+            found[pkg.name] = target
+    return found
 
 
 # -- reading .deb files -------------------------------------------------------------------

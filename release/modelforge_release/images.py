@@ -51,6 +51,7 @@ from modelforge_contract.manifest import (
 )
 
 from .debian import DebianError, DebianLock, fetch, load_lock, read_deb
+from .names import AGENT_PYZ, CONTROL_PLANE_PYZ
 from .python_packages import ensure_pip, install_locked
 from .rootfs import Layer, Tree, forbidden_paths, merged_view, missing_libraries, write_layer
 
@@ -66,8 +67,6 @@ LABEL_PYZ = "io.modelforge.control-plane-pyz-sha256"
 PYTHON = "python3.11"
 SITE_PACKAGES = f"usr/local/lib/{PYTHON}/dist-packages"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-CONTROL_PLANE_PYZ = "modelforge.pyz"
-AGENT_PYZ = "modelforge-node-agent.pyz"
 SHIV_ROOT = "opt/modelforge/shiv"
 
 
@@ -221,9 +220,10 @@ def glibc_version(lock: DebianLock) -> tuple[int, int]:
 
 def debian_layer(ctx: BuildContext, layer: str, tree: Tree) -> None:
     """The lock's packages for ``layer``, chiselled, plus a record of each for scanners."""
-    cache = ctx.cache_dir / "debs"
-    for pkg in ctx.lock.layer_packages(layer):
-        deb = read_deb(fetch(pkg, cache), pkg.sha256)
+    packages = ctx.lock.layer_packages(layer)
+    files = fetch(packages, ctx.cache_dir / "debs")
+    for pkg in packages:
+        deb = read_deb(files[pkg.name], pkg.sha256)
         tree.add_deb(pkg, deb, ctx.lock.slices.get(pkg.name))
         # The distroless convention: one control stanza per package, no scripts, so
         # vulnerability scanners can see what is inside without dpkg's database.

@@ -181,7 +181,7 @@ def verify_bundle(directory: Path, progress: TextIO | None = None) -> BundleRepo
     tarball against the manifest, image by image: tag, architecture, os, every label and
     the RootFS layers, whose files must hash to them. No daemon; the tarball is read once."""
     from .archive import ArchiveError, read_archive
-    from .bundle import SUMS_NAME, release_names, tarball_name
+    from .names import SUMS_NAME, release_names, tarball_name
 
     report = BundleReport(directory)
     manifests = sorted(directory.glob("modelforge-*-manifest.json"))

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from modelforge_contract.manifest import IMAGE_NAMES, parse_manifest
-from modelforge_release.bundle import release_names
+from modelforge_release.names import release_names
 
 from .images_support import (
     bundle_files,

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from modelforge_release.bundle import TEMPLATE_NAMES
 from modelforge_release.debian import (
     DebianError,
     dependency_groups,
@@ -20,6 +19,7 @@ from modelforge_release.debian import (
     resolve,
 )
 from modelforge_release.images import IMAGES, LICENSES, dockerfile
+from modelforge_release.names import TEMPLATE_NAMES
 from modelforge_release.rootfs import (
     Entry,
     Tree,
