@@ -116,7 +116,9 @@ def deployment(docker_client, built_images, release_version, tmp_path):
         yield plane
     finally:
         # Everything of this project only: its containers, network and volumes.
-        subprocess.run(
+        empty = tmp_path / "empty.env"
+        empty.touch()
+        result = subprocess.run(
             ["docker-compose", "-p", project]
             + [arg for name in AGENT + RECOVERY for arg in ("-f", str(ROOT / name))]
             + ["down", "-v", "--remove-orphans"],
@@ -124,11 +126,13 @@ def deployment(docker_client, built_images, release_version, tmp_path):
             env={
                 **env,
                 "MODELFORGE_AGENT_CONTROL_PLANE_URL": ORIGIN,
-                "MODELFORGE_NODE_AGENT_ENV_FILE": "/dev/null",
+                "MODELFORGE_NODE_AGENT_ENV_FILE": str(empty),
             },
             capture_output=True,
+            text=True,
             timeout=300,
         )
+        assert result.returncode == 0, f"cleaning up {project} failed:\n{result.stderr}"
 
 
 def test_control_plane_and_agent_from_the_compose_files(
