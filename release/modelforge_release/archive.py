@@ -165,7 +165,7 @@ class _Gunzip:
                 self.digest.update(out)
                 data = self.inflate.unconsumed_tail
                 if self.inflate.eof:
-                    data = self.inflate.unused_data + data
+                    data = self.inflate.unused_data + bytes(data)
                     self.inflate = zlib.decompressobj(zlib.MAX_WBITS | 16)
         except zlib.error as exc:
             self.error = f"gzip stream is corrupt ({exc})"
@@ -183,39 +183,143 @@ class _Gunzip:
         return self.error
 
 
-def _read_member(tar: tarfile.TarFile, info: tarfile.TarInfo) -> Member:
-    stream = tar.extractfile(info)
-    assert stream is not None
-    digest = hashlib.sha256()
-    first = stream.read(CHUNK_BYTES)
-    compression = "none"
-    if first.startswith(GZIP_MAGIC):
-        compression = "gzip"
-    elif first.startswith(ZSTD_MAGIC):
-        compression = "zstd"
-    gunzip = _Gunzip() if compression == "gzip" else None
-    keep = info.size <= MAX_JSON_BYTES and first[:1] in (b"{", b"[")
-    kept = [first] if keep else None
-    chunk = first
-    while chunk:
-        digest.update(chunk)
-        if gunzip:
-            gunzip.feed(chunk)
-        chunk = stream.read(CHUNK_BYTES)
-        if kept is not None and chunk:
-            kept.append(chunk)
-    sha256 = "sha256:" + digest.hexdigest()
-    error = gunzip.finish() if gunzip else None
-    content = ("sha256:" + gunzip.digest.hexdigest()) if gunzip else sha256
-    return Member(
-        name=_normal(info.name),
-        size=info.size,
-        sha256=sha256,
-        compression=compression,
-        content_sha256=None if compression == "zstd" or error else content,
-        data=b"".join(kept) if kept is not None else None,
-        error=error,
-    )
+class _MemberHash:
+    """What one regular file is, built from its bytes as they stream past."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name, self.size = name, size
+        self.digest = hashlib.sha256()
+        self.compression: str | None = None
+        self.gunzip: _Gunzip | None = None
+        self.kept: list[bytes] | None = None
+
+    def update(self, view: memoryview) -> None:
+        if self.compression is None:  # the first bytes decide
+            head = bytes(view[:4])
+            self.compression = (
+                "gzip" if head.startswith(GZIP_MAGIC) else "zstd" if head == ZSTD_MAGIC else "none"
+            )
+            self.gunzip = _Gunzip() if self.compression == "gzip" else None
+            if self.size <= MAX_JSON_BYTES and head[:1] in (b"{", b"["):
+                self.kept = []
+        self.digest.update(view)
+        if self.gunzip:
+            self.gunzip.feed(view)
+        if self.kept is not None:
+            self.kept.append(bytes(view))
+
+    def member(self) -> Member:
+        sha256 = "sha256:" + self.digest.hexdigest()
+        error = self.gunzip.finish() if self.gunzip else None
+        content = ("sha256:" + self.gunzip.digest.hexdigest()) if self.gunzip else sha256
+        compression = self.compression or "none"
+        return Member(
+            name=self.name,
+            size=self.size,
+            sha256=sha256,
+            compression=compression,
+            content_sha256=None if compression == "zstd" or error else content,
+            data=b"".join(self.kept) if self.kept is not None else None,
+            error=error,
+        )
+
+
+class _Blocks:
+    """Reads a tar stream through the hashing reader: small exact reads for headers, and
+    zero-copy views of each chunk for file contents."""
+
+    def __init__(self, reader: HashingReader) -> None:
+        self.reader = reader
+        self.view = memoryview(b"")
+        self.pos = 0
+
+    def _chunk(self) -> bool:
+        chunk = self.reader.read(CHUNK_BYTES)
+        self.view, self.pos = memoryview(chunk), 0
+        return bool(chunk)
+
+    def at_end(self) -> bool:
+        return self.pos == len(self.view) and not self._chunk()
+
+    def feed(self, count: int, sink: Any = None) -> None:
+        """Pass the next ``count`` bytes to ``sink(view)`` (or skip them)."""
+        while count:
+            if self.pos == len(self.view) and not self._chunk():
+                raise ArchiveError("the tar archive ends in the middle of a file")
+            take = min(count, len(self.view) - self.pos)
+            if sink is not None:
+                sink(self.view[self.pos : self.pos + take])
+            self.pos += take
+            count -= take
+
+    def read(self, count: int) -> bytes:
+        parts: list[bytes] = []
+        self.feed(count, lambda view: parts.append(bytes(view)))
+        return b"".join(parts)
+
+
+_BLOCK = 512
+_REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
+
+
+def _padded(size: int) -> int:
+    return (size + _BLOCK - 1) // _BLOCK * _BLOCK
+
+
+def _pax_records(data: bytes) -> dict[str, str]:
+    """``<length> <key>=<value>\n`` records of a POSIX extended header."""
+    records, at = {}, 0
+    while at < len(data):
+        space = data.index(b" ", at)
+        length = int(data[at:space])
+        key, _, value = data[space + 1 : at + length - 1].partition(b"=")
+        records[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+        at += length
+    return records
+
+
+def _walk(blocks: _Blocks) -> Iterator[tuple[tarfile.TarInfo, _MemberHash | None]]:
+    """Each entry of the archive; a regular file's contents are hashed on the way."""
+    pending: dict[str, str] = {}
+    while True:
+        if blocks.at_end():
+            return  # no end-of-archive marker: some writers leave it out
+        header = blocks.read(_BLOCK)
+        if header == bytes(_BLOCK):
+            return  # the end-of-archive marker (what follows is padding)
+        try:
+            info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
+        except tarfile.HeaderError as exc:
+            raise ArchiveError(f"not a tar archive, or a damaged header ({exc})") from None
+        if info.type in (
+            tarfile.XHDTYPE,
+            tarfile.XGLTYPE,
+            tarfile.GNUTYPE_LONGNAME,
+            tarfile.GNUTYPE_LONGLINK,
+        ):
+            data = blocks.read(_padded(info.size))[: info.size]
+            if info.type == tarfile.XHDTYPE:
+                pending.update(_pax_records(data))
+            elif info.type == tarfile.GNUTYPE_LONGNAME:
+                pending["path"] = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
+            elif info.type == tarfile.GNUTYPE_LONGLINK:
+                pending["linkpath"] = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
+            continue  # global headers carry nothing this reader needs
+        info.name = pending.get("path", info.name)
+        info.linkname = pending.get("linkpath", info.linkname)
+        if "size" in pending:
+            info.size = int(pending["size"])
+        pending = {}
+        if info.type in _REGULAR:
+            hashed = _MemberHash(_normal(info.name), info.size)
+            blocks.feed(info.size, hashed.update)
+            blocks.feed(_padded(info.size) - info.size)
+            yield info, hashed
+        else:
+            blocks.feed(
+                _padded(info.size) if info.type not in (tarfile.SYMTYPE, tarfile.LNKTYPE) else 0
+            )
+            yield info, None
 
 
 def scan(path: Path, progress: Any = None) -> tuple[str, int, dict[str, Member]]:
@@ -232,28 +336,27 @@ def scan(path: Path, progress: Any = None) -> tuple[str, int, dict[str, Member]]
         meter = Progress(progress, path.name, size) if wants_progress(progress, size) else None
         reader = HashingReader(raw, meter)  # type: ignore[arg-type]
         try:
-            with tarfile.open(fileobj=reader, mode="r|", bufsize=CHUNK_BYTES) as tar:  # type: ignore[call-overload]
-                for info in tar:
-                    name = _normal(info.name)
-                    if info.issym():
-                        links[name] = _normal(
-                            posixpath.join(posixpath.dirname(name), info.linkname)
+            for info, hashed in _walk(_Blocks(reader)):
+                name = _normal(info.name)
+                if info.issym():
+                    links[name] = _normal(posixpath.join(posixpath.dirname(name), info.linkname))
+                elif info.islnk():
+                    links[name] = _normal(info.linkname)
+                if hashed is None:
+                    continue
+                member = hashed.member()
+                if member.data is not None:
+                    kept += len(member.data)
+                    if kept > MAX_KEPT_BYTES:
+                        raise ArchiveError(
+                            f"{path.name}: too many JSON documents to be an image archive"
                         )
-                    elif info.islnk():
-                        links[name] = _normal(info.linkname)
-                    if not info.isfile():
-                        continue
-                    member = _read_member(tar, info)
-                    if member.data is not None:
-                        kept += len(member.data)
-                        if kept > MAX_KEPT_BYTES:
-                            raise ArchiveError(
-                                f"{path.name}: too many JSON documents to be an image archive"
-                            )
-                    members[name] = member
+                members[name] = member
             reader.drain()  # the end-of-archive padding counts for the file's checksum
             file_digest = reader.hexdigest()
-        except (tarfile.TarError, EOFError) as exc:
+        except ArchiveError as exc:
+            raise ArchiveError(f"{path.name}: {exc}") from None
+        except (ValueError, UnicodeDecodeError) as exc:
             raise ArchiveError(f"{path.name} is not a readable tar archive ({exc})") from None
         finally:
             reader.close()

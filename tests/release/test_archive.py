@@ -39,8 +39,13 @@ def config_for(diff_ids: list[str]) -> bytes:
     ).encode()
 
 
-def write_tar(path: Path, files: dict[str, bytes], links: dict[str, str] | None = None) -> Path:
-    with tarfile.open(path, "w") as tar:
+def write_tar(
+    path: Path,
+    files: dict[str, bytes],
+    links: dict[str, str] | None = None,
+    format: int = tarfile.PAX_FORMAT,
+) -> Path:
+    with tarfile.open(path, "w", format=format) as tar:
         for name, data in files.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -57,14 +62,19 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def docker_tarball(tmp_path: Path, shared_link: bool = False) -> Path:
+def docker_tarball(
+    tmp_path: Path,
+    shared_link: bool = False,
+    layer_dir: str = "bbbb",
+    format: int = tarfile.PAX_FORMAT,
+) -> Path:
     base, base_id = layer_bytes(tmp_path, "base", b"python\n" * 1000)
     app, app_id = layer_bytes(tmp_path, "app", b"agent\n")
     config = config_for([base_id, app_id])
     second = config_for([base_id])
     files = {
         "aaaa/layer.tar": base,
-        "bbbb/layer.tar": app,
+        f"{layer_dir}/layer.tar": app,
         f"{sha(config)}.json": config,
         f"{sha(second)}.json": second,
     }
@@ -72,7 +82,7 @@ def docker_tarball(tmp_path: Path, shared_link: bool = False) -> Path:
         {
             "Config": f"{sha(config)}.json",
             "RepoTags": [TAG],
-            "Layers": ["aaaa/layer.tar", "bbbb/layer.tar"],
+            "Layers": ["aaaa/layer.tar", f"{layer_dir}/layer.tar"],
         },
         {
             "Config": f"{sha(second)}.json",
@@ -82,7 +92,7 @@ def docker_tarball(tmp_path: Path, shared_link: bool = False) -> Path:
     ]
     files["manifest.json"] = json.dumps(manifest).encode()
     links = {"cccc/layer.tar": "../aaaa/layer.tar"} if shared_link else None
-    return write_tar(tmp_path / "images.tar", files, links)
+    return write_tar(tmp_path / "images.tar", files, links, format)
 
 
 def oci_tarball(tmp_path: Path, corrupt: str | None = None) -> Path:
@@ -189,3 +199,21 @@ def test_something_that_is_not_an_image_archive_is_refused(tmp_path):
     junk.write_bytes(b"not a tar at all" * 100)
     with pytest.raises(ArchiveError):
         read_archive(junk)
+
+
+@pytest.mark.parametrize("format", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT], ids=["pax", "gnu"])
+def test_long_member_names_in_either_extension_are_read(tmp_path, format):
+    path = docker_tarball(tmp_path, layer_dir="d" * 140, format=format)
+    image = read_archive(path).find(TAG)
+    assert image is not None and image.problems == []
+    assert image.layer_names[1] == "d" * 140 + "/layer.tar"
+
+
+def test_an_archive_without_its_end_marker_is_still_read_and_hashed_whole(tmp_path):
+    path = docker_tarball(tmp_path)
+    data = path.read_bytes().rstrip(b"\0")
+    data += b"\0" * (-len(data) % 512)  # whole blocks, but no two zero blocks at the end
+    path.write_bytes(data)
+    archive = read_archive(path)
+    assert archive.sha256 == sha(data)
+    assert archive.find(TAG).problems == []
