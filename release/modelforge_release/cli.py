@@ -342,7 +342,11 @@ def _load_manifest(path: Path) -> dict:
     except (OSError, UnicodeDecodeError) as exc:
         _fail(f"cannot read {path}: {exc}", EXIT_USAGE)
     except ManifestError as exc:
-        for part in str(exc).split("; "):
+        parts = [
+            f"images.{image}.{problem}" if problem.field else f"images.{image}: {problem.message}"
+            for image, problem in exc.problems
+        ] or [str(exc)]
+        for part in parts:
             click.echo(f"{PROG}: {path.name}: {part}", err=True)
         sys.exit(EXIT_FAILED)
     raise AssertionError("unreachable")

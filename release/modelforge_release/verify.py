@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -166,14 +165,12 @@ def _manifest_findings(path: Path, text: str) -> tuple[dict[str, Any] | None, li
     try:
         return parse_manifest(text), []
     except ManifestError as exc:
-        findings = []
-        for part in str(exc).split("; "):
-            match = re.fullmatch(r"images\.([a-z0-9-]+)(?:\.(\S+?))?: (.*)", part, re.S)
-            if match and match.group(1) in IMAGE_NAMES:
-                findings.append(Finding(path.name, match.group(3), match.group(1), match.group(2)))
-            else:
-                findings.append(Finding(path.name, part))
-        return None, findings
+        if not exc.problems:
+            return None, [Finding(path.name, str(exc))]
+        return None, [
+            Finding(path.name, problem.message, image, problem.field or None)
+            for image, problem in exc.problems
+        ]
 
 
 def verify_bundle(directory: Path, progress: TextIO | None = None) -> BundleReport:
