@@ -36,15 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "release"), str(ROOT / "contract")]
 
 from modelforge_contract.manifest import IMAGE_NAMES, NODE_AGENT_IMAGE  # noqa: E402
-from modelforge_release.images import (  # noqa: E402
-    SPECS,
-    BuildContext,
-    BuiltImage,
-    Layer,
-    image_config,
-    load_images,
-)
-from modelforge_release.rootfs import Tree, write_layer  # noqa: E402
+from modelforge_release.build import BuiltImage, image_config, load_images  # noqa: E402
+from modelforge_release.images import SPECS, BuildContext  # noqa: E402
+from modelforge_release.rootfs import Layer, Tree, write_layer  # noqa: E402
 
 
 def release(*args: str) -> tuple[float, str]:

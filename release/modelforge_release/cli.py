@@ -208,16 +208,10 @@ def images(
     on every build of the same commit (mtimes from SOURCE_DATE_EPOCH, default: the commit
     time). Also writes modelforge.pyz and modelforge-node-agent.pyz into --dist.
     """
+    from .build import build_images, load_images
     from .debian import DebianError
     from .dockerd import DaemonError, connect
-    from .images import (
-        BuildContext,
-        build_images,
-        default_epoch,
-        default_revision,
-        default_source_url,
-        load_images,
-    )
+    from .images import BuildContext, default_epoch, default_revision, default_source_url
 
     _check_release_version(release_version)
     if source is None:

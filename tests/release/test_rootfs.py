@@ -18,18 +18,11 @@ from modelforge_release.debian import (
     parse_spec,
     resolve,
 )
-from modelforge_release.images import IMAGES, LICENSES, dockerfile
+from modelforge_release.dockerfiles import dockerfile
+from modelforge_release.image_checks import elf_dependencies, forbidden_paths, missing_libraries
+from modelforge_release.images import IMAGES, LICENSES
 from modelforge_release.names import TEMPLATE_NAMES
-from modelforge_release.rootfs import (
-    Entry,
-    Tree,
-    elf_dependencies,
-    forbidden_paths,
-    kept,
-    merged_usr,
-    missing_libraries,
-    write_layer,
-)
+from modelforge_release.rootfs import Entry, Tree, kept, merged_usr, write_layer
 
 from .images_support import ROOT
 
@@ -258,7 +251,7 @@ def test_the_licence_label_is_the_project_licence():
 def test_compose_source_build_dockerfiles_are_generated_from_the_image_specs(spec):
     path = ROOT / "packaging" / "images" / f"{spec.name}.Dockerfile"
     assert path.read_text() == dockerfile(spec), (
-        "run PYTHONPATH=release:contract python3 -m modelforge_release.images"
+        "run PYTHONPATH=release:contract python3 -m modelforge_release.dockerfiles"
     )
 
 
