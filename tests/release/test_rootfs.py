@@ -272,3 +272,14 @@ def test_worker_lock_pins_what_pyproject_pins_with_hashes():
     assert all(hashes for _, hashes in pins.values())
     cuda = (ROOT / "packaging" / "requirements-worker-cuda.txt").read_text()
     assert "nvidia-cuda-runtime-cu12==" in cuda and "--hash=sha256:" in cuda
+
+
+def test_the_unraid_template_runs_this_release_s_control_plane_image():
+    import xml.etree.ElementTree as ET
+
+    from modelforge_contract import __version__
+    from modelforge_contract.manifest import CONTROL_PLANE_IMAGE
+
+    template = ROOT / "packaging" / "unraid" / "modelforge-control-plane.xml"
+    root = ET.parse(template).getroot()  # noqa: S314 - our own file
+    assert root.findtext("Repository") == f"{CONTROL_PLANE_IMAGE}:{__version__}"
