@@ -231,12 +231,15 @@ def test_the_control_plane_image_starts_read_only_as_unraid_runs_it(
         ports={"8000/tcp": ("127.0.0.1", None)},
     )
     try:
-        exit_code, output = container.exec_run(["modelforge", "init", "--json"], user="99:100")
-        assert exit_code == 0, output.decode()
-        assert json.loads(output)["admin_token"].startswith("mfa_")
         container.reload()
         port = container.attrs["NetworkSettings"]["Ports"]["8000/tcp"][0]["HostPort"]
         response = wait_for_healthz(container, f"http://127.0.0.1:{port}/healthz")
+        # The first admin token, as docs/install-unraid.md says: docker exec … modelforge init
+        exit_code, (out, err) = container.exec_run(
+            ["modelforge", "init", "--json"], user="99:100", demux=True
+        )
+        assert exit_code == 0, (out or b"") + (err or b"")
+        assert json.loads(out)["admin_token"].startswith("mfa_")
         assert response.json() == {"status": "ok"}
     finally:
         container.remove(force=True)
