@@ -19,7 +19,14 @@ from modelforge_contract import EXIT_USAGE, INVENTORY_REFRESH_SECONDS
 
 # Prefixes that belong to other ModelForge programs (the agent, the worker,
 # compose files); the control plane leaves them alone.
-FOREIGN_PREFIXES = ("MODELFORGE_AGENT_", "MODELFORGE_NODE_AGENT_", "MODELFORGE_RUNTIME_WORKER_")
+FOREIGN_PREFIXES = (
+    "MODELFORGE_AGENT_",
+    "MODELFORGE_NODE_AGENT_",
+    "MODELFORGE_RUNTIME_WORKER_",
+    "MODELFORGE_RELEASE_",
+)
+# Variables of docker-compose.yml (not read by the control plane itself).
+FOREIGN_NAMES = frozenset({"MODELFORGE_CONTROL_PLANE_IMAGE", "MODELFORGE_CONTROL_PLANE_PUBLISH"})
 
 
 @dataclass(frozen=True)
@@ -283,7 +290,7 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         env = {**read_env_file(env_file), **env}
     for name in sorted(env):
         if name.startswith("MODELFORGE_") and name not in KNOWN_NAMES:
-            if name.startswith(FOREIGN_PREFIXES):
+            if name.startswith(FOREIGN_PREFIXES) or name in FOREIGN_NAMES:
                 continue
             hint = nearest_setting(name)
             suffix = f"; did you mean {hint}?" if hint else "; see docs/configuration.md"
