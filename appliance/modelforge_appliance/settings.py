@@ -18,7 +18,12 @@ from modelforge_contract import EXIT_USAGE, INVENTORY_REFRESH_SECONDS
 
 # Prefixes that belong to other ModelForge programs (the agent, the worker,
 # compose files); the control plane leaves them alone.
-FOREIGN_PREFIXES = ("MODELFORGE_AGENT_", "MODELFORGE_NODE_AGENT_", "MODELFORGE_RUNTIME_WORKER_")
+FOREIGN_PREFIXES = (
+    "MODELFORGE_AGENT_",
+    "MODELFORGE_NODE_AGENT_",
+    "MODELFORGE_RUNTIME_WORKER_",
+    "MODELFORGE_WORKER_",
+)
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,17 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "1048576",
         "Largest request body accepted; larger bodies are refused with 413 BODY_TOO_LARGE.",
     ),
+    SettingSpec(
+        "MODELFORGE_WORK_LEASE_SECONDS",
+        "60",
+        "How long a claimed work item stays leased to its node without a renewal; agents "
+        "renew at a third of it. An expired lease returns the item to the queue.",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORK_INPUT_MAX_BYTES",
+        "65536",
+        "Largest work item input accepted, measured as compact JSON.",
+    ),
     SettingSpec("MODELFORGE_THREADS", "8", "Worker threads of the waitress server."),
     SettingSpec("MODELFORGE_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
 )
@@ -113,6 +129,8 @@ class Settings:
     inventory_max_age_seconds: int
     telemetry_max_age_seconds: int
     max_body_bytes: int
+    work_lease_seconds: int
+    work_input_max_bytes: int
     threads: int
     log_level: str
 
@@ -272,6 +290,8 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         ),
         telemetry_max_age_seconds=_int(env, "MODELFORGE_TELEMETRY_MAX_AGE_SECONDS", 10, 86400),
         max_body_bytes=_int(env, "MODELFORGE_MAX_BODY_BYTES", 1024, 64 * 1024 * 1024),
+        work_lease_seconds=_int(env, "MODELFORGE_WORK_LEASE_SECONDS", 5, 3600),
+        work_input_max_bytes=_int(env, "MODELFORGE_WORK_INPUT_MAX_BYTES", 256, 1024 * 1024),
         threads=_int(env, "MODELFORGE_THREADS", 1, 256),
         log_level=log_level,
     )

@@ -6,7 +6,8 @@ import peewee as pw
 
 from modelforge_appliance import models
 from modelforge_appliance.clock import Clock
-from modelforge_appliance.store import SCHEMA_VERSION, Store
+from modelforge_appliance.migrations import MIGRATIONS
+from modelforge_appliance.store import Store
 
 MODELS = [
     models.AdminToken,
@@ -15,13 +16,15 @@ MODELS = [
     models.Credential,
     models.AuditEvent,
     models.DecommissionConfirmation,
+    models.WorkItem,
+    models.WorkLease,
 ]
 
 
 def test_migrated_tables_match_the_models(database_url):
     store = Store(database_url, Clock())
     try:
-        assert store.migrate() == list(range(1, SCHEMA_VERSION + 1))
+        assert store.migrate() == [migration.version for migration in MIGRATIONS]
         db = store.db
         for model in MODELS:
             table = model._meta.table_name

@@ -1,4 +1,5 @@
-"""The JSON API of the control plane, split by caller: ``admin`` and ``agent`` routes.
+"""The JSON API of the control plane, split by caller: ``admin`` and ``agent`` routes
+(with the work plane's routes beside each, in ``admin_work`` and ``agent_work``).
 
 ``make_app(settings, store)`` builds the one WSGI application; the console (when present)
 mounts its own routes on the same app and calls the same service functions.
@@ -12,7 +13,7 @@ from ..heartbeats import HeartbeatBuffer
 from ..metrics import Metrics
 from ..settings import Settings
 from ..store import Store
-from . import admin, agent
+from . import admin, admin_work, agent, agent_work
 from .http import ApiContext, answering, framework_error
 
 
@@ -29,7 +30,9 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     app.install(answering(metrics))
     context = ApiContext(settings=settings, store=store, heartbeats=heartbeats, metrics=metrics)
     admin.add_routes(app, context)
+    admin_work.add_routes(app, context)
     agent.add_routes(app, context)
+    agent_work.add_routes(app, context)
     return app
 
 

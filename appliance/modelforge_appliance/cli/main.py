@@ -119,6 +119,7 @@ from .admin_tokens import admin_token  # noqa: E402
 from .enrollments import enroll  # noqa: E402
 from .nodes import alerts_command, nodes_group  # noqa: E402
 from .store import backup_command, restore_command  # noqa: E402
+from .work import work_group  # noqa: E402
 
 for command in (
     admin_token,
@@ -128,6 +129,7 @@ for command in (
     backup_command,
     restore_command,
     doctor,
+    work_group,
 ):
     main.add_command(command)
 
