@@ -74,7 +74,9 @@ def test_placement_only_a_fitting_eligible_node_receives_the_item(clocked_contro
     assert cp.admin("POST", f"{NODES}/{nodes['cordoned'].node_id}/cordon").status_code == 200
     _decommission(cp, nodes["decommissioned"])
 
-    work = submit(cp, constraints={"gpu_count": 2, "min_gpu_memory_bytes": 40 * GIB, "gpu_name": "H100"})
+    work = submit(
+        cp, constraints={"gpu_count": 2, "min_gpu_memory_bytes": 40 * GIB, "gpu_name": "H100"}
+    )
 
     expected_reasons = {
         "offline": "not_online",
@@ -238,7 +240,9 @@ def test_decommission_and_revocation_return_the_nodes_leases(control_plane):
     preview = _decommission(cp, second)
     assert preview["effects"]["leases_returned"] == [two["work_id"]]
     assert item(cp, two["work_id"])["state"] == "queued"
-    reasons = [e["detail"]["reason"] for e in work_events(cp) if e["action"] == "work.lease_returned"]
+    reasons = [
+        e["detail"]["reason"] for e in work_events(cp) if e["action"] == "work.lease_returned"
+    ]
     assert reasons == ["credential revoked", "decommissioned"]
 
 
@@ -250,7 +254,10 @@ def test_submit_refuses_bad_input_and_changes_nothing(sqlite_control_plane):
         ({"capability": "smoke", "input": {"surprise": 1}}, "FIELD_UNKNOWN"),
         ({"capability": "container", "input": {"image": "x:1"}}, "FIELD_REQUIRED"),
         (
-            {"capability": "container", "input": {"image": "x:1", "image_id": "sha256:" + "z" * 64}},
+            {
+                "capability": "container",
+                "input": {"image": "x:1", "image_id": "sha256:" + "z" * 64},
+            },
             "FIELD_FORMAT",
         ),
         ({"capability": "smoke", "constraints": {"gpu_count": -1}}, "FIELD_RANGE"),
