@@ -140,6 +140,10 @@ class ControlPlaneClient:
             if not 200 <= response.status_code < 300:
                 code, compatibility = _refusal_fields(response)
                 raise Refused(response.status_code, method, path, code, compatibility)
+            if response.status_code == 204:
+                # No content (a claim that found no work): only our own headers say why.
+                ours = {k.lower(): v for k, v in response.headers.items()}
+                return {"headers": {k: v for k, v in ours.items() if k.startswith("x-modelforge-")}}
             try:
                 answer = response.json()
             except ValueError:
