@@ -223,3 +223,13 @@ def test_unknown_capability_fails_the_item_with_its_code(socket_dir, tmp_path):
             {"capability": "teleport", "input": {}, "timeout_seconds": 5, "work_id": "x"}
         )
     assert (answer["outcome"], answer["error"]["code"]) == ("failed", "CAPABILITY_UNKNOWN")
+
+
+def test_every_worker_setting_is_documented():
+    from pathlib import Path
+
+    from modelforge_worker.settings import SETTINGS
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "work.md").read_text()
+    for spec in SETTINGS:
+        assert f"`{spec.name}`" in text, f"{spec.name} is missing from docs/work.md"
