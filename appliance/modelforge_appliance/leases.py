@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-
-import peewee as pw
 
 from modelforge_contract import (
     ACCEPTED_PROTOCOL_VERSIONS,
@@ -43,7 +42,8 @@ from .work import dump
 
 log = logging.getLogger(__name__)
 
-CANDIDATE_BATCH = 100
+FIRST_BATCH = 8
+CANDIDATE_BATCH = 256
 
 
 def node_actor(node_id: str) -> str:
@@ -107,7 +107,19 @@ def node_gpus(node: Node) -> list[dict[str, Any]]:
     return list(inventory.get("accelerators") or [])
 
 
-def fits(item: WorkItem, node_id: str, gpus: list[dict[str, Any]]) -> bool:
+@dataclass(frozen=True)
+class Candidate:
+    """The columns placement reads: a queued item's constraints, nothing heavier."""
+
+    work_id: str
+    gpu_count: int
+    min_gpu_memory_bytes: int | None
+    gpu_name: str | None
+    node_ids: str | None
+    attempts: int
+
+
+def fits(item: Candidate | WorkItem, node_id: str, gpus: list[dict[str, Any]]) -> bool:
     """Whether the node's measured GPUs meet every constraint of the item."""
     if item.node_ids and node_id not in json.loads(item.node_ids):
         return False
@@ -125,20 +137,33 @@ def fits(item: WorkItem, node_id: str, gpus: list[dict[str, Any]]) -> bool:
     return len(fitting) >= item.gpu_count
 
 
-def _candidates(node: Node, capabilities: list[str], gpus: list[dict[str, Any]]) -> pw.Query:
-    """Queued items the node might fit, oldest first; ``fits`` makes the exact decision."""
+_CANDIDATES_SQL = (
+    "SELECT work_id, gpu_count, min_gpu_memory_bytes, gpu_name, node_ids, attempts "
+    "FROM work_item WHERE state = 'queued' AND capability IN ({capabilities}) "
+    "AND gpu_count <= ? AND (min_gpu_memory_bytes IS NULL OR min_gpu_memory_bytes <= ?) "
+    "AND (node_ids IS NULL OR node_ids LIKE ? ESCAPE '!') "
+    "ORDER BY created_at, work_id LIMIT ? OFFSET ?"
+)
+
+
+def _scan(
+    store: Store, node_id: str, capabilities: list[str], gpus: list[dict[str, Any]]
+) -> Iterator[Candidate]:
+    """Queued items the node might fit, oldest first, in growing batches (the first one
+    usually fits, and a long queue is never read whole); ``fits`` makes the exact decision."""
     largest = max((gpu.get("memory_total_bytes", 0) for gpu in gpus), default=0)
-    return (
-        WorkItem.select()
-        .where(
-            (WorkItem.state == WORK_QUEUED)
-            & WorkItem.capability.in_(capabilities)
-            & (WorkItem.gpu_count <= len(gpus))
-            & (WorkItem.min_gpu_memory_bytes.is_null() | (WorkItem.min_gpu_memory_bytes <= largest))
-            & (WorkItem.node_ids.is_null() | WorkItem.node_ids.contains(json.dumps(node.node_id)))
-        )
-        .order_by(WorkItem.created_at, WorkItem.work_id)
-    )
+    quoted = json.dumps(node_id).replace("!", "!!").replace("%", "!%").replace("_", "!_")
+    sql = _CANDIDATES_SQL.format(capabilities=", ".join("?" * len(capabilities)))
+    sql = sql.replace("?", store.db.param)
+    offset, size = 0, FIRST_BATCH
+    while True:
+        params = (*capabilities, len(gpus), largest, f"%{quoted}%", size, offset)
+        batch = [Candidate(*row) for row in store.db.execute_sql(sql, params).fetchall()]
+        yield from batch
+        if len(batch) < size:
+            return
+        offset += size
+        size = min(size * 4, CANDIDATE_BATCH)
 
 
 # -- claim, renew, complete ------------------------------------------------------------
@@ -192,50 +217,59 @@ def claim_work(
     if not wanted:
         return "no_fitting_item"
     gpus = node_gpus(node)
-    with store.write():
-        query = _candidates(node, wanted, gpus)
-        offset = 0
-        while True:
-            batch = list(query.offset(offset).limit(CANDIDATE_BATCH))
-            for item in batch:
-                if fits(item, node.node_id, gpus):
-                    lease = _lease(store, settings, node.node_id, item, now)
-                    if lease is not None:
-                        return lease
-            if len(batch) < CANDIDATE_BATCH:
-                return "no_fitting_item"
-            offset += CANDIDATE_BATCH
+    # Look before locking: most claims of an idle fleet find nothing, and must not queue
+    # behind (or hold up) the writers. What is found is only a hint; the conditional
+    # update inside the write transaction decides.
+    with store.connection():
+        hint = next(
+            (c for c in _scan(store, node.node_id, wanted, gpus) if fits(c, node.node_id, gpus)),
+            None,
+        )
+    if hint is None:
+        return "no_fitting_item"
+    # Not flushed: a claim lost to a power cut only makes the item run again.
+    with store.write(flushed=False):
+        lease = _lease(store, settings, node.node_id, hint, now)
+        if lease is not None:
+            return lease
+        for item in _scan(store, node.node_id, wanted, gpus):  # another node took the hint
+            if fits(item, node.node_id, gpus):
+                lease = _lease(store, settings, node.node_id, item, now)
+                if lease is not None:
+                    return lease
+    return "no_fitting_item"
+
+
+_LEASE_SQL = (
+    "UPDATE work_item SET state = 'leased', node_id = ?, lease_id = ?, lease_expires_at = ?, "
+    "attempts = attempts + 1, started_at = COALESCE(started_at, ?) "
+    "WHERE work_id = ? AND state = 'queued'"
+)
+_LEASED_SQL = "SELECT capability, input, timeout_seconds, attempts FROM work_item WHERE work_id = ?"
+_NEW_LEASE_SQL = (
+    "INSERT INTO work_lease (lease_id, work_id, node_id, attempt, granted_at, expires_at) "
+    "VALUES (?, ?, ?, ?, ?, ?)"
+)
+
+
+def _execute(store: Store, sql: str, params: tuple) -> Any:
+    """A prepared statement of the hot paths, with the store's placeholder."""
+    return store.db.execute_sql(sql.replace("?", store.db.param), params)
 
 
 def _lease(
-    store: Store, settings: Settings, node_id: str, item: WorkItem, now: float
+    store: Store, settings: Settings, node_id: str, item: Candidate, now: float
 ) -> Lease | None:
     lease_id = uuid.uuid4().hex
     expires_at = now + settings.work_lease_seconds
     # The conditional update whose row count picks the one winner.
-    won = (
-        WorkItem.update(
-            state=WORK_LEASED,
-            node=node_id,
-            lease_id=lease_id,
-            lease_expires_at=expires_at,
-            attempts=WorkItem.attempts + 1,
-            started_at=pw.fn.COALESCE(WorkItem.started_at, now),
-        )
-        .where((WorkItem.work_id == item.work_id) & (WorkItem.state == WORK_QUEUED))
-        .execute()
-    )
+    won = _execute(store, _LEASE_SQL, (node_id, lease_id, expires_at, now, item.work_id)).rowcount
     if won != 1:
         return None
-    attempt = item.attempts + 1
-    WorkLease.create(
-        lease_id=lease_id,
-        work=item.work_id,
-        node=node_id,
-        attempt=attempt,
-        granted_at=now,
-        expires_at=expires_at,
-    )
+    capability, given, timeout_seconds, attempt = _execute(
+        store, _LEASED_SQL, (item.work_id,)
+    ).fetchone()
+    _execute(store, _NEW_LEASE_SQL, (lease_id, item.work_id, node_id, attempt, now, expires_at))
     audit.record(
         store,
         node_actor(node_id),
@@ -252,21 +286,26 @@ def _lease(
         expires_at=expires_at,
         lease_seconds=settings.work_lease_seconds,
         attempt=attempt,
-        capability=item.capability,
-        input=json.loads(item.input),
-        timeout_seconds=item.timeout_seconds,
+        capability=capability,
+        input=json.loads(given),
+        timeout_seconds=timeout_seconds,
     )
 
 
-def _held(caller: Caller, work_id: str, lease_id: str, now: float) -> pw.Expression:
-    """The item is still leased to this node under this lease, and the lease is alive."""
-    return (
-        (WorkItem.work_id == work_id)
-        & (WorkItem.lease_id == lease_id)
-        & (WorkItem.node == caller.node_id)
-        & (WorkItem.state == WORK_LEASED)
-        & (WorkItem.lease_expires_at > now)
-    )
+# Both only while the item is still leased to this node under this lease, and it is alive.
+_RENEW_SQL = (
+    "UPDATE work_item SET lease_expires_at = ? WHERE work_id = ? AND lease_id = ? "
+    "AND node_id = ? AND state = 'leased' AND lease_expires_at > ?"
+)
+_RENEW_LEASE_SQL = "UPDATE work_lease SET expires_at = ? WHERE lease_id = ?"
+_COMPLETE_SQL = (
+    "UPDATE work_item SET state = ?, finished_at = ?, result = ?, log_tail = ?, error = ?, "
+    "lease_expires_at = NULL WHERE work_id = ? AND lease_id = ? AND node_id = ? "
+    "AND state = 'leased' AND lease_expires_at > ?"
+)
+_END_LEASE_SQL = (
+    "UPDATE work_lease SET ended_at = ?, end_reason = ? WHERE lease_id = ? AND ended_at IS NULL"
+)
 
 
 def _lease_lost(work_id: str) -> Conflict:
@@ -284,15 +323,11 @@ def renew_lease(
     """Extend a live lease by the lease period; 409 LEASE_LOST otherwise."""
     now = store.clock.now()
     expires_at = now + settings.work_lease_seconds
-    with store.write():
-        renewed = (
-            WorkItem.update(lease_expires_at=expires_at)
-            .where(_held(caller, work_id, lease_id, now))
-            .execute()
-        )
-        if renewed != 1:
+    with store.write(flushed=False):
+        held = (work_id, lease_id, caller.node_id, now)
+        if _execute(store, _RENEW_SQL, (expires_at, *held)).rowcount != 1:
             raise _lease_lost(work_id)
-        WorkLease.update(expires_at=expires_at).where(WorkLease.lease_id == lease_id).execute()
+        _execute(store, _RENEW_LEASE_SQL, (expires_at, lease_id))
     return expires_at
 
 
@@ -312,7 +347,7 @@ def complete_work(
     result: dict[str, Any] | None,
     log_tail: str | None,
     error: dict[str, Any] | None,
-) -> WorkItem:
+) -> Completed:
     """Record the outcome under a live lease; a lost lease changes nothing (409 LEASE_LOST)."""
     result_json = dump(result) if result is not None else None
     if result_json is not None and len(result_json.encode()) > WORK_RESULT_MAX_BYTES:
@@ -322,24 +357,12 @@ def complete_work(
             next_step="Put large output in the log tail or in storage, not in the result.",
         )
     now = store.clock.now()
+    values = (outcome, now, result_json, trimmed_log(log_tail), dump(error) if error else None)
     with store.write():
-        completed = (
-            WorkItem.update(
-                state=outcome,
-                finished_at=now,
-                result=result_json,
-                log_tail=trimmed_log(log_tail),
-                error=dump(error) if error else None,
-                lease_expires_at=None,
-            )
-            .where(_held(caller, work_id, lease_id, now))
-            .execute()
-        )
-        if completed != 1:
+        held = (work_id, lease_id, caller.node_id, now)
+        if _execute(store, _COMPLETE_SQL, (*values, *held)).rowcount != 1:
             raise _lease_lost(work_id)
-        WorkLease.update(ended_at=now, end_reason="completed").where(
-            WorkLease.lease_id == lease_id
-        ).execute()
+        _execute(store, _END_LEASE_SQL, (now, "completed", lease_id))
         audit.record(
             store,
             node_actor(caller.node_id),
@@ -350,10 +373,36 @@ def complete_work(
             outcome=outcome,
             error_code=(error or {}).get("code"),
         )
-    return WorkItem.get_by_id(work_id)
+        (created_at,) = _execute(
+            store, "SELECT created_at FROM work_item WHERE work_id = ?", (work_id,)
+        ).fetchone()
+    return Completed(work_id, outcome, created_at, now)
+
+
+@dataclass(frozen=True)
+class Completed:
+    work_id: str
+    state: str
+    created_at: float
+    finished_at: float
 
 
 # -- expiry and returns ---------------------------------------------------------------
+
+
+_EXPIRED_SQL = (
+    "SELECT work_id, lease_id, node_id, attempts, max_attempts FROM work_item "
+    "WHERE state = 'leased' AND lease_expires_at <= ?"
+)
+
+
+@dataclass(frozen=True)
+class Expired:
+    work_id: str
+    lease_id: str
+    node_id: str
+    attempts: int
+    max_attempts: int
 
 
 def expire_leases(store: Store) -> list[dict[str, Any]]:
@@ -364,19 +413,11 @@ def expire_leases(store: Store) -> list[dict[str, Any]]:
     """
     now = store.clock.now()
     with store.connection():
-        expired = list(
-            WorkItem.select(
-                WorkItem.work_id,
-                WorkItem.lease_id,
-                WorkItem.node,
-                WorkItem.attempts,
-                WorkItem.max_attempts,
-            ).where((WorkItem.state == WORK_LEASED) & (WorkItem.lease_expires_at <= now))
-        )
+        expired = [Expired(*row) for row in _execute(store, _EXPIRED_SQL, (now,)).fetchall()]
     if not expired:
         return []
     done = []
-    with store.write():
+    with store.write(flushed=False):  # recomputed from the lease times if lost
         for row in expired:
             exhausted = row.attempts >= row.max_attempts
             if exhausted:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -64,18 +65,48 @@ class Store:
         self.clock = clock
         self.db = open_database(url)
         self.is_sqlite = isinstance(self.db, pw.SqliteDatabase)
+        self._write_lock = threading.RLock()  # reentrant: a nested write is a savepoint
         models.database.initialize(self.db)
 
     @property
     def sqlite_path(self) -> str | None:
         return self.db.database if self.is_sqlite else None
 
-    def write(self) -> contextlib.AbstractContextManager:
-        """A write transaction; IMMEDIATE on SQLite so writers queue instead of deadlocking."""
+    def write(self, *, flushed: bool = True) -> contextlib.AbstractContextManager:
+        """A write transaction; IMMEDIATE on SQLite so writers queue instead of deadlocking.
+
+        ``flushed=False`` commits without waiting for the disk (SQLite ``synchronous=NORMAL``,
+        PostgreSQL ``synchronous_commit=off``): a crash of the process keeps it, a power loss
+        may undo it. Only for changes that are safe to lose that way (a work claim, renewal
+        or expiry: the item runs again); the next flushed commit makes it durable too.
+        """
         self.db.connect(reuse_if_open=True)
         if self.is_sqlite:
-            return self.db.atomic("IMMEDIATE")
-        return self.db.atomic()
+            return self._sqlite_write(flushed)
+        return self._postgres_write(flushed)
+
+    @contextlib.contextmanager
+    def _sqlite_write(self, flushed: bool) -> Iterator[None]:
+        # SQLite has one writer at a time. Threads of this process take turns on a lock
+        # that hands over at once, instead of meeting in SQLite's busy handler, which
+        # sleeps up to 100 ms per try (other processes, such as the CLI, still do).
+        with self._write_lock:
+            relaxed = not flushed and not self.db.in_transaction()
+            if relaxed:
+                self.db.execute_sql("PRAGMA synchronous = NORMAL")
+            try:
+                with self.db.atomic("IMMEDIATE"):
+                    yield
+            finally:
+                if relaxed:
+                    self.db.execute_sql(f"PRAGMA synchronous = {SQLITE_PRAGMAS['synchronous']}")
+
+    @contextlib.contextmanager
+    def _postgres_write(self, flushed: bool) -> Iterator[None]:
+        with self.db.atomic():
+            if not flushed:
+                self.db.execute_sql("SET LOCAL synchronous_commit TO OFF")
+            yield
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[None]:

@@ -75,7 +75,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         agent_protocol()
         fields = context.body(COMPLETE_FIELDS)
         caller = agent_caller(context, fields["node_id"])
-        item = leases.complete_work(
+        completed = leases.complete_work(
             store,
             caller,
             work_id,
@@ -85,7 +85,9 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             log_tail=fields.get("log_tail"),
             error=fields.get("error"),
         )
-        metrics.work_completion.labels(item.state).observe(
-            max(0.0, item.finished_at - item.created_at)
+        metrics.work_completion.labels(completed.state).observe(
+            max(0.0, completed.finished_at - completed.created_at)
         )
-        return json_response({"work_id": work_id, "state": item.state, "compatibility": COMPATIBLE})
+        return json_response(
+            {"work_id": work_id, "state": completed.state, "compatibility": COMPATIBLE}
+        )
