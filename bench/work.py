@@ -241,7 +241,9 @@ def main() -> None:
             totals[line.split("{")[1].split("}")[0]] = float(line.rsplit(" ", 1)[1])
     for labels, count in sorted(totals.items()):
         if "/work" in labels and count:
-            print(f"  server time {labels}: {count:.0f} requests, mean {1000 * sums[labels] / count:.1f} ms")
+            print(
+                f"  server time {labels}: {count:.0f} requests, mean {1000 * sums[labels] / count:.1f} ms"
+            )
     if failed:
         raise SystemExit(f"{len(failed)} items did not succeed")
 
