@@ -10,8 +10,10 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import peewee as pw
@@ -30,6 +32,19 @@ SQLITE_PRAGMAS = {
     # Heartbeats are batched (heartbeats.py), so this costs one fsync a second for them.
     "synchronous": "full",
 }
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Job:
+    """One change waiting for a group commit, and what became of it."""
+
+    change: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
 
 
 class StoreVersionError(Exception):
@@ -66,6 +81,8 @@ class Store:
         self.db = open_database(url)
         self.is_sqlite = isinstance(self.db, pw.SqliteDatabase)
         self._write_lock = threading.RLock()  # reentrant: a nested write is a savepoint
+        self._group: list[_Job] = []
+        self._group_lock = threading.Lock()
         models.database.initialize(self.db)
 
     @property
@@ -107,6 +124,47 @@ class Store:
             if not flushed:
                 self.db.execute_sql("SET LOCAL synchronous_commit TO OFF")
             yield
+
+    def grouped(self, change: Callable[[], T]) -> T:
+        """Run ``change`` in a flushed write transaction shared with the changes other threads
+        are waiting to commit: one disk flush answers them all (group commit).
+
+        Each change runs in its own savepoint on the committing thread's connection, so one
+        that raises leaves the others standing; the caller gets its own result or exception,
+        and nothing before the whole transaction is on disk.
+        """
+        job = _Job(change)
+        with self._group_lock:
+            self._group.append(job)
+        while not job.done.is_set():
+            with self._write_lock:  # whoever holds it commits for everyone waiting
+                if job.done.is_set():
+                    break
+                with self._group_lock:
+                    batch, self._group = self._group, []
+                if batch:
+                    self._commit_group(batch)
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _commit_group(self, batch: list[_Job]) -> None:
+        try:
+            with self.write():
+                for job in batch:
+                    try:
+                        with self.db.atomic():
+                            job.result = job.change()
+                    except (pw.OperationalError, pw.InterfaceError):
+                        raise  # the store itself failed: the whole group does
+                    except Exception as exc:  # this change only; its savepoint is undone
+                        job.error = exc
+        except Exception as exc:
+            for job in batch:
+                job.result, job.error = None, exc
+        finally:
+            for job in batch:
+                job.done.set()
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[None]:
