@@ -104,6 +104,30 @@ class Admin:
         return json.loads(raw) if raw else {}
 
 
+def fresh_database(server_url: str):
+    """A new database on the server: (its URL, a function that drops it)."""
+    import secrets
+    from urllib.parse import urlsplit, urlunsplit
+
+    import psycopg2
+
+    name = f"mf_bench_{secrets.token_hex(4)}"
+    admin = psycopg2.connect(server_url)
+    admin.autocommit = True
+    with admin.cursor() as cursor:
+        cursor.execute(f'CREATE DATABASE "{name}"')
+
+    def drop() -> None:
+        with admin.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,)
+            )
+            cursor.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        admin.close()
+
+    return urlunsplit(urlsplit(server_url)._replace(path=f"/{name}")), drop
+
+
 def percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * p))] if ordered else float("nan")
@@ -113,13 +137,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=1000)
     parser.add_argument("--agents", type=int, default=10)
-    parser.add_argument("--database-url", help="postgresql://… (default: SQLite in a temp dir)")
+    parser.add_argument(
+        "--database-url",
+        help="postgresql://… of a server: a fresh database is made there and dropped after "
+        "(default: SQLite in a temp dir)",
+    )
     parser.add_argument("--poll", default="0.05", help="agents' MODELFORGE_AGENT_WORK_POLL_SECONDS")
     args = parser.parse_args()
 
     state = temp_state()
     sockets_dir = Path(tempfile.mkdtemp(prefix="mfb-", dir="/tmp"))
-    extra = {"MODELFORGE_DATABASE_URL": args.database_url} if args.database_url else {}
+    database = fresh_database(args.database_url) if args.database_url else None
+    extra = {"MODELFORGE_DATABASE_URL": database[0]} if database else {}
     env = modelforge_env(state, **extra)
     admin_token = json.loads(modelforge(env, "init", "--json"))["admin_token"]
     log = open(Path(state) / "processes.log", "ab")  # noqa: SIM115 - closed in finally
@@ -207,6 +236,8 @@ def main() -> None:
         server.wait(timeout=10)
         log.close()
         shutil.rmtree(sockets_dir, ignore_errors=True)
+        if database:
+            database[1]()
 
     failed = [item for item in items if item["state"] != "succeeded"]
     last = max(epoch(item["finished_at"]) for item in items)

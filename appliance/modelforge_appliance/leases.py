@@ -245,6 +245,14 @@ _LEASE_SQL = (
     "attempts = attempts + 1, started_at = COALESCE(started_at, ?) "
     "WHERE work_id = ? AND state = 'queued'"
 )
+# PostgreSQL: a claim never waits for a row another transaction holds (it tries the next
+# item instead), so it can never be part of a lock cycle with a completion group or an
+# expiry, which take their rows in work_id order. The row count still decides.
+_LEASE_SQL_PG = _LEASE_SQL.replace(
+    "WHERE work_id = ? AND state = 'queued'",
+    "WHERE work_id = (SELECT work_id FROM work_item WHERE work_id = ? AND state = 'queued' "
+    "FOR UPDATE SKIP LOCKED)",
+)
 _LEASED_SQL = "SELECT capability, input, timeout_seconds, attempts FROM work_item WHERE work_id = ?"
 _NEW_LEASE_SQL = (
     "INSERT INTO work_lease (lease_id, work_id, node_id, attempt, granted_at, expires_at) "
@@ -263,7 +271,8 @@ def _lease(
     lease_id = uuid.uuid4().hex
     expires_at = now + settings.work_lease_seconds
     # The conditional update whose row count picks the one winner.
-    won = _execute(store, _LEASE_SQL, (node_id, lease_id, expires_at, now, item.work_id)).rowcount
+    sql = _LEASE_SQL if store.is_sqlite else _LEASE_SQL_PG
+    won = _execute(store, sql, (node_id, lease_id, expires_at, now, item.work_id)).rowcount
     if won != 1:
         return None
     capability, given, timeout_seconds, attempt = _execute(
@@ -380,7 +389,7 @@ def complete_work(
         return Completed(work_id, outcome, created_at, now)
 
     # Flushed before the agent hears 200, and one flush serves every completion waiting.
-    return store.grouped(complete)
+    return store.grouped(complete, order=work_id)
 
 
 @dataclass(frozen=True)
@@ -417,7 +426,10 @@ def expire_leases(store: Store) -> list[dict[str, Any]]:
     """
     now = store.clock.now()
     with store.connection():
-        expired = [Expired(*row) for row in _execute(store, _EXPIRED_SQL, (now,)).fetchall()]
+        expired = sorted(  # rows are taken in work_id order (see _LEASE_SQL_PG)
+            (Expired(*row) for row in _execute(store, _EXPIRED_SQL, (now,)).fetchall()),
+            key=lambda row: row.work_id,
+        )
     if not expired:
         return []
     done = []
@@ -478,9 +490,9 @@ def return_node_leases(store: Store, node: Node, actor: str, reason: str) -> lis
     now = store.clock.now()
     returned = []
     rows = list(
-        WorkItem.select(WorkItem.work_id, WorkItem.lease_id).where(
-            (WorkItem.node == node.node_id) & (WorkItem.state == WORK_LEASED)
-        )
+        WorkItem.select(WorkItem.work_id, WorkItem.lease_id)
+        .where((WorkItem.node == node.node_id) & (WorkItem.state == WORK_LEASED))
+        .order_by(WorkItem.work_id)  # rows are taken in work_id order (see _LEASE_SQL_PG)
     )
     for row in rows:
         changed = (

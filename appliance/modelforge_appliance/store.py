@@ -42,6 +42,7 @@ class _Job:
     """One change waiting for a group commit, and what became of it."""
 
     change: Callable[[], Any]
+    order: str
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
@@ -125,15 +126,16 @@ class Store:
                 self.db.execute_sql("SET LOCAL synchronous_commit TO OFF")
             yield
 
-    def grouped(self, change: Callable[[], T]) -> T:
+    def grouped(self, change: Callable[[], T], order: str = "") -> T:
         """Run ``change`` in a flushed write transaction shared with the changes other threads
         are waiting to commit: one disk flush answers them all (group commit).
 
         Each change runs in its own savepoint on the committing thread's connection, so one
         that raises leaves the others standing; the caller gets its own result or exception,
-        and nothing before the whole transaction is on disk.
+        and nothing before the whole transaction is on disk. Changes run sorted by ``order``
+        (the key of the row they change), so two groups never take rows in opposite orders.
         """
-        job = _Job(change)
+        job = _Job(change, order)
         with self._group_lock:
             self._group.append(job)
         while not job.done.is_set():
@@ -151,7 +153,7 @@ class Store:
     def _commit_group(self, batch: list[_Job]) -> None:
         try:
             with self.write():
-                for job in batch:
+                for job in sorted(batch, key=lambda job: job.order):
                     try:
                         with self.db.atomic():
                             job.result = job.change()
