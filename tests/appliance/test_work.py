@@ -269,3 +269,75 @@ def test_submit_refuses_bad_input_and_changes_nothing(sqlite_control_plane):
     assert cp.admin("GET", WORK).json()["work"] == []
     assert cp.admin("GET", f"{WORK}/nope").status_code == 404
     assert cp.admin("GET", f"{WORK}?state=bogus").status_code == 400
+
+
+def test_metrics_show_queue_depth_claims_expiries_and_completion_time(clocked_control_plane, clock):
+    cp = clocked_control_plane
+    node = WorkNode(cp, "gpu-1").ready()
+    for _ in range(3):
+        submit(cp, max_attempts=2)
+    assert node.complete(node.lease()).status_code == 200
+    node.lease()  # left to expire
+    clock.advance(cp.settings.work_lease_seconds + 1)
+    node.ready()
+    node.lease()  # settles the expiry first, then leases one of the two queued items
+    text = cp.admin("GET", "/metrics").text.splitlines()
+    for line in (
+        'modelforge_work_items{state="queued"} 1.0',
+        'modelforge_work_items{state="leased"} 1.0',
+        'modelforge_work_items{state="succeeded"} 1.0',
+        'modelforge_work_claims_total{result="leased"} 3.0',
+        "modelforge_work_lease_expiries_total 1.0",
+        'modelforge_work_completion_seconds_count{outcome="succeeded"} 1.0',
+    ):
+        assert line in text, line
+
+
+def _cli(cp, *args: str):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+    env["MODELFORGE_STATE_DIR"] = str(cp.settings.state_dir)
+    env["MODELFORGE_DATABASE_URL"] = cp.settings.database_url
+    return subprocess.run(
+        [sys.executable, "-m", "modelforge_appliance.cli", "work", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_work_cli_submits_lists_shows_and_cancels(sqlite_control_plane):
+    import json
+
+    cp = sqlite_control_plane
+    refused = _cli(cp, "submit", "container", "--input", '{"image": "x:1"}')
+    assert refused.returncode == 2
+    assert "input.image_id" in refused.stderr and "FIELD_REQUIRED" in refused.stderr
+    queued = json.loads(
+        _cli(
+            cp, "submit", "smoke", "--gpu-count", "2", "--min-gpu-memory", "40GiB", "--json"
+        ).stdout
+    )
+    assert queued["constraints"] == {
+        "gpu_count": 2,
+        "min_gpu_memory_bytes": 40 * GIB,
+        "gpu_name": None,
+        "node_ids": None,
+    }
+    listed = json.loads(_cli(cp, "list", "--state", "queued", "--json").stdout)
+    assert [item["work_id"] for item in listed["work"]] == [queued["work_id"]]
+    assert "queued" in _cli(cp, "show", queued["work_id"]).stdout
+    assert _cli(cp, "show", "no-such-item").returncode == 2
+    cancelled = _cli(cp, "cancel", queued["work_id"])
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
+    actor = [e for e in work_events(cp) if e["action"] == "work.cancelled"][0]["actor"]
+    assert actor == "cli"
+    node = WorkNode(cp, "gpu-1").ready()
+    done = submit(cp)
+    assert node.complete(node.lease()).status_code == 200
+    again = _cli(cp, "cancel", done["work_id"])
+    assert again.returncode == 1 and "WORK_FINISHED" in again.stderr
