@@ -28,7 +28,6 @@ from typing import Any
 import click
 
 from modelforge_contract import (
-    COMPATIBILITY_NEXT_STEPS,
     COMPATIBLE,
     EXIT_OK,
     EXIT_USAGE,
@@ -53,6 +52,16 @@ log = logging.getLogger("modelforge_worker")
 MAX_REQUEST_BYTES = 2 * 2**20
 SOCKET_MODE = 0o660
 DOCKER_CHECK_SECONDS = 30
+
+
+# What the caller (the node agent) should do when this worker refuses its protocol.
+_CALLER_NEXT_STEPS = {
+    "TOO_OLD": "Upgrade the node agent to a release that speaks worker protocol "
+    f"{WORKER_PROTOCOL_VERSION}.",
+    "TOO_NEW": "Upgrade the runtime worker to the release of the node agent.",
+    "UNKNOWN": f"Send {HEADER_WORKER_PROTOCOL} with an integer worker protocol version; the "
+    "node agent does so.",
+}
 
 
 class SocketInUse(Exception):
@@ -171,7 +180,7 @@ class Handler(BaseHTTPRequestHandler):
             426,
             WORKER_PROTOCOL_INCOMPATIBLE,
             f"worker protocol {self.headers.get(HEADER_WORKER_PROTOCOL)!r} is {answer}",
-            COMPATIBILITY_NEXT_STEPS[answer].replace("agent protocol", "worker protocol"),
+            _CALLER_NEXT_STEPS[answer],
             compatibility=answer,
         )
         return False
