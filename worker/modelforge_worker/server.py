@@ -193,12 +193,13 @@ class Handler(BaseHTTPRequestHandler):
         self._answer(200, {**self.server.info(), "compatibility": answer})
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        raw = self._read_body()  # read before any answer, so a refusal never resets the client
         if self.path != WORKER_PATH_RUN:
             self._error(404, "NOT_FOUND", "no such path", f"Use {WORKER_PATH_RUN}.")
             return
         if not self._compatible():
             return
-        request = self._read_run()
+        request = self._parse_run(raw)
         if request is None:
             return
         capability, given, timeout, work_id = request
@@ -224,16 +225,22 @@ class Handler(BaseHTTPRequestHandler):
         )
         self._answer(200, {**outcome.view(), "compatibility": COMPATIBLE})
 
-    def _read_run(self) -> tuple[str, dict[str, Any], float, str | None] | None:
+    def _read_body(self) -> bytes | None:
+        """The body, or None when it is missing, malformed in length or too large."""
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
-            length = -1
+            return None
         if not 0 < length <= MAX_REQUEST_BYTES:
+            return None
+        return self.rfile.read(length)
+
+    def _parse_run(self, raw: bytes | None) -> tuple[str, dict[str, Any], float, str | None] | None:
+        if raw is None:
             self._error(400, WORK_INPUT_INVALID, "a JSON body is required", "Send {capability,…}.")
             return None
         try:
-            body = json.loads(self.rfile.read(length))
+            body = json.loads(raw)
         except ValueError:
             body = None
         timeout = body.get("timeout_seconds") if isinstance(body, dict) else None
