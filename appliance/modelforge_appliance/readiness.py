@@ -18,9 +18,9 @@ from modelforge_contract import (
     compatibility_of,
 )
 
-from .leases import worker_answer
 from .models import Credential, Node
 from .nodes import get_node, liveness_of
+from .placement import worker_answer
 from .settings import Settings
 from .store import Store
 
