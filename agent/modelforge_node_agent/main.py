@@ -46,6 +46,7 @@ from .settings import SETTINGS, AgentSettings, ConfigError, load_settings
 from .signals import Stopping, install_signal_handlers
 from .status import RecordingClient, StatusRecorder, status_command
 from .transport import make_session
+from .work import WorkerWatch, WorkLoop
 
 log = logging.getLogger("modelforge_node_agent")
 
@@ -182,22 +183,34 @@ def run_agent(
         state = load_or_create_identity(settings)
         client = RecordingClient(url, make_session(settings), recorder=recorder)
         enrolled = ensure_enrolled(settings, state, client, stop)
+        if enrolled is None:
+            return EXIT_OK
+        # The work plane (issue 13): watch the local runtime worker, claim while it can run.
+        # The watch outlives a re-enrollment; it stops with the agent.
+        worker = WorkerWatch(settings, preflight.mode, stop)
+        worker.refresh()  # the first heartbeat already tells the truth about it
+        worker.start()
         while True:
             if enrolled is None:
                 return EXIT_OK
             client.credential = enrolled.state.credential
             if recorder is not None:
                 recorder.enrolled(enrolled.state)
-            # Each run of the publications has its own stop flag: a refusal stops them, not
-            # the agent. SIGTERM still ends everything (Stopping in this thread).
+            # Each run of the publications and the work loop has its own stop flag: a refusal
+            # stops them, not the agent (Publisher.run sets it however it ends). SIGTERM
+            # still ends everything (Stopping in this thread).
+            run_stop = threading.Event()
             publisher = Publisher(
                 settings,
                 enrolled.state,
                 client,
                 preflight,
-                threading.Event(),
+                run_stop,
                 heartbeat_interval=enrolled.heartbeat_interval or DEFAULT_HEARTBEAT_INTERVAL,
+                worker=worker,
             )
+            node_id = enrolled.state.node_id
+            WorkLoop(settings, node_id, client, worker, run_stop, publisher.refuse).start()
             outcome = publisher.run()
             if outcome is None:
                 return EXIT_OK

@@ -20,7 +20,15 @@ from modelforge_contract.envfile import parse_env_file
 
 # Prefixes that belong to other ModelForge programs (the agent, the worker,
 # compose files); the control plane leaves them alone.
-FOREIGN_PREFIXES = ("MODELFORGE_AGENT_", "MODELFORGE_NODE_AGENT_", "MODELFORGE_RUNTIME_WORKER_")
+FOREIGN_PREFIXES = (
+    "MODELFORGE_AGENT_",
+    "MODELFORGE_NODE_AGENT_",
+    "MODELFORGE_RUNTIME_WORKER_",
+    "MODELFORGE_RELEASE_",
+    "MODELFORGE_WORKER_",
+)
+# Variables of docker-compose.yml (not read by the control plane itself).
+FOREIGN_NAMES = frozenset({"MODELFORGE_CONTROL_PLANE_IMAGE", "MODELFORGE_CONTROL_PLANE_PUBLISH"})
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,17 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "Path of the release manifest (modelforge-VERSION-manifest.json). When set, the Enroll "
         "node wizard accepts only a node-agent image entry equal to that release's entry.",
     ),
+    SettingSpec(
+        "MODELFORGE_WORK_LEASE_SECONDS",
+        "60",
+        "How long a claimed work item stays leased to its node without a renewal; agents "
+        "renew at a third of it. An expired lease returns the item to the queue.",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORK_INPUT_MAX_BYTES",
+        "65536",
+        "Largest work item input accepted, measured as compact JSON.",
+    ),
     SettingSpec("MODELFORGE_THREADS", "8", "Worker threads of the waitress server."),
     SettingSpec(
         "MODELFORGE_CONNECTION_LIMIT",
@@ -160,6 +179,8 @@ class Settings:
     inventory_max_age_seconds: int
     telemetry_max_age_seconds: int
     max_body_bytes: int
+    work_lease_seconds: int
+    work_input_max_bytes: int
     threads: int
     log_level: str
     connection_limit: int
@@ -266,7 +287,7 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         env = {**read_env_file(env_file), **env}
     for name in sorted(env):
         if name.startswith("MODELFORGE_") and name not in KNOWN_NAMES:
-            if name.startswith(FOREIGN_PREFIXES):
+            if name.startswith(FOREIGN_PREFIXES) or name in FOREIGN_NAMES:
                 continue
             hint = nearest_setting(name)
             suffix = f"; did you mean {hint}?" if hint else "; see docs/configuration.md"
@@ -346,6 +367,8 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         ),
         telemetry_max_age_seconds=_int(env, "MODELFORGE_TELEMETRY_MAX_AGE_SECONDS", 10, 86400),
         max_body_bytes=_int(env, "MODELFORGE_MAX_BODY_BYTES", 1024, 64 * 1024 * 1024),
+        work_lease_seconds=_int(env, "MODELFORGE_WORK_LEASE_SECONDS", 5, 3600),
+        work_input_max_bytes=_int(env, "MODELFORGE_WORK_INPUT_MAX_BYTES", 256, 1024 * 1024),
         threads=_int(env, "MODELFORGE_THREADS", 1, 256),
         log_level=log_level,
         connection_limit=_int(env, "MODELFORGE_CONNECTION_LIMIT", 10, 1_000_000),

@@ -40,6 +40,12 @@ ROUTES = [
     "/api/v1/agent/heartbeat",
     "/api/v1/agent/inventory",
     "/api/v1/agent/telemetry",
+    "/api/v1/admin/work",
+    "/api/v1/admin/work/{work}",
+    "/api/v1/admin/work/{work}/cancel",
+    "/api/v1/agent/work/claim",
+    "/api/v1/agent/work/{work}/renew",
+    "/api/v1/agent/work/{work}/complete",
 ]
 HEADER_TEXT = st.text(alphabet=string.printable.strip() + " ", max_size=120)
 JSON_LEAVES = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
@@ -79,6 +85,9 @@ def bodies(node: dict, minted: dict):
         {"node_id": node["node_id"], "agent_version": "1", "accelerators": []},
         {"node_id": node["node_id"], "samples": [{"uuid": "GPU-1", "index": 0}]},
         {"confirmation": "mfd_0000000000000000_" + "x" * 43},
+        {"capability": "smoke", "input": {"matrix_size": 8}, "constraints": {"gpu_count": 0}},
+        {"node_id": node["node_id"], "capabilities": ["smoke"]},
+        {"node_id": node["node_id"], "lease_id": "0" * 32, "outcome": "failed", "log_tail": "x"},
     ]
     mutated = st.tuples(st.sampled_from(shaped), st.text(max_size=20), JSON_VALUES).map(
         lambda t: json.dumps({**t[0], t[1]: t[2]}).encode()
@@ -98,7 +107,7 @@ def requests_(draw, node: dict, minted: dict):
     filler = st.sampled_from([node["node_id"], minted["enrollment_id"]]) | st.text(
         alphabet=string.ascii_letters + string.digits + "-_.~%", min_size=1, max_size=40
     )
-    path = route.format(node=draw(filler), enrollment=draw(filler))
+    path = route.format(node=draw(filler), enrollment=draw(filler), work=draw(filler))
     if draw(st.booleans()):
         path += "?" + draw(st.text(alphabet=string.ascii_letters + "=&%0123456789-", max_size=40))
     headers = {}

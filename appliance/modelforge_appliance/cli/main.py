@@ -164,6 +164,7 @@ from .store import (  # noqa: E402
     restore_finality_command,
     save_finality_command,
 )
+from .work import work_group  # noqa: E402
 
 for command in (
     admin_password,
@@ -179,6 +180,7 @@ for command in (
     restore_finality_command,
     doctor,
     completion,
+    work_group,
 ):
     main.add_command(command)
 

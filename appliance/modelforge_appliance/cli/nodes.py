@@ -219,11 +219,12 @@ def credentials_command(obj: Context, node: str, as_json: bool) -> None:
 def revoke(obj: Context, node: str, as_json: bool) -> None:
     """Revoke a node's credential permanently (re-enroll the agent afterwards)."""
     row = find_node(obj, node)
-    revoked = credentials.revoke_node_credential(obj.store(), row, audit.CLI_ACTOR)
+    revocation = credentials.revoke_node_credential(obj.store(), row, audit.CLI_ACTOR)
     emit(
         as_json,
-        {"node_id": row.node_id, "revoked": revoked},
-        f"Revoked {len(revoked)} credential(s) of node {row.node_id}.",
+        {"node_id": row.node_id, **revocation},
+        f"Revoked {len(revocation['revoked'])} credential(s) of node {row.node_id}; returned "
+        f"{len(revocation['leases_returned'])} leased work item(s) to the queue.",
     )
 
 
