@@ -81,7 +81,7 @@ def test_every_revocation_and_spent_secret_lands_in_the_record(store):
     assert record(store) >= {
         ("enrollment_token", spare.split("_")[1]),
         ("enrollment_token", used.split("_")[1]),
-        ("credential", first[0]),
+        ("credential", first["revoked"][0]),
         ("credential", second.credential.split("_")[1]),
         ("admin_token", admin.token_id),
         ("node", node.node_id),

@@ -34,6 +34,8 @@ ROUTES = [
     "/api/v1/admin/hardware/nodes/{node}/decommission/execute",
     "/api/v1/admin/hardware/nodes/{node}/cordon",
     "/api/v1/admin/hardware/nodes/{node}/uncordon",
+    "/api/v1/admin/hardware/nodes/{node}/telemetry",
+    "/api/v1/admin/node-agent-image/check",
     "/api/v1/admin/alerts",
     "/api/v1/admin/audit-events",
     "/api/v1/agent/enroll",
@@ -181,7 +183,9 @@ HEADER_VALUES = st.sampled_from([b"ADMIN", b"Bearer CRED", b"1", b"application/j
 @st.composite
 def raw_requests(draw, node: dict, minted: dict, cp) -> bytes:
     route = draw(st.sampled_from(ROUTES))
-    path = route.format(node=node["node_id"], enrollment=minted["enrollment_id"]).encode()
+    path = route.format(
+        node=node["node_id"], enrollment=minted["enrollment_id"], work="no-such-work"
+    ).encode()
     method = draw(st.sampled_from([b"GET", b"POST", b"PUT", b"DELETE"]))
     swap = {b"ADMIN": cp.admin_token.encode(), b"CRED": node["credential"].encode()}
     lines = [method + b" " + path + b" HTTP/1.1", b"Host: 127.0.0.1", b"Connection: close"]
@@ -229,3 +233,20 @@ def test_no_header_bytes_get_a_5xx_a_hang_or_a_change_when_refused(world, data):
             assert set(error) == {"code", "message", "next_step"}
             assert CODE.match(error["code"])
         assert snapshot(cp.store) == before, (request[:200], status)
+
+
+def test_every_api_route_is_fuzzed(tmp_path):
+    """A new JSON route joins ROUTES above, so both fuzz tests reach it."""
+    from modelforge_appliance.api import make_app
+
+    class NoStore:
+        clock = None
+
+    app = make_app(make_settings(tmp_path), store=NoStore())
+    names = {"node_id": "node", "enrollment_id": "enrollment", "work_id": "work"}
+    served = {
+        re.sub(r"<(\w+)(?::[^>]*)?>", lambda m: "{" + names[m.group(1)] + "}", route.rule)
+        for route in app.routes
+        if route.rule.startswith("/api/") or route.rule in ("/healthz", "/metrics")
+    }
+    assert sorted(served - set(ROUTES)) == []

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from tests.support import unavailable
 
-# ``/probe echo TEXT | exit N | sleep N | net | env NAME``, steps run in order.
+# ``/probe echo TEXT | exit N | sleep N | net | env NAME | cat PATH``, steps run in order;
+# ``cat`` prints ``PATH=<first line>`` or ``PATH=(absent)``.
 PROBE_C = r"""
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +29,16 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[i], "env") == 0 && i + 1 < argc) {
             const char *value = getenv(argv[++i]);
             printf("%s=%s\n", argv[i], value ? value : "(unset)");
+        } else if (strcmp(argv[i], "cat") == 0 && i + 1 < argc) {
+            const char *path = argv[++i];
+            FILE *file = fopen(path, "r");
+            char text[256] = "(absent)";
+            if (file) {
+                if (!fgets(text, sizeof text, file)) text[0] = '\0';
+                text[strcspn(text, "\n")] = '\0';
+                fclose(file);
+            }
+            printf("%s=%s\n", path, text);
         } else if (strcmp(argv[i], "net") == 0) {
             FILE *dev = fopen("/proc/net/dev", "r");
             char line[512];
