@@ -27,13 +27,15 @@ TOKEN = re.compile(r"mfe_[0-9a-f]{8,32}_[A-Za-z0-9_-]{20,}")
 pytestmark = pytest.mark.slow
 
 
-def readme_commands() -> tuple[str, str]:
-    """The README's CLI enroll command and its agent (join) command, exactly as written."""
+def readme_commands() -> tuple[str, str, str]:
+    """The README's CLI enroll command, its runtime worker command and its agent (join)
+    command, exactly as written."""
     lines = [line.strip() for line in (ROOT / "README.md").read_text().splitlines()]
     enroll = [line for line in lines if line.startswith(".venv/bin/modelforge enroll ")]
+    worker = [line for line in lines if line.endswith(".venv/bin/modelforge-runtime-worker")]
     agent = [line for line in lines if line.startswith(".venv/bin/modelforge-node-agent join ")]
-    assert len(enroll) == 1 and len(agent) == 1, (enroll, agent)
-    return enroll[0], agent[0]
+    assert len(enroll) == 1 and len(worker) == 1 and len(agent) == 1, (enroll, worker, agent)
+    return enroll[0], worker[0], agent[0]
 
 
 def port_free(port: int) -> bool:
@@ -125,7 +127,7 @@ def wait_ready(session: Session, timeout: float = 60) -> dict:
 
 
 def first_hour(clone: Path, logs: Path, run_args: str, port: int) -> None:
-    enroll_command, agent_command = readme_commands()
+    enroll_command, worker_command, agent_command = readme_commands()
     shutil.rmtree(clone / "var", ignore_errors=True)
     session = Session(clone, logs)
     try:
@@ -145,7 +147,11 @@ def first_hour(clone: Path, logs: Path, run_args: str, port: int) -> None:
         # The checkout's command printed for this token is the README's, for this origin.
         readme_here = agent_command.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         assert readme_here.replace("--accelerator cpu", "--accelerator nvidia") in printed
+        # ...and so is the worker's, for the mode asked for.
+        printed_worker = worker_command.replace("MODE=cpu", "MODE=nvidia")
+        assert printed_worker in [line.strip() for line in minted.stdout.splitlines()]
 
+        session.background(worker_command, "worker")
         session.background(readme_here, "agent", stdin=token + "\n")
         node = wait_ready(session)
         assert node["accelerator_mode"] == "cpu"
@@ -160,7 +166,7 @@ def first_hour(clone: Path, logs: Path, run_args: str, port: int) -> None:
         assert [n["node_id"] for n in json.loads(wrapper.stdout)["nodes"]] == [node["node_id"]]
     finally:
         codes = session.stop_all()
-    assert codes == {"agent": 0, "run": 0}, codes
+    assert codes == {"agent": 0, "worker": 0, "run": 0}, codes
 
 
 def test_the_readme_first_hour_on_the_default_address(clone, tmp_path):

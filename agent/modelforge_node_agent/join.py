@@ -68,6 +68,7 @@ class JoinRequest:
     ca_cert: Path | None = None
     host_address: str | None = None
     tls_verify: bool = True
+    worker_socket: Path | None = None  # the runtime worker's socket, when not the default
 
     def placed(self, path: Path) -> Path:
         """Where ``path`` really is: under --root when given, relative paths from here."""
@@ -92,6 +93,8 @@ def _settings_env(request: JoinRequest, state_dir: Path) -> dict[str, str]:
         env["MODELFORGE_AGENT_CA_CERT_PATH"] = str(request.ca_cert.absolute())
     if request.host_address:
         env["MODELFORGE_AGENT_CONTROL_PLANE_HOST_ADDRESS"] = request.host_address
+    if request.worker_socket is not None:
+        env["MODELFORGE_AGENT_WORKER_SOCKET"] = str(request.worker_socket.absolute())
     return env
 
 
@@ -321,6 +324,12 @@ def run_join(request: JoinRequest, stop: threading.Event) -> int:
     help="Dial this address instead of resolving the URL's host (the URL's name is still "
     "verified).",
 )
+@click.option(
+    "--worker-socket",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The unix socket of the runtime worker beside the agent (its "
+    "MODELFORGE_WORKER_SOCKET), when not the default /run/modelforge/worker.sock.",
+)
 @click.pass_obj
 def join_command(
     obj: dict,
@@ -333,6 +342,7 @@ def join_command(
     root: Path | None,
     ca_cert: Path | None,
     host_address: str | None,
+    worker_socket: Path | None,
 ) -> None:
     """Join this host to the control plane at URL, in one step.
 
@@ -352,6 +362,7 @@ def join_command(
         root=root,
         ca_cert=ca_cert,
         host_address=host_address,
+        worker_socket=worker_socket,
     )
     stop = threading.Event()
     install_signal_handlers(stop)

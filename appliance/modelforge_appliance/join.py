@@ -22,9 +22,14 @@ from modelforge_contract import (
 # keeps the two equal).
 AGENT_PYZ_INTERPRETER = "/usr/bin/python3.11"
 AGENT_IMAGE = f"modelforge-node-agent:{__version__}"
+# The user the release images run as (release/modelforge_release/images.py SERVICE_UID; a
+# test keeps the two equal): the host's state directory must be its.
+AGENT_IMAGE_UID = 65532
 # A checkout keeps the agent's state beside the control plane's (./var), out of git.
 CHECKOUT_STATE_DIR = "var/node-agent"
 CHECKOUT_ENV_FILE = f"{CHECKOUT_STATE_DIR}/modelforge-node-agent.env"
+# The runtime worker's socket in a checkout: /run/modelforge is not the operator's to write.
+CHECKOUT_WORKER_SOCKET = f"{CHECKOUT_STATE_DIR}/worker.sock"
 
 INSTALL_TYPES = {
     "systemd": "the agent pyz under systemd (docs/install-systemd.md)",
@@ -46,16 +51,29 @@ def join_commands(api_origin: str, accelerator_mode: str) -> dict[str, str]:
         ),
         "checkout": (
             f".venv/bin/modelforge-node-agent {join} --state-dir {CHECKOUT_STATE_DIR} "
-            f"--env-file {CHECKOUT_ENV_FILE} && "
+            f"--env-file {CHECKOUT_ENV_FILE} --worker-socket {CHECKOUT_WORKER_SOCKET} && "
             f".venv/bin/modelforge-node-agent --env-file {CHECKOUT_ENV_FILE}"
         ),
+        # The state directory is the image user's; the agent reads its env file itself
+        # (mode 0600, that user's), so nothing on the host needs to read it.
         "container": (
+            f"sudo install -d -m 0700 -o {AGENT_IMAGE_UID} -g {AGENT_IMAGE_UID} "
+            f"{AGENT_STATE_DIR} && "
             f"docker run --rm -it{gpus} -v {volume} {AGENT_IMAGE} "
             f"python3 -m modelforge_node_agent.main {join} --env-file {container_env} && "
             f'docker run -d --name {AGENT_SERVICE} --restart unless-stopped --hostname "$(hostname)"'
-            f"{gpus} --env-file {container_env} -v {volume} {AGENT_IMAGE}"
+            f"{gpus} --read-only --tmpfs /tmp --cap-drop ALL --security-opt no-new-privileges -v {volume} "
+            f"{AGENT_IMAGE} python3 -m modelforge_node_agent.main --env-file {container_env}"
         ),
     }
+
+
+def checkout_worker_command(accelerator_mode: str) -> str:
+    """The runtime worker for the checkout's join command: its socket, the agent's mode."""
+    return (
+        f"MODELFORGE_WORKER_SOCKET={CHECKOUT_WORKER_SOCKET} "
+        f"MODELFORGE_WORKER_ACCELERATOR_MODE={accelerator_mode} .venv/bin/modelforge-runtime-worker"
+    )
 
 
 def describe(commands: dict[str, str]) -> str:
@@ -64,4 +82,10 @@ def describe(commands: dict[str, str]) -> str:
     return "\n".join(blocks)
 
 
-__all__ = ["AGENT_ENV_FILE", "INSTALL_TYPES", "describe", "join_commands"]
+__all__ = [
+    "AGENT_ENV_FILE",
+    "INSTALL_TYPES",
+    "checkout_worker_command",
+    "describe",
+    "join_commands",
+]

@@ -1,9 +1,11 @@
 """Readiness right after a restore: the heartbeat answer asks each reconnecting agent to
 publish its inventory again, so every node is ready within two heartbeat intervals instead of
-after the agent's next periodic publication (an unchanged inventory: every 1,800 s)."""
+after the agent's next periodic publication (an unchanged inventory: every 1,800 s). Each
+node is whole: its agent beside a real runtime worker (readiness checks the worker too)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -20,7 +22,9 @@ from modelforge_appliance.store import Store
 from modelforge_contract import PATH_AGENT_HEARTBEAT, PATH_AGENT_INVENTORY
 
 from ..support import make_settings
+from ..worker.processes import WorkerProcess, worker_env
 from .processes import AgentProcess, RestartableControlPlane, agent_env, wait_until
+from .worknode import short_dir
 
 
 class RecordingControlPlane(RestartableControlPlane):
@@ -88,6 +92,11 @@ def ready(cp, node_id: str) -> bool:
 
 
 def test_every_reconnecting_node_is_ready_within_two_heartbeat_intervals(tmp_path):
+    with contextlib.ExitStack() as stack:
+        _ready_again_after_a_restore(tmp_path, stack)
+
+
+def _ready_again_after_a_restore(tmp_path, stack: contextlib.ExitStack) -> None:
     settings = make_settings(
         tmp_path / "cp",
         heartbeat_interval_seconds=1,
@@ -95,9 +104,12 @@ def test_every_reconnecting_node_is_ready_within_two_heartbeat_intervals(tmp_pat
         offline_after_seconds=6,
     )
     cp = RecordingControlPlane(settings)
-    agents = []
+    agents, workers = [], []
+    sockets = stack.enter_context(short_dir())
     try:
         for name in ("a", "b"):
+            socket = sockets / f"{name}.sock"
+            workers.append(WorkerProcess(worker_env(socket), tmp_path / f"{name}-worker.log"))
             env = agent_env(
                 control_plane_url=cp.url,
                 enrollment_token=cp.plane.mint(f"gpu-{name}")["token"],
@@ -106,6 +118,7 @@ def test_every_reconnecting_node_is_ready_within_two_heartbeat_intervals(tmp_pat
                 state_volume=tmp_path / name,
                 # Long: only a request from the control plane publishes it again in time.
                 inventory_interval_seconds=86400,
+                worker_socket=socket,
             )
             agents.append(AgentProcess(env, tmp_path / f"{name}.log"))
         wait_until(lambda: len(cp.nodes()) == 2, what="both nodes enrolled")
@@ -146,4 +159,6 @@ def test_every_reconnecting_node_is_ready_within_two_heartbeat_intervals(tmp_pat
             if agent.process.poll() is None:
                 agent.terminate()
             agent.close()
+        for worker in workers:
+            worker.close()
         cp.stop()

@@ -52,6 +52,7 @@ _SEPARATORS = re.compile(r"\s*(?:&&|\|\||;|\$\(|\|(?=\s))\s*")
 _DOCKER_VALUE_OPTIONS = {
     "-v", "-e", "-u", "-w", "--user", "--name", "--env-file", "--hostname", "--gpus",
     "--network", "--restart", "--tmpfs", "--entrypoint", "--volume", "--env",
+    "--cap-drop", "--cap-add", "--security-opt",
 }  # fmt: skip
 
 
@@ -59,6 +60,7 @@ def _programs():
     from modelforge_appliance.cli.main import main as appliance
     from modelforge_node_agent.main import main as agent
     from modelforge_release.cli import main as release
+    from modelforge_worker.server import main as worker
 
     return {
         "modelforge": appliance,
@@ -69,12 +71,32 @@ def _programs():
         "modelforge-node-agent.pyz": agent,
         "modelforge_node_agent.main": agent,
         "modelforge-release": release,
+        "modelforge-runtime-worker": worker,
+        "modelforge_worker": worker,
     }
+
+
+# Tables that quote what a program prints (a message, then what to do), not commands.
+_QUOTING_HEADERS = {"message", "log line", "error"}
+
+
+def _prose_without_quoted_output(prose: str) -> str:
+    kept, quoting = [], False
+    for line in prose.splitlines():
+        if line.startswith("|"):
+            first = line.strip("|").split("|")[0].strip().lower()
+            quoting = quoting or first in _QUOTING_HEADERS
+            if quoting:
+                continue
+        else:
+            quoting = False
+        kept.append(line)
+    return "\n".join(kept)
 
 
 def _snippets(text: str) -> list[str]:
     fenced = _FENCE.findall(text)
-    prose = _FENCE.sub("", text)
+    prose = _prose_without_quoted_output(_FENCE.sub("", text))
     lines = []
     for block in fenced:
         lines += block.replace("\\\n", " ").splitlines()
@@ -103,10 +125,20 @@ def _command_words(words: list[str]) -> tuple[str, list[str]] | None:
     return (program, words[1:]) if program in _programs() else None
 
 
-def _check(command, args: list[str], path: str, problems: list[str], params: set[str]) -> None:
-    """Walk args through command's subcommands; every option must be one it takes."""
+def _check(
+    command,
+    args: list[str],
+    path: str,
+    problems: list[str],
+    params: set[str],
+    named: set[str] | None = None,
+) -> None:
+    """Walk args through command's subcommands; every option must be one it takes. The
+    command paths walked ("modelforge nodes show") are added to ``named``."""
     import click
 
+    if named is not None:
+        named.add(path)
     params = params | {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
     params |= {"-h", "--help", "--version"}
     for index, word in enumerate(args):
@@ -125,14 +157,17 @@ def _check(command, args: list[str], path: str, problems: list[str], params: set
                     if sub is None:
                         problems.append(f"{path}: no command {name!r}")
                     else:
-                        _check(sub, args[index + 1 :], f"{path} {name}", problems, params)
+                        where = f"{path} {name}"
+                        _check(sub, args[index + 1 :], where, problems, params, named)
                 return
 
 
-def test_every_command_and_flag_in_the_docs_exists():
+def _documented_commands(docs: list[Path]) -> tuple[int, list[str], set[str]]:
+    """(commands seen, problems, command paths named) over the docs' snippets."""
     problems: list[str] = []
+    named: set[str] = set()
     seen = 0
-    for doc in DOCS:
+    for doc in docs:
         for line in _snippets(doc.read_text()):
             for part in _SEPARATORS.split(line.strip().lstrip("$ ")):
                 try:
@@ -145,9 +180,48 @@ def test_every_command_and_flag_in_the_docs_exists():
                 program, args = found
                 seen += 1
                 where = f"{doc.relative_to(ROOT)}: {program}"
-                _check(_programs()[program], args, where, problems, set())
+                paths: set[str] = set()
+                _check(_programs()[program], args, where, problems, set(), paths)
+                prefix = f"{doc.relative_to(ROOT)}: "
+                named |= {p.removeprefix(prefix) for p in paths}
+    return seen, problems, named
+
+
+def test_every_command_and_flag_in_the_docs_exists():
+    seen, problems, _ = _documented_commands(DOCS)
     assert seen > 100  # the extraction found the documented commands
     assert problems == []
+
+
+def _command_paths(command, path: str) -> set[str]:
+    """Every command under ``command`` that does something ("modelforge nodes show")."""
+    import click
+
+    if not isinstance(command, click.Group):
+        return {path}
+    found = set() if not command.invoke_without_command else {path}
+    for name, sub in command.commands.items():
+        found |= _command_paths(sub, f"{path} {name}")
+    return found
+
+
+def test_every_command_is_in_the_docs():
+    """The other way round: each command of each program (admin-password, save-finality,
+    restore-finality, work, join, status… whichever part added it) is named in README.md or
+    docs/ as a command line, and every `modelforge` command in docs/cli.md."""
+    _, _, named = _documented_commands(DOCS)
+    programs = {
+        "modelforge": "modelforge",
+        "modelforge-node-agent": "modelforge-node-agent",
+        "modelforge-release": "modelforge-release",
+        "modelforge-runtime-worker": "modelforge-runtime-worker",
+    }
+    for program, shown in programs.items():
+        missing = sorted(_command_paths(_programs()[program], shown) - named)
+        assert missing == [], f"commands no doc names: {missing}"
+    _, _, in_cli_md = _documented_commands([ROOT / "docs" / "cli.md"])
+    missing = sorted(_command_paths(_programs()["modelforge"], "modelforge") - in_cli_md)
+    assert missing == [], f"docs/cli.md does not name: {missing}"
 
 
 def test_the_docs_command_check_catches_a_wrong_command_or_flag():
@@ -157,6 +231,16 @@ def test_the_docs_command_check_catches_a_wrong_command_or_flag():
     _check(appliance, ["nodes", "show", "NODE", "--jsn"], "x", problems, set())
     _check(appliance, ["admin-token", "create|list|remove"], "x", problems, set())
     assert len(problems) == 3, problems
+    named: set[str] = set()
+    _check(appliance, ["nodes", "show|rename", "NODE"], "modelforge", [], set(), named)
+    assert named == {
+        "modelforge",
+        "modelforge nodes",
+        "modelforge nodes show",
+        "modelforge nodes rename",
+    }
+    assert "modelforge admin-password set" in _command_paths(appliance, "modelforge")
+    assert "is" not in _snippets("| message | what |\n|---|---|\n| `modelforge.pyz is` | x |\n")
     assert _command_words(["docker", "exec", "cp", "modelforge", "init"]) == (
         "modelforge",
         ["init"],

@@ -30,12 +30,16 @@ def test_mint_answer_carries_join_commands_and_an_env_file_without_a_hostname(
     assert set(body["join_commands"]) == {"systemd", "checkout", "container"}
     for kind, command in body["join_commands"].items():
         assert body["token"] not in command
-        words = shlex.split(command.split(" && ")[0])
+        (joining,) = [part for part in command.split(" && ") if " join " in part]
+        words = shlex.split(joining)
         join_at = words.index("join")
         assert words[join_at + 1] == cp.url, kind
         assert words[words.index("--accelerator") + 1] == "cpu", kind
         assert words[words.index("--token-file") + 1] == "-", kind
     assert "--gpus" not in body["join_commands"]["container"]  # cpu mode
+    # A checkout cannot use /run/modelforge: its worker socket sits beside its state.
+    checkout = body["join_commands"]["checkout"]
+    assert "--worker-socket var/node-agent/worker.sock" in checkout
     assert body["start_command"].startswith("bash -c ")  # kept for the console's wizard
 
     default = cp.mint()
@@ -68,3 +72,23 @@ def test_the_heartbeat_answer_asks_for_what_the_control_plane_lacks(sqlite_contr
     inventory = {"node_id": node_id, "agent_version": "0.1.0", "accelerators": []}
     assert cp.agent("PUT", "/api/v1/agent/inventory", credential, json=inventory).ok
     assert cp.heartbeat(credential, node_id).json()["republish"] == []
+
+
+def test_the_container_join_prepares_the_state_directory_for_the_image_user():
+    """The images run as SERVICE_UID: the host directory the container writes must be its, and
+    the agent reads its own env file (mode 0600, that user's) inside the container."""
+    from modelforge_appliance.join import AGENT_IMAGE_UID, join_commands
+    from modelforge_release.images import SERVICE_UID
+
+    assert AGENT_IMAGE_UID == SERVICE_UID
+    prepare, joining, running = join_commands("http://cp.lan:8000", "nvidia")["container"].split(
+        " && "
+    )
+    assert prepare == (
+        f"sudo install -d -m 0700 -o {SERVICE_UID} -g {SERVICE_UID} /var/lib/modelforge-node-agent"
+    )
+    assert "--rm -it --gpus all" in joining and " join http://cp.lan:8000 " in joining
+    words = shlex.split(running)
+    assert "--env-file" not in words[: words.index("python3")]  # not read on the host
+    assert words[-2:] == ["--env-file", "/var/lib/modelforge-node-agent/modelforge-node-agent.env"]
+    assert {"--read-only", "--gpus"} <= set(words)

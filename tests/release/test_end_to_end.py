@@ -142,8 +142,10 @@ def test_control_plane_and_agent_from_the_compose_files(
     deployment.compose(CONTROL_PLANE, "up", "-d", "--no-build", "control-plane")
     control_plane = deployment.container(docker_client, "control-plane")
     wait_for_healthz(control_plane, deployment.url + "/healthz")
-    code, output = control_plane.exec_run(["modelforge", "init", "--json"])
-    assert code == 0, output.decode()
+    # Only stdout is the answer: stderr says which store the command used.
+    code, (output, said) = control_plane.exec_run(["modelforge", "init", "--json"], demux=True)
+    assert code == 0, (said or b"").decode()
+    assert b"modelforge: store /var/lib/modelforge/modelforge.sqlite3" in said
     deployment.admin_token = json.loads(output)["admin_token"]
 
     # The operator's steps: mint, save the env file, capture the image id, start the agent.

@@ -75,7 +75,10 @@ def enroll(
         f" (from {locked.source}), expires {response['expires_at']}.\n\n"
         f"Token (single use, shown once):\n\n    {minted.token}\n\n"
         "Join the node with one command; it asks for the token without echo:\n\n"
-        f"{join.describe(response['join_commands'])}",
+        f"{join.describe(response['join_commands'])}\n"
+        "The node is ready only while its Runtime Worker answers beside the agent "
+        "(docs/work.md). From a checkout, start it first:\n\n"
+        f"    {join.checkout_worker_command(accelerator)}",
     )
 
 
