@@ -69,9 +69,10 @@ def join_commands(api_origin: str, accelerator_mode: str) -> dict[str, str]:
 
 
 def checkout_worker_command(accelerator_mode: str) -> str:
-    """The runtime worker for the checkout's join command: its socket, the agent's mode."""
+    """The runtime worker for the checkout's join command: its socket (the worker takes an
+    absolute path only), the agent's mode."""
     return (
-        f"MODELFORGE_WORKER_SOCKET={CHECKOUT_WORKER_SOCKET} "
+        f'MODELFORGE_WORKER_SOCKET="$PWD/{CHECKOUT_WORKER_SOCKET}" '
         f"MODELFORGE_WORKER_ACCELERATOR_MODE={accelerator_mode} .venv/bin/modelforge-runtime-worker"
     )
 
