@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pwd
 import shutil
 import sqlite3
 import stat
@@ -237,7 +238,14 @@ def backup(settings: Settings, destination: Path, force: bool = False) -> dict[s
             raise RestoreRefused(f"there is no store at {source}; run `modelforge init` first")
         try:
             _copy(source, destination)
-        except (OSError, sqlite3.Error) as exc:
+        except OSError as exc:
+            user = pwd.getpwuid(os.geteuid()).pw_name
+            raise RestoreRefused(
+                f"cannot write the backup into {destination.parent}: "
+                f"{exc.strerror or type(exc).__name__}; name a directory {user} can write "
+                f"(make one with: install -d -o {user} -m 0700 DIR)"
+            ) from None
+        except sqlite3.Error as exc:
             raise RestoreRefused(f"the backup to {destination} failed: {exc}") from None
     return {
         "backup": str(destination),

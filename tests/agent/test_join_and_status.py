@@ -230,6 +230,55 @@ def test_a_refused_credential_reenrolls_at_once_with_an_unused_token(
     assert [n["node_id"] for n in cp.nodes()] == [node_id]
 
 
+# Run in a fresh interpreter: load_settings() reads and changes this process's environment.
+_TOKEN_IN_RESERVE = """
+import json, os, sys
+from pathlib import Path
+from modelforge_node_agent.identity import NodeState
+from modelforge_node_agent.main import _can_reenroll
+from modelforge_node_agent.settings import load_settings
+
+settings = load_settings(env_file=Path(sys.argv[1]) if sys.argv[1] else None)
+spare_id = settings.enrollment_token.split("_")[1]
+refused = NodeState("i", "s", "n", "c", "CREDENTIAL_REVOKED", enrollment_id="0123456789abcdef")
+spent = NodeState("i", "s", "n", "c", "CREDENTIAL_REVOKED", enrollment_id=spare_id)
+print(json.dumps({
+    "in_environment": "MODELFORGE_AGENT_ENROLLMENT_TOKEN" in os.environ,
+    "kept": bool(settings.enrollment_token),
+    "reenrolls_with_an_unused_token": _can_reenroll(settings, refused),
+    "not_with_the_spent_one": not _can_reenroll(settings, spent),
+}))
+"""
+
+
+def test_the_token_leaves_the_environment_at_start_and_stays_in_reserve(tmp_path):
+    """Issue 14 takes the token out of the agent's environment at start (nothing it starts
+    inherits it); issue 15 re-enrolls at once with an unused one. Both hold in one process,
+    with the token from the environment beside an env file written by join."""
+    import sys
+
+    env_file = tmp_path / "agent.env"
+    env_file.write_text(f"MODELFORGE_AGENT_STATE_VOLUME={tmp_path / 'state'}\n")
+    spare = "mfe_fedcba9876543210_" + "x" * 43
+    for settings_file in ("", str(env_file)):
+        env = agent_env(control_plane_url="http://127.0.0.1:9", enrollment_token=spare)
+        result = subprocess.run(
+            [sys.executable, "-c", _TOKEN_IN_RESERVE, settings_file],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout) == {
+            "in_environment": False,
+            "kept": True,
+            "reenrolls_with_an_unused_token": True,
+            "not_with_the_spent_one": True,
+        }
+        assert spare not in result.stdout + result.stderr
+
+
 @pytest.mark.parametrize(
     ("how", "must", "must_not"),
     [

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import requests
 
 from modelforge_appliance.console import sessions
 from modelforge_appliance.models import AdminPassword, ConsoleSession
@@ -430,3 +431,25 @@ class _Plane:
 
     def __init__(self, url: str) -> None:
         self.url = url
+
+
+def test_the_hardware_page_through_a_wildcard_address_says_no_token_can_be_locked(
+    sqlite_control_plane,
+):
+    """Opened as http://0.0.0.0:8000/ (serve's banner on a wildcard listen address), the wizard
+    cannot promise an origin: the page says why instead of showing "unknown" as one."""
+    cp = sqlite_control_plane
+    set_password(cp)
+    client = ConsoleClient(cp)
+    assert client.sign_in().ok
+    usual = client.http.get(cp.url + "/console/", timeout=30).text
+    assert 'data-testid="enroll-origin"' in usual and cp.url in usual
+    # requests matches cookies against the Host header: send the session's own.
+    cookie = "; ".join(f"{c.name}={c.value}" for c in client.http.cookies)
+    wildcard = requests.get(
+        cp.url + "/console/", headers={"Host": "0.0.0.0:8000", "Cookie": cookie}, timeout=30
+    )
+    assert wildcard.status_code == 200
+    assert 'data-testid="enroll-origin-unusable"' in wildcard.text
+    assert 'data-testid="enroll-origin"' not in wildcard.text
+    assert "MODELFORGE_PUBLIC_API_ORIGIN" in wildcard.text

@@ -31,6 +31,7 @@ COMMANDS = {
     "init": ["init"],
     "serve": ["serve", "--listen", "{busy}"],
     "admin-token": ["admin-token", "create", "--name", "ci"],
+    "admin-password": ["admin-password", "set"],
     "enroll": ["enroll", "--name", "gpu", "--origin", "http://cp.lan:8000"],
     "enrollments": ["enrollments", "revoke", "0123456789abcdef"],
     "nodes": ["nodes", "show", "gpu-1"],
@@ -38,10 +39,14 @@ COMMANDS = {
     "audit": ["audit", "--node", "gpu-1"],
     "backup": ["backup", "{backup}"],
     "restore": ["restore", "{backup}", "--yes"],
+    "save-finality": ["save-finality", "{record}"],
+    "restore-finality": ["restore-finality", "{record}"],
+    "work": ["work", "show", "0123456789abcdef"],
     "doctor": ["doctor", "--listen", "{busy}"],
     "completion": ["completion", "bash"],
 }
 # What an operator may see: ok, "no", usage/configuration, not found, store unreachable.
+# (Every command group of `modelforge` is here: test_every_group_is_covered.)
 DOCUMENTED = {0, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_STORE_UNREACHABLE}
 
 
@@ -82,7 +87,7 @@ def prepared(tmp_path: Path, condition: str) -> tuple[dict[str, str], dict[str, 
         assert run_cli("init", env=env).returncode == 0
         for path in (state, *state.iterdir()):
             os.chown(path, 65534, 65534)  # nobody
-    return env, {"backup": str(backup)}
+    return env, {"backup": str(backup), "record": str(backup.with_suffix(".json"))}
 
 
 CONDITIONS = ["missing directory", "unwritable path", "postgres down", "wrong user"]
@@ -104,7 +109,8 @@ def test_no_command_prints_a_traceback(tmp_path, busy_port, group):
             last = result.stderr.strip().splitlines()[-1]
             assert last.startswith("modelforge: "), where
             assert "s3cret" not in result.stderr, where
-        if condition == "wrong user" and group in ("init", "backup", "restore", "nodes"):
+        owner_checked = ("init", "backup", "restore", "nodes", "admin-password", "save-finality")
+        if condition == "wrong user" and group in (*owner_checked, "restore-finality"):
             assert result.returncode == EXIT_USAGE and "run it as nobody" in result.stderr, where
         if condition == "postgres down" and group in ("nodes", "enroll", "audit", "init"):
             assert result.returncode == EXIT_STORE_UNREACHABLE, where
@@ -112,6 +118,12 @@ def test_no_command_prints_a_traceback(tmp_path, busy_port, group):
         # Only init and serve create a store (restore may create the directory to restore into).
         if condition == "missing directory" and group not in ("init", "serve", "restore"):
             assert not Path(env["MODELFORGE_STATE_DIR"]).exists(), f"{where}: created the store"
+
+
+def test_every_group_is_covered():
+    from modelforge_appliance.cli.main import main
+
+    assert set(COMMANDS) == set(main.commands)
 
 
 def test_debug_shows_the_trace(tmp_path):

@@ -8,6 +8,7 @@ leaving its staged copy, CLI writes lost to a concurrent restore, and unsafe bac
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from pathlib import Path
 
@@ -174,6 +175,20 @@ def test_backup_into_a_missing_directory_is_one_clear_line(tmp_path):
     missing = tmp_path / "no-such-dir" / "b.sqlite3"
     one_line_refusal(host.cli("backup", str(missing), check=False), "does not exist")
     assert not missing.parent.exists()
+
+
+def test_backup_into_an_unwritable_directory_is_one_clear_line(tmp_path):
+    """Not "store unreachable" (the store is fine), not a temporary file's name: which
+    directory, why, and what to do."""
+    host = Host(tmp_path)
+    if os.geteuid() == 0:
+        closed = Path("/sys")  # takes no new files, not even from root
+    else:
+        closed = tmp_path / "closed"
+        closed.mkdir(mode=0o500)
+    refused = host.cli("backup", str(closed / "b.sqlite3"), check=False)
+    one_line_refusal(refused, f"cannot write the backup into {closed}", "install -d -o")
+    assert ".b.sqlite3." not in refused.stderr
 
 
 def test_backup_does_not_overwrite_a_file_that_is_not_a_backup_unless_forced(tmp_path):

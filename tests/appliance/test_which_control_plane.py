@@ -110,6 +110,28 @@ def test_a_wildcard_address_never_becomes_a_tokens_origin(tmp_path, state_env):
         assert json.loads(minted.stdout)["api_origin"] == "http://192.168.1.20:8000"
 
 
+def test_behind_a_reverse_proxy_the_listen_address_is_no_origin(tmp_path, state_env):
+    """Agents address the trusted proxy, not the loopback address serve listens on: without
+    MODELFORGE_PUBLIC_API_ORIGIN, serve and doctor warn and enroll refuses, as for 0.0.0.0."""
+    env = {**state_env, "MODELFORGE_TRUSTED_PROXY": "127.0.0.1"}
+    log = tmp_path / "serve.log"
+    with serving(env, log, "--listen", "127.0.0.1:0") as (_, record):
+        assert "behind a reverse proxy" in log.read_text()
+        assert record["behind_proxy"] is True
+        # The CLI without the setting knows too: it reads what the running serve recorded.
+        refused = run_cli("enroll", "--name", "gpu", env=state_env)
+        assert refused.returncode == EXIT_USAGE and refused.stdout == ""
+        assert "MODELFORGE_PUBLIC_API_ORIGIN" in refused.stderr
+        chosen = run_cli("enroll", "--name", "gpu", "--origin", "https://cp.lan", "--json", env=env)
+        assert json.loads(chosen.stdout)["api_origin"] == "https://cp.lan"
+    doctor = run_cli("doctor", "--json", "--listen", f"127.0.0.1:{free_port()}", env=env)
+    checks = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}
+    assert checks["origin"]["warning"] is True and "proxy" in checks["origin"]["fix"]
+    public = {**env, "MODELFORGE_PUBLIC_API_ORIGIN": "https://cp.lan"}
+    minted = run_cli("enroll", "--name", "gpu", "--json", env=public)
+    assert json.loads(minted.stdout)["api_origin"] == "https://cp.lan"
+
+
 def test_only_init_and_serve_create_a_store(tmp_path):
     env = clean_env(MODELFORGE_STATE_DIR=str(tmp_path / "state"))
     for args in (("nodes",), ("enroll", "--name", "x", "--origin", "http://cp:1"), ("audit",)):

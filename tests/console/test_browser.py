@@ -483,3 +483,24 @@ def test_the_wizard_shows_every_command_field_the_mint_answer_carries(
     assert "modelforge-node-agent --preflight" in text
     page.get_by_test_id("enroll-close").click()
     expect(blocks).to_have_count(0)
+
+
+def test_the_wizard_shows_the_real_join_commands_for_the_chosen_mode(browser, sqlite_control_plane):
+    """The mint answer's own join_commands (one per install type) render as command blocks,
+    for the accelerator mode chosen in the wizard, and none of them holds the token."""
+    cp = sqlite_control_plane
+    set_password(cp)
+    page = browser.new_page()
+    sign_in(page, cp.url)
+    token = open_wizard_and_mint(page, mode="cpu")
+    blocks = page.get_by_test_id("enroll-command")
+    expect(blocks).to_have_count(3)
+    text = page.get_by_test_id("enroll-more-commands").inner_text()
+    for kind in ("systemd", "checkout", "container"):
+        assert f"join commands: {kind}" in text.lower(), text
+    assert text.count(f"join {cp.url} --accelerator cpu --token-file -") == 3
+    assert "--gpus" not in text and token not in text
+    env_file = page.get_by_test_id("enroll-env").text_content()
+    assert "MODELFORGE_AGENT_ACCELERATOR_MODE=cpu" in env_file
+    page.get_by_test_id("enroll-close").click()
+    expect(blocks).to_have_count(0)
