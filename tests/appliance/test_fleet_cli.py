@@ -174,7 +174,15 @@ def test_prompts_go_to_stderr_and_json_never_asks(tmp_path):
 
 def test_short_help_everywhere(tmp_path):
     with fleet(tmp_path) as f:
-        for args in (("-h",), ("nodes", "-h"), ("nodes", "show", "-h"), ("enrollments", "-h")):
+        for args in (
+            ("-h",),
+            ("nodes", "-h"),
+            ("nodes", "show", "-h"),
+            ("enrollments", "-h"),
+            ("admin-password", "set", "-h"),
+            ("restore-finality", "-h"),
+            ("work", "submit", "-h"),
+        ):
             result = f.cli(*args)
             assert result.returncode == 0 and "Usage:" in result.stdout, args
 
@@ -199,6 +207,10 @@ def test_json_output_of_every_command_parses(tmp_path):
             ("alerts", "--json"),
             ("audit", "--json", "--limit", "5"),
             ("backup", str(backup), "--json"),
+            ("save-finality", str(tmp_path / "record.json"), "--json"),
+            ("restore-finality", str(tmp_path / "record.json"), "--json"),
+            ("work", "submit", "smoke", "--node", "gpu-1", "--json"),
+            ("work", "list", "--json"),
             ("nodes", "revoke", "gpu-1", "--json"),
             ("nodes", "decommission", "gpu-1", "--yes", "--json"),
         ]
@@ -211,6 +223,8 @@ def test_json_output_of_every_command_parses(tmp_path):
         token_id = json.loads(f.cli("admin-token", "list", "--json").stdout)["admin_tokens"][-1]
         revoked = f.cli("admin-token", "revoke", token_id["token_id"], "--json")
         assert isinstance(json.loads(revoked.stdout), dict)
+        password = f.cli("admin-password", "set", "--json", stdin="a long enough password\n")
+        assert json.loads(password.stdout)["password_set"] is True, password.stderr
         assert node.node_id
 
 
