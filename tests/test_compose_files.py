@@ -201,6 +201,17 @@ def test_the_agent_state_volume_is_durable_and_the_token_comes_from_the_shell(tm
     assert state["type"] == "bind" and state["source"] == "/mnt/user/appdata/modelforge/agent-state"
 
 
+def test_the_agent_container_reports_the_host_name_it_is_given(tmp_path):
+    """The enrollment's env file leaves the host name to the machine, and a container's own is
+    its id (new at every recreate): the operator's MODELFORGE_NODE_AGENT_HOSTNAME names it."""
+    named = compose_model(
+        tmp_path, "docker-compose.node-agent.yml", MODELFORGE_NODE_AGENT_HOSTNAME="gpu-7"
+    )
+    assert named["services"]["node-agent"]["hostname"] == "gpu-7"
+    unnamed = compose_model(tmp_path, "docker-compose.node-agent.yml")
+    assert not unnamed["services"]["node-agent"].get("hostname")  # Docker's default
+
+
 def test_the_private_ca_file_mounts_the_ca_and_maps_the_control_plane_host(tmp_path):
     files = (
         "docker-compose.yml",

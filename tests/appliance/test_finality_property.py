@@ -164,7 +164,7 @@ class Operator(RuleBasedStateMachine):
         except ApiError:
             return
         self.spent_credentials |= set(
-            credentials.revoke_node_credential(self.store, node, audit.CLI_ACTOR)
+            credentials.revoke_node_credential(self.store, node, audit.CLI_ACTOR)["revoked"]
         )
 
     @rule()
