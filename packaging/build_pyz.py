@@ -1,13 +1,26 @@
 #!/usr/bin/env python3
-"""Build dist/modelforge.pyz and dist/modelforge-node-agent.pyz with shiv.
+"""Build the ModelForge archives with shiv: one control-plane archive per machine
+architecture (dist/modelforge-x86_64.pyz, dist/modelforge-aarch64.pyz) and one
+architecture-free agent archive (dist/modelforge-node-agent.pyz).
 
-    python3 packaging/build_pyz.py                 # both
-    python3 packaging/build_pyz.py appliance       # or: agent
+    python3 packaging/build_pyz.py                     # all three
+    python3 packaging/build_pyz.py appliance           # both control-plane archives
+    python3 packaging/build_pyz.py appliance-aarch64   # or: appliance-x86_64, agent
 
-Standard library only, so it runs before any virtualenv exists. Each pyz is made
-from exactly one hash-locked requirement set (packaging/requirements-*.txt,
-installed with --require-hashes) plus the first-party import packages it needs,
-so the dependency split is decided here and checked before the archive is written.
+Standard library only, so it runs before any virtualenv exists, on any supported
+CPython of any architecture: wheels are chosen by explicit interpreter and platform
+tags, never by the build host. Each pyz is made from exactly one hash-locked
+requirement set (packaging/requirements-*.txt, installed with --require-hashes)
+plus the first-party import packages it needs, so the dependency split is decided
+here and checked before the archive is written.
+
+One control-plane archive runs on every supported CPython: its compiled modules
+carry the interpreter in their file name (``_psycopg.cpython-312-x86_64-linux-gnu.so``),
+so the wheels for CPython 3.10 to 3.13 are installed one after the other and their
+compiled modules put side by side. Every other file of those wheels must be
+byte-identical to the one already staged, or the build stops. The agent archive is
+installed from implementation-independent wheels only (``py3-none-any``), so it
+holds no compiled module at all.
 
 Reproducible: the same commit and SOURCE_DATE_EPOCH give byte-identical files.
 SOURCE_DATE_EPOCH defaults to the commit time of HEAD. The staging tree is
@@ -20,6 +33,7 @@ fresh extraction directory under SHIV_ROOT and an unchanged one never does.
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import logging
 import os
@@ -35,9 +49,33 @@ log = logging.getLogger("build_pyz")
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGING = ROOT / "packaging"
-# Shebang of both archives: the wheels inside (psycopg2-binary, charset-normalizer)
-# are built for CPython 3.11, so the archive names that interpreter.
-SHEBANG = "/usr/bin/env python3.11"
+# Shebang of every archive: whichever python3 the system has; the launcher
+# (packaging/pyz_launcher.py) refuses one the archive cannot run on, in one line.
+SHEBANG = "/usr/bin/env python3"
+# The CPython versions whose compiled modules the control-plane archives carry
+# (pyproject.toml requires-python and doctor.SUPPORTED_PYTHONS say the same; a test checks).
+PYTHONS = ("3.10", "3.11", "3.12", "3.13")
+LAUNCHER = PACKAGING / "pyz_launcher.py"
+LAUNCHER_MODULE = "modelforge_launcher"
+# A compiled module tied to one CPython: name.cpython-312-x86_64-linux-gnu.so
+VERSION_TIED = re.compile(r"\.cpython-(\d)(\d+)-[^/]+\.so$")
+# Every compiled file: extension modules and the shared libraries wheels bundle.
+COMPILED = re.compile(r"\.(so|pyd|dylib)(\.[\d.]+)?$")
+# Per-file dist-info metadata that names the wheel's tags; merged, not compared.
+MERGED_METADATA = ("WHEEL", "RECORD")
+# Software bills of materials (auditwheel's) describe one wheel file each: every
+# interpreter's is kept, under its own name.
+PER_WHEEL = re.compile(r"^([^/]+\.dist-info/sboms)/([^/]+)$")
+
+
+def per_wheel_name(relative: str, python: str) -> str | None:
+    """Where the file of one interpreter's wheel is kept beside the others', if it is one."""
+    match = PER_WHEEL.match(relative)
+    if match is None:
+        return None
+    return f"{match.group(1)}/cp{python.replace('.', '')}-{match.group(2)}"
+
+
 # Published as an sdist only; built from its hash-checked sdist with the locked
 # setuptools. NO_SQLITE=1 keeps it pure Python (its optional C extension would
 # embed build paths and is not used by ModelForge).
@@ -51,6 +89,26 @@ SOURCE_DIRS = {
 
 
 @dataclass(frozen=True)
+class Machine:
+    """A CPU architecture the control plane ships for, as `uname -m` names it."""
+
+    name: str
+    # The manylinux tag wheels are chosen by: the oldest glibc they load on, and so the
+    # oldest system the archive runs on. psycopg2-binary publishes x86_64 wheels for
+    # glibc 2.17 and aarch64 wheels for glibc 2.28.
+    wheel_platform: str
+    glibc: str
+    # ELF e_machine of its code (62 = x86-64, 183 = AArch64).
+    elf_machine: int
+
+
+MACHINES = {
+    "x86_64": Machine("x86_64", "manylinux_2_17_x86_64", "2.17", 62),
+    "aarch64": Machine("aarch64", "manylinux_2_28_aarch64", "2.28", 183),
+}
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
     output: str
@@ -59,17 +117,30 @@ class Target:
     packages: tuple[str, ...]
     # Top-level names that must not be in the archive (DESIGN §1: the split).
     forbidden: tuple[str, ...]
+    # None: implementation-independent wheels only, no compiled module anywhere.
+    machine: Machine | None = None
+
+
+APPLIANCE_FORBIDDEN = ("pynvml", "docker", "requests", "modelforge_node_agent", "modelforge_worker")
+
+
+def appliance_output(machine: str) -> str:
+    return f"modelforge-{machine}.pyz"
 
 
 TARGETS = {
-    "appliance": Target(
-        name="appliance",
-        output="modelforge.pyz",
-        entry_point="modelforge_appliance.cli:main",
-        requirements="requirements-appliance.txt",
-        packages=("modelforge_contract", "modelforge_appliance"),
-        forbidden=("pynvml", "docker", "requests", "modelforge_node_agent", "modelforge_worker"),
-    ),
+    **{
+        f"appliance-{machine.name}": Target(
+            name=f"appliance-{machine.name}",
+            output=appliance_output(machine.name),
+            entry_point="modelforge_appliance.cli:main",
+            requirements="requirements-appliance.txt",
+            packages=("modelforge_contract", "modelforge_appliance"),
+            forbidden=APPLIANCE_FORBIDDEN,
+            machine=machine,
+        )
+        for machine in MACHINES.values()
+    },
     "agent": Target(
         name="agent",
         output="modelforge-node-agent.pyz",
@@ -88,6 +159,8 @@ TARGETS = {
         ),
     ),
 }
+# Names that stand for several targets.
+GROUPS = {"appliance": tuple(f"appliance-{machine}" for machine in MACHINES)}
 
 
 class BuildError(Exception):
@@ -186,11 +259,49 @@ def check_entry_point(target: Target) -> None:
         )
 
 
+def wheel_tags(target: Target, python: str) -> list[str]:
+    """pip options that pick wheels for ``python`` on the target's platform, whatever runs pip."""
+    if target.machine is None:
+        # Implementation-independent wheels only: pip refuses anything compiled.
+        return ["--implementation", "py", "--abi", "none", "--platform", "any",
+                "--python-version", python]  # fmt: skip
+    abi = "cp" + python.replace(".", "")
+    return ["--implementation", "cp", "--abi", abi, "--platform", target.machine.wheel_platform,
+            "--python-version", python]  # fmt: skip
+
+
+def locked_blocks(requirements: Path) -> dict[str, str]:
+    """name -> its requirement line with every --hash continuation, from a pip-compile lock."""
+    blocks: dict[str, str] = {}
+    text = requirements.read_text(encoding="utf-8").replace("\\\n", " ")
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name = re.split(r"[=<>!~ ;\[]", line, maxsplit=1)[0].lower().replace("_", "-")
+            blocks[name] = line
+    return blocks
+
+
 def install_dependencies(
-    python: Path, target: Target, staging: Path, index_url: str | None, pip_cache: Path
+    python: Path,
+    target: Target,
+    staging: Path,
+    index_url: str | None,
+    pip_cache: Path,
+    for_python: str,
+    without: tuple[str, ...] = (),
 ) -> None:
+    """pip install the target's lock (less ``without``) for CPython ``for_python`` into staging."""
     env = {**os.environ, "NO_SQLITE": "1", "PYTHONHASHSEED": "0"}
     env.pop("PIP_REQUIRE_VIRTUALENV", None)
+    requirements = PACKAGING / target.requirements
+    if without:
+        blocks = locked_blocks(requirements)
+        filtered = staging.parent / f"{staging.name}.requirements.txt"
+        filtered.write_text("".join(f"{line}\n" for name, line in sorted(blocks.items())
+                                    if name not in without))  # fmt: skip
+        requirements = filtered
+    sdists = [name for name in SDIST_ONLY if name in locked_blocks(requirements)]
     argv = [
         str(python),
         *pip_args(index_url, pip_cache),
@@ -198,21 +309,240 @@ def install_dependencies(
         "--no-compile",
         "--no-build-isolation",
         "--no-warn-script-location",
+        *wheel_tags(target, for_python),
         "--only-binary",
         ":all:",
-        *[arg for name in SDIST_ONLY for arg in ("--no-binary", name)],
+        *[arg for name in sdists for arg in ("--no-binary", name)],
         "--target",
         str(staging),
         "-r",
-        str(PACKAGING / target.requirements),
+        str(requirements),
     ]
     run(argv, env=env)
+
+
+def merge_metadata(name: str, staged: bytes, other: bytes, python: str) -> bytes:
+    """WHEEL: the union of the Tag lines (all else equal); RECORD: the union of its lines."""
+    old, new = staged.decode().splitlines(), other.decode().splitlines()
+    if name == "RECORD":
+        renamed = []
+        for line in new:
+            path, _, rest = line.partition(",")
+            renamed.append(f"{per_wheel_name(path, python) or path},{rest}")
+        new = renamed
+    if name == "WHEEL":
+        if [line for line in old if not line.startswith("Tag:")] != [
+            line for line in new if not line.startswith("Tag:")
+        ]:
+            raise ValueError("WHEEL differs beyond its Tag lines")
+    else:
+        # RECORD lines of the same path must agree, except WHEEL and RECORD themselves.
+        by_path = {line.split(",", 1)[0]: line for line in old}
+        for line in new:
+            path = line.split(",", 1)[0]
+            if path in by_path and by_path[path] != line and not path.endswith(MERGED_METADATA):
+                raise ValueError(f"RECORD disagrees about {path}")
+    merged = old + [line for line in new if line not in old]
+    return ("\n".join(merged) + "\n").encode()
+
+
+def refresh_record(dist_info: Path) -> None:
+    """After a merge: one RECORD line per path, the WHEEL line naming the merged bytes."""
+    record, wheel = dist_info / "RECORD", dist_info / "WHEEL"
+    if not record.is_file() or not wheel.is_file():
+        return
+    data = wheel.read_bytes()
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    wheel_path = f"{dist_info.name}/WHEEL"
+    lines: dict[str, str] = {}
+    for line in record.read_text(encoding="utf-8").splitlines():
+        path = line.split(",", 1)[0]
+        lines.setdefault(path, line)
+    lines[wheel_path] = f"{wheel_path},sha256={digest},{len(data)}"
+    record.write_text("".join(f"{line}\n" for line in lines.values()), encoding="utf-8")
+
+
+def files_of(staging: Path, names: tuple[str, ...]) -> set[str]:
+    """Every path the RECORD files of the named distributions list (and their dist-info)."""
+    paths: set[str] = set()
+    for dist_info in staging.glob("*.dist-info"):
+        name = dist_info.name.removesuffix(".dist-info").rsplit("-", 1)[0]
+        name = name.lower().replace("_", "-")
+        if name in names:
+            for line in (dist_info / "RECORD").read_text(encoding="utf-8").splitlines():
+                paths.add(line.split(",", 1)[0])
+            paths.update(p.relative_to(staging).as_posix() for p in dist_info.rglob("*"))
+    return paths
+
+
+def add_interpreter(staging: Path, other: Path, python: str, installed_once: set[str]) -> int:
+    """Move the compiled modules of ``other`` (installed for ``python``) into ``staging``.
+
+    Every file that is not tied to one CPython must already be staged, byte for byte;
+    the wheels' WHEEL and RECORD files are merged. Returns how many modules were added.
+    """
+    tag = python.replace(".", "")
+    added = 0
+    # bin/ holds console-script shims, which normalise() drops from the archive; each
+    # wheel's bill of materials is kept apart.
+    staged_untied = {
+        relative
+        for relative in (
+            p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file()
+        )
+        if not VERSION_TIED.search(relative)
+        and not relative.startswith("bin/")
+        and not PER_WHEEL.match(relative)
+    }
+    other_untied: set[str] = set()
+    for path in sorted(other.rglob("*")):
+        if not path.is_file():
+            continue
+        relative = path.relative_to(other).as_posix()
+        if relative.startswith("bin/"):
+            continue
+        destination = staging / relative
+        tied = VERSION_TIED.search(path.name)
+        if tied:
+            if tied.group(1) + tied.group(2) != tag:
+                raise BuildError(f"{relative} came with the CPython {python} wheels")
+            if destination.exists():
+                raise BuildError(f"{relative} is staged twice")
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, destination)
+            added += 1
+            continue
+        kept_apart = per_wheel_name(relative, python)
+        if kept_apart is not None:
+            shutil.copyfile(path, staging / kept_apart)
+            continue
+        other_untied.add(relative)
+        if not destination.is_file():
+            raise BuildError(
+                f"{relative} is in the CPython {python} wheels only; one archive cannot carry "
+                "files that differ by interpreter: refusing to build"
+            )
+        if path.parent.name.endswith(".dist-info") and path.name in MERGED_METADATA:
+            try:
+                merged = merge_metadata(
+                    path.name, destination.read_bytes(), path.read_bytes(), python
+                )
+            except ValueError as exc:
+                raise BuildError(f"{relative}: {exc} in the CPython {python} wheels") from None
+            destination.write_bytes(merged)
+            continue
+        if path.read_bytes() != destination.read_bytes():
+            raise BuildError(
+                f"{relative} differs between the CPython {PYTHONS[0]} and {python} wheels; one "
+                "archive cannot carry both: refusing to build"
+            )
+    missing = sorted(staged_untied - other_untied - installed_once)
+    if missing:
+        raise BuildError(
+            f"the CPython {python} wheels lack {', '.join(missing[:5])}: refusing to build"
+        )
+    for dist_info in staging.glob("*.dist-info"):
+        refresh_record(dist_info)
+    return added
+
+
+def stage_dependencies(
+    python: Path, target: Target, staging: Path, work: Path, index_url: str | None, pip_cache: Path
+) -> None:
+    """The locked wheels for the first supported CPython, then the compiled modules of the rest."""
+    install_dependencies(python, target, staging, index_url, pip_cache, PYTHONS[0])
+    if target.machine is None:
+        return
+    for version in PYTHONS[1:]:
+        other = work / f"cp{version.replace('.', '')}"
+        shutil.rmtree(other, ignore_errors=True)
+        other.mkdir(parents=True)
+        # Source-only packages are pure Python (they are built once, above).
+        install_dependencies(
+            python, target, other, index_url, pip_cache, version, without=SDIST_ONLY
+        )
+        added = add_interpreter(staging, other, version, files_of(staging, SDIST_ONLY))
+        log.info("%s: %d compiled module(s) for CPython %s", target.output, added, version)
+        shutil.rmtree(other)
 
 
 def copy_first_party(target: Target, staging: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo", "*~", ".*.swp")
     for package in target.packages:
         shutil.copytree(SOURCE_DIRS[package], staging / package, ignore=ignore)
+
+
+def launcher_settings(target: Target) -> dict[str, object]:
+    """What packaging/pyz_launcher.py checks before the real entry point runs."""
+    return {
+        "name": target.output,
+        "entry": target.entry_point,
+        "pythons": list(PYTHONS) if target.machine else None,
+        "min_python": PYTHONS[0],
+        "machine": target.machine.name if target.machine else None,
+        "glibc": target.machine.glibc if target.machine else None,
+        "siblings": {name: appliance_output(name) for name in MACHINES} if target.machine else {},
+    }
+
+
+def write_launcher(target: Target, staging: Path) -> None:
+    source = LAUNCHER.read_text(encoding="utf-8")
+    # A Python literal (None, not null), keys in a fixed order for reproducibility.
+    filled = repr(dict(sorted(launcher_settings(target).items())))
+    if source.count("\nARCHIVE = {}\n") != 1:
+        raise BuildError(f"{LAUNCHER.relative_to(ROOT)} lost its `ARCHIVE = {{}}` line")
+    (staging / f"{LAUNCHER_MODULE}.py").write_text(
+        source.replace("\nARCHIVE = {}\n", f"\nARCHIVE = {filled}\n"), encoding="utf-8"
+    )
+
+
+def elf_machine(path: Path) -> int | None:
+    """e_machine of an ELF file (little-endian, as on both supported machines), else None."""
+    with path.open("rb") as fh:
+        header = fh.read(20)
+    if len(header) < 20 or header[:4] != b"\x7fELF":
+        return None
+    return int.from_bytes(header[18:20], "little")
+
+
+def compiled_problems(target: Target, names: list[str], read_elf=None) -> list[str]:
+    """Files that would tie the archive to one CPython or to the wrong machine.
+
+    names: archive-relative paths. A control-plane archive must carry each
+    CPython-specific module for every supported CPython; the agent none at all.
+    """
+    problems = []
+    compiled = [name for name in names if COMPILED.search(name)]
+    if target.machine is None:
+        return [f"{name} is compiled; the agent archive must hold none" for name in compiled]
+    wanted = {version.replace(".", "") for version in PYTHONS}
+    families: dict[str, set[str]] = {}
+    for name in compiled:
+        tied = VERSION_TIED.search(name)
+        if tied:
+            stem = name[: tied.start()] + "|" + name[tied.end() :]
+            families.setdefault(stem, set()).add(tied.group(1) + tied.group(2))
+    for stem, versions in sorted(families.items()):
+        if versions != wanted:
+            lacking = ", ".join(f"{v[0]}.{v[1:]}" for v in sorted(wanted - versions))
+            extra = ", ".join(f"{v[0]}.{v[1:]}" for v in sorted(versions - wanted))
+            problems.append(
+                f"{stem.split('|')[0]}: "
+                + (f"no build for CPython {lacking}" if lacking else "")
+                + (
+                    f"{'; ' if lacking else ''}a build for unsupported CPython {extra}"
+                    if extra
+                    else ""
+                )
+            )
+    if read_elf is not None:
+        for name in compiled:
+            found = read_elf(name)
+            if found is not None and found != target.machine.elf_machine:
+                problems.append(
+                    f"{name} is built for ELF machine {found}, not {target.machine.name}"
+                )
+    return problems
 
 
 def normalise(staging: Path) -> None:
@@ -243,8 +573,15 @@ def check_staging(target: Target, staging: Path, build_dirs: tuple[Path, ...]) -
         raise BuildError(
             f"{target.output} would carry {', '.join(leaked)}; fix the requirement set"
         )
+    problems = compiled_problems(
+        target,
+        sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file()),
+        read_elf=lambda name: elf_machine(staging / name),
+    )
+    if problems:
+        raise BuildError(f"{target.output} would not run everywhere it claims: {problems[0]}")
     for path in staging.rglob("*"):
-        if path.is_file() and path.suffix != ".so":
+        if path.is_file() and not COMPILED.search(path.name):
             data = path.read_bytes()
             for build_dir in build_dirs:
                 if str(build_dir).encode() in data:
@@ -273,8 +610,9 @@ def build(
     staging = work_dir / target.name / "site-packages"
     shutil.rmtree(staging.parent, ignore_errors=True)
     staging.mkdir(parents=True)
-    install_dependencies(python, target, staging, index_url, pip_cache)
+    stage_dependencies(python, target, staging, staging.parent, index_url, pip_cache)
     copy_first_party(target, staging)
+    write_launcher(target, staging)
     normalise(staging)
     check_staging(target, staging, (work_dir.resolve(), ROOT, pip_cache.resolve()))
 
@@ -291,7 +629,7 @@ def build(
         "--site-packages",
         str(staging),
         "--entry-point",
-        target.entry_point,
+        f"{LAUNCHER_MODULE}:main",
         "--output-file",
         str(partial),
         "--python",
@@ -320,7 +658,11 @@ def build(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("targets", nargs="*", help="appliance, agent (default: both)")
+    parser.add_argument(
+        "targets",
+        nargs="*",
+        help=f"{', '.join([*GROUPS, *TARGETS])} (default: every archive)",
+    )
     parser.add_argument("--dist", type=Path, default=ROOT / "dist", help="output directory")
     parser.add_argument(
         "--work-dir", type=Path, default=ROOT / "build" / "pyz", help="staging and tools"
@@ -338,22 +680,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.targets) - set(TARGETS))
+    unknown = sorted(set(args.targets) - set(TARGETS) - set(GROUPS))
     if unknown:
-        parser.error(f"unknown target {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
+        parser.error(
+            f"unknown target {', '.join(unknown)}; choose from {', '.join([*GROUPS, *TARGETS])}"
+        )
+    names = [
+        name for wanted in args.targets or list(TARGETS) for name in GROUPS.get(wanted, (wanted,))
+    ]
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="build_pyz: %(message)s"
     )
     # Modes of staged and tool files feed the archive; fix them regardless of the caller.
     os.umask(0o022)
-    if sys.version_info[:2] != (3, 11):
-        log.error("run this with Python 3.11 (the pyz files target CPython 3.11)")
+    if sys.version_info[:2] < (3, 10):  # noqa: UP036 (said plainly, not as a SyntaxError)
+        log.error("run this with Python 3.10 or newer")
         return 2
     work_dir = args.work_dir.absolute()
     pip_cache = (args.pip_cache or work_dir / "pip-cache").absolute()
     epoch = source_date_epoch()
     try:
-        for name in args.targets or list(TARGETS):
+        for name in dict.fromkeys(names):
             build(TARGETS[name], args.dist.absolute(), work_dir, args.index_url, pip_cache, epoch)
     except BuildError as exc:
         log.error("%s", exc)

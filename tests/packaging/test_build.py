@@ -6,13 +6,13 @@ import hashlib
 import re
 import shutil
 import subprocess
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from modelforge_contract import PROTOCOL_VERSION, __version__
+from tests.support import tomllib
 
 from .conftest import ROOT, build_pyz, clean_env, pyz_command, require_agent
 
