@@ -26,7 +26,7 @@ from modelforge_contract import (
 )
 
 from . import __version__
-from .transport import REQUEST_TIMEOUT, exception_name
+from .transport import REQUEST_TIMEOUT, exception_name, tls_cause
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +57,13 @@ class CallFailed(Exception):
 class TransportFailure(CallFailed):
     """No HTTP answer: connection refused, DNS, TLS, timeout, or a garbled response."""
 
-    def __init__(self, name: str, method: str, path: str) -> None:
+    def __init__(self, name: str, method: str, path: str, hint: str | None = None) -> None:
         super().__init__(name)
-        self.name, self.method, self.path = name, method, path
+        self.name, self.method, self.path, self.hint = name, method, path, hint
 
     def describe(self) -> str:
-        return f"{self.name} on {self.method} {self.path}"
+        head = f"{self.name} on {self.method} {self.path}"
+        return f"{head}: {self.hint}" if self.hint else head
 
 
 class Refused(CallFailed):
@@ -135,7 +136,7 @@ class ControlPlaneClient:
                 allow_redirects=False,
             )
         except requests.RequestException as exc:
-            raise TransportFailure(exception_name(exc), method, path) from None
+            raise TransportFailure(exception_name(exc), method, path, tls_cause(exc)) from None
         with response:
             if not 200 <= response.status_code < 300:
                 code, compatibility = _refusal_fields(response)

@@ -9,12 +9,15 @@ lock on the control plane keeps working.
 from __future__ import annotations
 
 import logging
+import ssl
 from typing import Any
 from urllib.parse import urlsplit
 
 import requests
 import urllib3
 from requests.adapters import HTTPAdapter
+
+from modelforge_contract.tls import strict_x509_cause
 
 from .settings import AgentSettings
 
@@ -84,3 +87,16 @@ def exception_name(exc: BaseException) -> str:
                 break
         return "ConnectError"
     return type(exc).__name__
+
+
+def tls_cause(exc: BaseException) -> str | None:
+    """For a certificate refused only by strict X.509 checks (Python 3.13+), what to fix."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return strict_x509_cause(cause.verify_message)
+        nested = cause.args[0] if cause.args and isinstance(cause.args[0], BaseException) else None
+        cause = cause.__cause__ or cause.__context__ or nested
+    return None

@@ -29,6 +29,7 @@ import peewee as pw
 
 from . import models
 from .clock import Clock, isoformat
+from .doctor_tls import verify_origin
 from .settings import ConfigError, Settings, load_settings, parse_listen
 from .store import SCHEMA_VERSION, Store, redact_url
 
@@ -374,6 +375,7 @@ def run_checks(
     env_file: Path | None = None,
     listen: str | None = None,
     clock: Clock | None = None,
+    ca_cert: Path | None = None,
 ) -> list[Check]:
     """Every check, in the order an operator fixes things."""
     clock = clock or Clock()
@@ -392,6 +394,8 @@ def run_checks(
         store_check, newest = check_store(settings, clock)
         checks.append(store_check)
     checks.append(check_clock(clock.now(), newest))
+    if ca_cert is not None and settings is not None:
+        checks.append(Check("tls", *verify_origin(settings.public_api_origin, ca_cert)))
     return checks
 
 
@@ -414,14 +418,21 @@ def report(checks: list[Check]) -> dict[str, Any]:
 
 @click.command()
 @click.option("--listen", help="HOST:PORT to check instead of MODELFORGE_LISTEN.")
+@click.option(
+    "--ca-cert",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="The private CA (PEM) agents trust (MODELFORGE_AGENT_CA_CERT_PATH): check that the "
+    "https:// MODELFORGE_PUBLIC_API_ORIGIN verifies against it as agents on Python 3.13+ do.",
+)
 @click.option("--json", "as_json", is_flag=True, help='Print {"ok": …, "checks": […]} as JSON.')
 @click.pass_obj
-def doctor(obj: Any, listen: str | None, as_json: bool) -> None:
-    """Check this host before starting: Python, state directory, port, store, clock, settings.
+def doctor(obj: Any, listen: str | None, ca_cert: Path | None, as_json: bool) -> None:
+    """Check this host before starting: Python, state directory, port, store, clock, settings,
+    and with --ca-cert the TLS certificate agents will see.
 
     Exits 0 when every check passes and 1 when any fails; each failure says what to fix.
     """
-    checks = run_checks(env_file=getattr(obj, "env_file", None), listen=listen)
+    checks = run_checks(env_file=getattr(obj, "env_file", None), listen=listen, ca_cert=ca_cert)
     for check in checks:
         if not check.ok:
             log.info("doctor: %s failed: %s", check.name, check.detail)

@@ -14,6 +14,7 @@ import pytest
 from modelforge_appliance import doctor
 from tests.support import IN_CI, tomllib
 
+from ..pki import issue_server_cert, make_ca, tls_listener
 from ..support import free_port
 from .conftest import ROOT, clean_env
 
@@ -176,3 +177,64 @@ def test_python_check_names_the_fix_for_this_distribution():
     assert "Python 3.14.0 is running" in newer.detail
     assert "Alpine Linux v3.20" in newer.fix and "3.10–3.13" in newer.fix
     assert "python3.11" not in on_debian.fix + too_old.fix + newer.fix
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """A CA made as docs/node-agent.md says and one made with OpenSSL's defaults, each with a
+    server certificate for 127.0.0.1."""
+    directory = tmp_path_factory.mktemp("pki")
+    make_ca(directory, "careful")
+    issue_server_cert(directory, "careful", "good", ["127.0.0.1"])
+    make_ca(directory, "defaults", careful=False)
+    issue_server_cert(directory, "defaults", "weak", ["127.0.0.1"])
+    return directory
+
+
+def test_doctor_names_a_ca_that_python_3_13_agents_refuse(initialised, pki):
+    """Whatever Python runs the doctor, it checks as agents on Python 3.13+ verify."""
+    with tls_listener(pki / "weak.pem", pki / "weak.key") as port:
+        code, report = run_doctor(
+            initialised,
+            "--ca-cert",
+            str(pki / "defaults.pem"),
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            MODELFORGE_PUBLIC_API_ORIGIN=f"https://127.0.0.1:{port}",
+        )
+    assert code == 1 and set(failed(report)) == {"tls"}
+    problem = failed(report)["tls"]
+    assert problem["detail"] == (
+        f"agents on Python 3.13+ refuse 127.0.0.1:{port}: the CA certificate has no keyUsage "
+        "extension; Python 3.13 and newer refuse such a certificate. Remake the CA with "
+        "keyUsage=critical,keyCertSign,cRLSign (and reissue the server certificate) as "
+        "docs/node-agent.md, section Private CA shows"
+    )
+    assert problem["fix"] == "docs/node-agent.md, section Private CA"
+
+
+def test_doctor_passes_a_ca_made_as_documented(initialised, pki):
+    with tls_listener(pki / "good.pem", pki / "good.key") as port:
+        code, report = run_doctor(
+            initialised,
+            "--ca-cert",
+            str(pki / "careful.pem"),
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            MODELFORGE_PUBLIC_API_ORIGIN=f"https://127.0.0.1:{port}",
+        )
+    assert failed(report) == {} and code == 0
+    tls = next(check for check in report["checks"] if check["name"] == "tls")
+    assert tls["detail"].startswith(f"127.0.0.1:{port} (TLSv1.3) verifies against")
+
+
+def test_doctor_tls_check_needs_an_https_origin(initialised, pki):
+    code, report = run_doctor(
+        initialised,
+        "--ca-cert",
+        str(pki / "careful.pem"),
+        "--listen",
+        f"127.0.0.1:{free_port()}",
+    )
+    assert code == 1
+    assert "agents would not use TLS" in failed(report)["tls"]["detail"]
