@@ -6,6 +6,7 @@ import ssl
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from modelforge_node_agent.client import ControlPlaneClient, TransportFailure
 from modelforge_node_agent.settings import load_settings
 from modelforge_node_agent.transport import make_session
 
-from ..pki import issue_server_cert, make_ca
+from ..pki import CA_EXTENSIONS, SERVER_EXTENSIONS, issue_server_cert, make_ca
 from ..support import free_port
 from .processes import AgentProcess, agent_env
 from .servers import answer_json
@@ -147,3 +148,10 @@ def test_a_ca_made_with_openssl_defaults_is_named_as_the_cause_on_python_3_13(pk
     assert line.startswith("TLSError on POST /api/v1/agent/heartbeat: the CA certificate has no ")
     assert "keyUsage=critical,keyCertSign,cRLSign" in line
     assert "docs/node-agent.md" in line
+
+
+def test_the_documented_ca_is_the_one_these_tests_make():
+    """docs/node-agent.md shows the extensions and openssl options tests/pki.py uses."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "node-agent.md").read_text()
+    for extension in (*CA_EXTENSIONS, *SERVER_EXTENSIONS):
+        assert extension in docs, extension
