@@ -83,22 +83,27 @@ def pyz_dist(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("dist")
 
 
+# Build tools per interpreter (scripts/test runs the suite on several): no rebuilding them
+# each time another CPython runs the tests. pip's download cache is shared.
+WORK_DIR = ROOT / "build" / f"pyz-py{sys.version_info[0]}.{sys.version_info[1]}"
+
+
 @pytest.fixture(scope="session")
 def appliance_pyz(pyz_dist) -> Path:
     """The control-plane archive for the machine the tests run on."""
-    return build_pyz(f"appliance-{HOST_MACHINE}", pyz_dist, ROOT / "build" / "pyz")
+    return build_pyz(f"appliance-{HOST_MACHINE}", pyz_dist, WORK_DIR)
 
 
 @pytest.fixture(scope="session")
 def foreign_appliance_pyz(pyz_dist) -> Path:
     """The control-plane archive for the other supported machine."""
-    return build_pyz(f"appliance-{OTHER_MACHINE}", pyz_dist, ROOT / "build" / "pyz")
+    return build_pyz(f"appliance-{OTHER_MACHINE}", pyz_dist, WORK_DIR)
 
 
 @pytest.fixture(scope="session")
 def agent_pyz(pyz_dist) -> Path:
     require_agent()
-    return build_pyz("agent", pyz_dist, ROOT / "build" / "pyz")
+    return build_pyz("agent", pyz_dist, WORK_DIR)
 
 
 def pyz_command(pyz: Path, *args: str) -> list[str]:

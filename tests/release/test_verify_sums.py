@@ -104,13 +104,13 @@ def test_escaped_names_as_coreutils_9_7_in_a_debian_13_root_shows_them():
 
 
 def test_corrupted_file_fails_like_sha256sum(bundle):
-    with (bundle / "modelforge.pyz").open("r+b") as file:
+    with (bundle / "modelforge-x86_64.pyz").open("r+b") as file:
         file.seek(40_000)
         file.write(b"\0")
     result = release("verify-sums", cwd=bundle)
     reference = sha256sum("-c", "SHA256SUMS", cwd=bundle)
     assert result.returncode == 1
-    assert b"modelforge.pyz: FAILED\n" in result.stdout
+    assert b"modelforge-x86_64.pyz: FAILED\n" in result.stdout
     assert result.stdout == reference.stdout
     assert stderr_lines(result, b"modelforge-release") == stderr_lines(reference, b"sha256sum")
     assert stderr_lines(result, b"modelforge-release") == [
@@ -123,13 +123,13 @@ def test_uppercase_hex_is_accepted_and_still_compared(bundle):
     lines = sums.read_bytes().splitlines(keepends=True)
     sums.write_bytes(b"".join(line[:64].upper() + line[64:] for line in lines))
     assert release("verify-sums", cwd=bundle).returncode == 0
-    (bundle / "modelforge.pyz").write_bytes(b"replaced")
+    (bundle / "modelforge-x86_64.pyz").write_bytes(b"replaced")
     assert release("verify-sums", cwd=bundle).returncode == 1
 
 
 def test_missing_file_fails_open_or_read(bundle):
     (bundle / "modelforge-node-agent.pyz").unlink()
-    (bundle / "modelforge.pyz").write_bytes(b"changed")
+    (bundle / "modelforge-x86_64.pyz").write_bytes(b"changed")
     result = release("verify-sums", cwd=bundle)
     reference = sha256sum("-c", "SHA256SUMS", cwd=bundle)
     assert result.returncode == 1
@@ -152,10 +152,10 @@ def test_ignore_missing_skips_absent_files_but_not_an_empty_check(bundle):
 
 
 def test_quiet_prints_only_failures(bundle):
-    (bundle / "modelforge.pyz").write_bytes(b"changed")
+    (bundle / "modelforge-x86_64.pyz").write_bytes(b"changed")
     result = release("verify-sums", "--quiet", cwd=bundle)
     assert result.returncode == 1
-    assert result.stdout == b"modelforge.pyz: FAILED\n"
+    assert result.stdout == b"modelforge-x86_64.pyz: FAILED\n"
     assert result.stdout == sha256sum("-c", "--quiet", "SHA256SUMS", cwd=bundle).stdout
 
 
@@ -169,7 +169,7 @@ def test_comments_blank_lines_and_crlf_are_tolerated(bundle):
 @pytest.mark.parametrize(
     "line",
     [
-        b"not a sum  modelforge.pyz",
+        b"not a sum  modelforge-x86_64.pyz",
         b"e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b85  short-by-one",
         b"e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855 single-space",
         b"e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855  ",
