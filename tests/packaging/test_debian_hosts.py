@@ -198,17 +198,21 @@ def test_archives_run_on_debian_with_its_own_python3(
 
 
 def test_the_other_machines_archive_under_qemu(
-    debian, foreign_appliance_pyz, appliance_pyz, tmp_path
+    debian, foreign_appliance_pyz, appliance_pyz, agent_pyz, tmp_path
 ):
     """The archive for the other architecture, in a Debian 13 root of that architecture run
-    by qemu-user-static: --help, init and /healthz; and this machine's archive, started
-    there, names the one to use."""
+    by qemu-user-static: --help, init and /healthz; this machine's archive, started there,
+    names the one to use; the one agent archive runs there too."""
     host = debian("trixie", OTHER_MACHINE)
     machine = ok(host.run(["python3", "-c", "import platform; print(platform.machine())"], {}))
     assert machine.strip() == OTHER_MACHINE
     host.install(foreign_appliance_pyz, "modelforge.pyz")
     host.install(appliance_pyz, f"modelforge-{HOST_MACHINE}.pyz")
+    host.install(agent_pyz, "modelforge-node-agent.pyz")
     env = host.env()
+
+    version = ok(host.run(["./modelforge-node-agent.pyz", "--version"], env))
+    assert version.startswith("modelforge-node-agent ")
 
     assert "Usage:" in ok(host.run(["./modelforge.pyz", "--help"], env))
     wrong = host.run([f"./modelforge-{HOST_MACHINE}.pyz", "--help"], env)
