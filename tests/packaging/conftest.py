@@ -34,7 +34,11 @@ OUTPUTS = {
 
 
 def load_packaging_module(name: str) -> ModuleType:
-    """packaging/NAME.py as a module (the folder is not a package: `packaging` is PyPI's)."""
+    """packaging/NAME.py as a module (the folder is not a package: `packaging` is PyPI's).
+    The folder goes on sys.path, as it is when the scripts run, for their sibling imports."""
+    folder = str(ROOT / "packaging")
+    if folder not in sys.path:
+        sys.path.append(folder)
     spec = importlib.util.spec_from_file_location(f"mf_{name}", ROOT / "packaging" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -11,6 +11,7 @@ import pytest
 from .conftest import load_packaging_module
 
 build = load_packaging_module("build_pyz")
+merge = load_packaging_module("wheel_merge")
 launcher = load_packaging_module("pyz_launcher")
 
 X86_SUFFIXES = [".cpython-312-x86_64-linux-gnu.so", ".abi3.so", ".so"]
@@ -89,7 +90,7 @@ def wheel_tree(root: Path, python: str, extra: dict[str, bytes] | None = None) -
 def test_merge_puts_compiled_modules_side_by_side_and_keeps_metadata_true(tmp_path):
     staging = wheel_tree(tmp_path / "staging", "3.10")
     other = wheel_tree(tmp_path / "cp311", "3.11")
-    assert build.add_interpreter(staging, other, "3.11", set()) == 1
+    assert merge.add_interpreter(staging, other, "3.11", set()) == 1
     assert (staging / "psycopg2/_psycopg.cpython-310-x86_64-linux-gnu.so").is_file()
     assert (staging / "psycopg2/_psycopg.cpython-311-x86_64-linux-gnu.so").is_file()
     dist_info = staging / "psycopg2_binary-2.9.13.dist-info"
@@ -121,38 +122,40 @@ def test_merge_puts_compiled_modules_side_by_side_and_keeps_metadata_true(tmp_pa
 def test_merge_refuses_wheels_that_differ_beyond_compiled_modules(tmp_path, change, message):
     staging = wheel_tree(tmp_path / "staging", "3.10")
     other = wheel_tree(tmp_path / "cp311", "3.11", change)
-    with pytest.raises(build.BuildError, match=message):
-        build.add_interpreter(staging, other, "3.11", set())
+    with pytest.raises(merge.BuildError, match=message):
+        merge.add_interpreter(staging, other, "3.11", set())
 
 
 def test_merge_refuses_wheels_lacking_a_file(tmp_path):
     staging = wheel_tree(tmp_path / "staging", "3.10")
     other = wheel_tree(tmp_path / "cp311", "3.11")
     (other / "psycopg2/extras.py").unlink()
-    with pytest.raises(build.BuildError, match="the CPython 3.11 wheels lack psycopg2/extras.py"):
-        build.add_interpreter(staging, other, "3.11", set())
+    with pytest.raises(merge.BuildError, match="the CPython 3.11 wheels lack psycopg2/extras.py"):
+        merge.add_interpreter(staging, other, "3.11", set())
 
 
 def test_staging_check_refuses_a_lone_cpython_module_and_any_compiled_agent_file():
-    appliance = build.TARGETS["appliance-x86_64"]
+    def problems(machine, names):
+        return merge.compiled_problems(machine, 62, build.PYTHONS, names)
+
     lone = ["charset_normalizer/md.cpython-311-x86_64-linux-gnu.so", "bcrypt/_bcrypt.abi3.so"]
-    problems = build.compiled_problems(appliance, lone)
-    assert problems == ["charset_normalizer/md: no build for CPython 3.10, 3.12, 3.13"]
+    assert problems("x86_64", lone) == [
+        "charset_normalizer/md: no build for CPython 3.10, 3.12, 3.13"
+    ]
     complete = [
         f"psycopg2/_psycopg.cpython-3{minor}-x86_64-linux-gnu.so" for minor in (10, 11, 12, 13)
     ]
-    assert build.compiled_problems(appliance, complete) == []
-    agent = build.compiled_problems(
-        build.TARGETS["agent"], ["charset_normalizer/md.cpython-311-x86_64-linux-gnu.so"]
-    )
+    assert problems("x86_64", complete) == []
+    agent = problems(None, ["charset_normalizer/md.cpython-311-x86_64-linux-gnu.so"])
     assert agent and "the agent archive must hold none" in agent[0]
 
 
-def test_staging_check_refuses_code_for_another_machine(tmp_path):
+def test_staging_check_refuses_code_for_another_machine():
     names = [
         f"psycopg2/_psycopg.cpython-3{minor}-aarch64-linux-gnu.so" for minor in (10, 11, 12, 13)
     ]
-    problems = build.compiled_problems(
-        build.TARGETS["appliance-aarch64"], names, read_elf=lambda name: 62
+    machine = build.MACHINES["aarch64"]
+    problems = merge.compiled_problems(
+        machine.name, machine.elf_machine, build.PYTHONS, names, read_elf=lambda name: 62
     )
     assert problems and "built for ELF machine 62, not aarch64" in problems[0]
