@@ -81,12 +81,18 @@ def tls_listener(cert: Path, key: Path) -> Iterator[int]:
     listener = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
+    # accept() is not woken by close() from another thread: poll, so the end is prompt.
+    listener.settimeout(0.1)
+
     def serve() -> None:
         while not stop.is_set():
             try:
                 raw, _ = listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
+            raw.settimeout(10)
             with contextlib.suppress(OSError), context.wrap_socket(raw, server_side=True):
                 pass
 
@@ -96,5 +102,5 @@ def tls_listener(cert: Path, key: Path) -> Iterator[int]:
         yield listener.getsockname()[1]
     finally:
         stop.set()
-        listener.close()
         thread.join(timeout=10)
+        listener.close()

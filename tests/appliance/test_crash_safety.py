@@ -14,6 +14,7 @@ import threading
 import time
 from datetime import datetime
 
+import pytest
 import requests
 
 from modelforge_appliance.heartbeats import FLUSH_INTERVAL_SECONDS
@@ -104,6 +105,7 @@ class Load:
                 return
 
 
+@pytest.mark.slow
 def test_sigkill_under_load_loses_nothing_acknowledged(tmp_path):
     host = Host(tmp_path)
     load = Load(host, [])

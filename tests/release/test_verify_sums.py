@@ -219,6 +219,7 @@ def test_empty_sums_fails(tmp_path):
     assert b"no properly formatted checksum lines found" in result.stderr
 
 
+@pytest.mark.slow
 def test_progress_only_for_large_files_on_a_terminal(tmp_path):
     big = tmp_path / "big.tar"
     with big.open("wb") as file:
