@@ -123,7 +123,7 @@ TARGETS = {
         f"appliance-{machine.name}": Target(
             name=f"appliance-{machine.name}",
             output=appliance_output(machine.name),
-            entry_point="modelforge_appliance.cli:main",
+            entry_point="modelforge_appliance.cli.main:main",
             requirements="requirements-appliance.txt",
             packages=("modelforge_contract", "modelforge_appliance"),
             forbidden=APPLIANCE_FORBIDDEN,

@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 
 from modelforge_appliance.clock import ManualClock
 
-from .support import fresh_postgres_database, make_settings, serve
+from .support import fresh_postgres_database, make_settings, serve, unavailable
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -53,3 +54,26 @@ def clocked_control_plane(settings, clock):
     """A control plane whose clock the test moves (liveness, expiry)."""
     with contextlib.ExitStack() as stack:
         yield stack.enter_context(serve(settings, clock))
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    """The real dockerd that scripts/test starts (images are built locally, never pulled)."""
+    import docker
+
+    try:
+        client = docker.from_env(timeout=120)
+        client.ping()
+    except Exception as exc:  # the SDK raises several unrelated types for "no daemon"
+        unavailable(f"no dockerd answers ({type(exc).__name__}): scripts/test starts one as root")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def chromium_executable() -> str:
+    """Debian's chromium, which Playwright drives through executable_path."""
+    path = os.environ.get("MF_TEST_CHROMIUM", "/usr/bin/chromium")
+    if not os.access(path, os.X_OK):
+        unavailable(f"no Chromium at {path}: scripts/test installs Debian's chromium as root")
+    return path

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg2
@@ -73,14 +74,18 @@ def make_settings(state_dir: Path, database_url: str | None = None, **overrides)
     return replace(load_settings(env), **overrides)
 
 
+def unavailable(message: str) -> NoReturn:
+    """A real component a test needs is missing: skip on a workstation, fail in CI."""
+    if IN_CI:
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 def postgres_admin_url() -> str:
     """The PostgreSQL server scripts/test started; skip locally, fail in CI, when absent."""
     url = os.environ.get(POSTGRES_ENV)
     if not url:
-        message = f"{POSTGRES_ENV} is not set: scripts/test starts PostgreSQL and sets it"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable(f"{POSTGRES_ENV} is not set: scripts/test starts PostgreSQL and sets it")
     return url
 
 
@@ -114,6 +119,7 @@ class ControlPlane:
     store: Store
     admin_token: str
     heartbeats: object = None  # the server's HeartbeatBuffer
+    server: object = None  # the waitress server (its bottle app is server.app)
 
     def admin(self, method: str, path: str, **kwargs) -> requests.Response:
         headers = {HEADER_ADMIN_TOKEN: self.admin_token, **kwargs.pop("headers", {})}
@@ -180,7 +186,7 @@ def serve(settings: Settings, clock: Clock | None = None) -> Iterator[ControlPla
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.effective_port}"
-        yield ControlPlane(url, settings, store, token, server.heartbeats)
+        yield ControlPlane(url, settings, store, token, server.heartbeats, server)
     finally:
         stop.set()
         thread.join(timeout=5)

@@ -9,12 +9,16 @@ agent sent.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import requests
+import urllib3
 
 import modelforge_contract as contract
 from modelforge_contract import (
@@ -26,7 +30,16 @@ from modelforge_contract import (
 )
 
 from . import __version__
-from .transport import REQUEST_TIMEOUT, exception_name, tls_cause
+from .transport import (
+    CALL_DEADLINE_SECONDS,
+    MAX_ANSWER_BYTES,
+    REQUEST_TIMEOUT,
+    AnswerTooLarge,
+    Deadline,
+    exception_name,
+    read_answer,
+    tls_cause,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,21 +105,73 @@ class Refused(CallFailed):
         return self.status in (401, 403)
 
 
-def _refusal_fields(response: requests.Response) -> tuple[str | None, str | None]:
-    """The error code and compatibility answer, when they are ones the contract defines."""
+# What the agent accepts from the control plane as a heartbeat interval; anything else
+# (negative, tiny, huge, NaN, infinite, not a number) is ignored and the current one kept.
+HEARTBEAT_INTERVAL_RANGE = (1.0, 3600.0)
+_NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_UNPRINTABLE = re.compile(r"[^\x20-\x7e]")
+
+
+def parse_answer(raw: bytes) -> Any:
+    """The JSON document of an answer, or None when it is not JSON this agent can hold:
+    invalid, not UTF-8, NaN/Infinity, or nested too deep to parse."""
     try:
-        body = response.json()
-    except ValueError:
-        return None, None
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(name)
+
+
+def printable(value: object, limit: int = 64) -> str:
+    """A value from the control plane, fit for a log line: printable ASCII only, bounded,
+    so no answer can forge or break a line (control characters, ANSI escapes, newlines)."""
+    text = value if isinstance(value, str) else repr(value)
+    text = _UNPRINTABLE.sub("?", text[: limit + 1])
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def checked_node_id(value: object) -> str | None:
+    """A node id as the control plane issues them (a UUID); None for anything else."""
+    if isinstance(value, str) and _NODE_ID.fullmatch(value):
+        return value
+    return None
+
+
+def checked_interval(value: object) -> float | None:
+    """A heartbeat interval within HEARTBEAT_INTERVAL_RANGE, or None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    low, high = HEARTBEAT_INTERVAL_RANGE
+    if not math.isfinite(value) or not low <= value <= high:
+        return None
+    return float(value)
+
+
+def _refusal_fields(body: Any) -> tuple[str | None, str | None]:
+    """The error code and compatibility answer, when they are ones the contract defines."""
     if not isinstance(body, dict):
         return None, None
     error = body.get("error")
     code = error.get("code") if isinstance(error, dict) else None
     compatibility = body.get("compatibility")
     return (
-        code if code in KNOWN_CODES else None,
-        compatibility if compatibility in KNOWN_COMPATIBILITY else None,
+        code if isinstance(code, str) and code in KNOWN_CODES else None,
+        compatibility
+        if isinstance(compatibility, str) and compatibility in KNOWN_COMPATIBILITY
+        else None,
     )
+
+
+# What a call can fail with once requests has handed over the open response.
+_READ_ERRORS = (
+    requests.RequestException,
+    urllib3.exceptions.HTTPError,
+    http.client.HTTPException,
+    OSError,
+)
 
 
 @dataclass
@@ -114,11 +179,17 @@ class ControlPlaneClient:
     base_url: str
     session: requests.Session
     credential: str | None = None
+    deadline_seconds: float = CALL_DEADLINE_SECONDS
+    max_answer_bytes: int = MAX_ANSWER_BYTES
 
     def call(
         self, method: str, path: str, body: dict[str, Any], authenticated: bool = True
     ) -> dict[str, Any]:
-        """The JSON answer of a 2xx, or TransportFailure / Refused."""
+        """The JSON answer of a 2xx, or TransportFailure / Refused.
+
+        Bounded whatever the control plane does: the call ends within
+        ``deadline_seconds``, and no more than ``max_answer_bytes`` of the answer are read.
+        """
         headers = {
             HEADER_AGENT_PROTOCOL: str(PROTOCOL_VERSION),
             "Content-Type": "application/json",
@@ -126,25 +197,32 @@ class ControlPlaneClient:
         }
         if authenticated and self.credential:
             headers[HEADER_AUTHORIZATION] = f"Bearer {self.credential}"
+        response: requests.Response | None = None
+        deadline = Deadline(self.deadline_seconds)
         try:
-            response = self.session.request(
-                method,
-                self.base_url + path,
-                data=json.dumps(body),
-                headers=headers,
-                timeout=REQUEST_TIMEOUT,
-                allow_redirects=False,
-            )
-        except requests.RequestException as exc:
-            raise TransportFailure(exception_name(exc), method, path, tls_cause(exc)) from None
-        with response:
-            if not 200 <= response.status_code < 300:
-                code, compatibility = _refusal_fields(response)
-                raise Refused(response.status_code, method, path, code, compatibility)
-            try:
-                answer = response.json()
-            except ValueError:
-                raise TransportFailure("BadResponse", method, path) from None
+            with deadline:
+                response = self.session.request(
+                    method,
+                    self.base_url + path,
+                    data=json.dumps(body),
+                    headers=headers,
+                    timeout=REQUEST_TIMEOUT,
+                    allow_redirects=False,
+                    stream=True,
+                )
+                raw = read_answer(response, self.max_answer_bytes)
+        except AnswerTooLarge:
+            raise TransportFailure("AnswerTooLarge", method, path) from None
+        except _READ_ERRORS as exc:
+            name = "DeadlineExceeded" if deadline.expired else exception_name(exc)
+            raise TransportFailure(name, method, path, tls_cause(exc)) from None
+        finally:
+            if response is not None:
+                response.close()  # only now: the deadline can no longer touch the connection
+        answer = parse_answer(raw)
+        if not 200 <= response.status_code < 300:
+            code, compatibility = _refusal_fields(answer)
+            raise Refused(response.status_code, method, path, code, compatibility)
         if not isinstance(answer, dict):
             raise TransportFailure("BadResponse", method, path)
         return answer

@@ -18,7 +18,13 @@ from modelforge_contract import (
 
 from . import __version__
 from .backoff import BACKOFF_STEPS
-from .client import ControlPlaneClient, Refused, incompatible_message
+from .client import (
+    ControlPlaneClient,
+    Refused,
+    checked_interval,
+    checked_node_id,
+    incompatible_message,
+)
 from .identity import NodeState, load_state, new_identity, save_state, state_path
 from .publisher import Wait, call_with_backoff
 from .refusals import RUNBOOK, AgentExit, credential_refused, enrollment_refused
@@ -103,9 +109,9 @@ def ensure_enrolled(
         raise enrollment_refused(refusal) from None
     if answer is None:
         return None
-    node_id, credential = answer.get("node_id"), answer.get("credential")
-    if not isinstance(node_id, str) or not node_id or not isinstance(credential, str):
-        raise AgentExit(EXIT_ENROLLMENT_REFUSED, "the enrollment answer carried no node id")
+    node_id, credential = checked_node_id(answer.get("node_id")), answer.get("credential")
+    if node_id is None or not isinstance(credential, str):
+        raise AgentExit(EXIT_ENROLLMENT_REFUSED, "the enrollment answer carried no usable node id")
     if split_secret(credential, KIND_CREDENTIAL) is None:
         raise AgentExit(EXIT_ENROLLMENT_REFUSED, "the enrollment answer carried no credential")
     state = state.with_enrollment(node_id, credential)
@@ -113,5 +119,4 @@ def ensure_enrolled(
     how = "re-enrolled (same identity; the previous credential is revoked)"
     log.info("%s as node %s", how if answer.get("reenrolled") else "enrolled", node_id)
     log.info("the enrollment token is used up; %s", TOKEN_REMOVABLE)
-    interval = answer.get("heartbeat_interval_seconds")
-    return Enrolled(state, interval if isinstance(interval, int | float) else None)
+    return Enrolled(state, checked_interval(answer.get("heartbeat_interval_seconds")))

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from modelforge_contract import KIND_CREDENTIAL, KIND_IDENTITY, split_secret
 
+from .client import checked_node_id
+
 log = logging.getLogger(__name__)
 
 STATE_FILE_NAME = "identity.json"
@@ -85,7 +87,7 @@ def load_state(state_volume: Path) -> NodeState | None:
         raise _corrupt(path, exc.strerror or type(exc).__name__) from None
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise _corrupt(path, "not valid JSON") from None
     if not isinstance(data, dict) or data.get("format") != STATE_FORMAT:
         raise _corrupt(path, f"not a format {STATE_FORMAT} identity file")
@@ -100,6 +102,8 @@ def load_state(state_volume: Path) -> NodeState | None:
         raise _corrupt(path, "the stored credential is malformed")
     if bool(fields["node_id"]) != bool(fields["credential"]):
         raise _corrupt(path, "it has a node id without a credential or the reverse")
+    if fields["node_id"] and checked_node_id(fields["node_id"]) is None:
+        raise _corrupt(path, "the stored node id is malformed")
     return NodeState(**fields)
 
 

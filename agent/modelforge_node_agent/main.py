@@ -1,7 +1,7 @@
 """``modelforge-node-agent`` / ``python3 -m modelforge_node_agent.main``.
 
-Exit statuses: 0 stopped by SIGTERM/SIGINT or preflight passed, 2 configuration
-or state volume, 3 NVIDIA preflight, 4 enrollment refused, 5 protocol
+Exit statuses: 0 stopped by SIGTERM/SIGINT or preflight passed, 1 an unexpected
+failure (a bug; the supervisor restarts the agent), 2 configuration or state volume, 3 NVIDIA preflight, 4 enrollment refused, 5 protocol
 incompatible, 6 credential refused after enrollment.
 """
 
@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import click
 
 from modelforge_contract import (
+    EXIT_AGENT_FAILED,
     EXIT_CREDENTIAL_REFUSED,
     EXIT_ENROLLMENT_REFUSED,
     EXIT_NVIDIA_PREFLIGHT,
@@ -41,6 +42,10 @@ log = logging.getLogger("modelforge_node_agent")
 
 EXIT_STATUSES = (
     (EXIT_OK, "stopped by SIGTERM or SIGINT; or --preflight passed"),
+    (
+        EXIT_AGENT_FAILED,
+        "the agent failed unexpectedly (a bug, logged); let the supervisor restart it",
+    ),
     (
         EXIT_USAGE,
         "a setting is wrong, the node is not enrolled and has no token, or the "

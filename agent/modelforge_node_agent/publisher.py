@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from modelforge_contract import (
+    EXIT_AGENT_FAILED,
     EXIT_PROTOCOL_INCOMPATIBLE,
     INVENTORY_REFRESH_SECONDS,
     PATH_AGENT_HEARTBEAT,
@@ -29,7 +30,15 @@ from modelforge_contract import (
 
 from . import __version__
 from .backoff import BACKOFF_STEPS, Backoff, seconds
-from .client import ControlPlaneClient, Refused, TransportFailure, incompatible_message
+from .client import (
+    HEARTBEAT_INTERVAL_RANGE,
+    ControlPlaneClient,
+    Refused,
+    TransportFailure,
+    checked_interval,
+    incompatible_message,
+    printable,
+)
 from .identity import NodeState
 from .nvidia import PreflightFailure, PreflightResult
 from .refusals import AgentExit, credential_refused
@@ -157,11 +166,12 @@ class Publisher:
         self.settings, self.state, self.client = settings, state, client
         self.preflight, self.stop, self.steps = preflight, stop, steps
         self.wait: Wait = wait or stop.wait
-        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_interval = checked_interval(heartbeat_interval) or DEFAULT_HEARTBEAT_INTERVAL
         self.health = Health(preflight.nvml is not None)
         self.accelerators = list(preflight.accelerators)
         self._outcome: AgentExit | None = None
         self.refused_code: str | None = None
+        self._ignored_interval: object = None
         self._lock = threading.Lock()
 
     # -- shared ------------------------------------------------------------------
@@ -207,11 +217,26 @@ class Publisher:
             answer = self._publish("POST", PATH_AGENT_HEARTBEAT, body)
             if answer is None:
                 return
-            interval = answer.get("heartbeat_interval_seconds")
-            if isinstance(interval, int | float) and 1 <= interval <= 3600:
-                self.heartbeat_interval = interval
+            self._take_interval(answer.get("heartbeat_interval_seconds"))
             if self.stop.wait(self.heartbeat_interval):
                 return
+
+    def _take_interval(self, value: object) -> None:
+        """Follow the control plane's interval, only when it is one an agent can keep."""
+        interval = checked_interval(value)
+        if interval is not None:
+            self.heartbeat_interval = interval
+        elif value is not None and value != self._ignored_interval:
+            self._ignored_interval = value  # said once, not on every heartbeat
+            low, high = HEARTBEAT_INTERVAL_RANGE
+            log.warning(
+                "ignoring heartbeat_interval_seconds=%s from the control plane (not a number "
+                "of seconds in %g..%g); heartbeating every %gs",
+                printable(value, 32),
+                low,
+                high,
+                self.heartbeat_interval,
+            )
 
     def read_inventory(self) -> dict[str, Any]:
         nvml = self.preflight.nvml
@@ -275,11 +300,39 @@ class Publisher:
 
     # -- running -------------------------------------------------------------------
 
+    def _guarded(self, loop: Callable[[], None]) -> Callable[[], None]:
+        """A loop that fails unexpectedly stops the agent with a non-zero status, so its
+        supervisor restarts it: a process that stays up without heartbeating would look
+        healthy while its node goes offline."""
+
+        def run() -> None:
+            try:
+                loop()
+            except Exception as exc:
+                log.critical(
+                    "%s stopped by an unexpected %s",
+                    loop.__name__,
+                    type(exc).__name__,
+                    exc_info=True,
+                )
+                self._finish(
+                    AgentExit(
+                        EXIT_AGENT_FAILED,
+                        f"{loop.__name__} failed unexpectedly ({type(exc).__name__}); the agent "
+                        "exits so that its supervisor restarts it",
+                    )
+                )
+
+        return run
+
     def start(self) -> list[threading.Thread]:
         loops = [self.heartbeat_loop, self.inventory_loop]
         if self.preflight.nvml is not None:
             loops.append(self.telemetry_loop)
-        threads = [threading.Thread(target=loop, name=loop.__name__, daemon=True) for loop in loops]
+        threads = [
+            threading.Thread(target=self._guarded(loop), name=loop.__name__, daemon=True)
+            for loop in loops
+        ]
         for thread in threads:
             thread.start()
         return threads

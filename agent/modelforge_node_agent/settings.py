@@ -248,9 +248,21 @@ def check_names(env: Mapping[str, str]) -> None:
             raise ConfigError(f"unknown setting {name}{suffix}")
 
 
+TOKEN_VARIABLE = "MODELFORGE_AGENT_ENROLLMENT_TOKEN"
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> AgentSettings:
-    """Parse and validate every MODELFORGE_AGENT_* variable once; raise ConfigError."""
-    env = dict(os.environ if env is None else env)
+    """Parse and validate every MODELFORGE_AGENT_* variable once; raise ConfigError.
+
+    Reading the process environment also removes the enrollment token from it: the
+    settings keep the value for the one enrollment, and nothing this process starts
+    inherits it. (The kernel's copy, /proc/<pid>/environ, cannot be changed from inside;
+    docs/node-agent.md says what remains.)
+    """
+    if env is None:
+        env = dict(os.environ)
+        os.environ.pop(TOKEN_VARIABLE, None)
+    env = dict(env)
     check_names(env)
 
     url = _value(env, "MODELFORGE_AGENT_CONTROL_PLANE_URL")

@@ -1,21 +1,33 @@
-"""HTTPS to the control plane: certificate checks on, a private CA, a pinned host address.
+"""HTTPS to the control plane: certificate checks on, a private CA, a pinned host address,
+and calls that are bounded in time and size whatever the other end does.
 
 ``MODELFORGE_AGENT_CONTROL_PLANE_HOST_ADDRESS`` makes the agent connect to that
 address while the TLS handshake (SNI) and the certificate check still use the
 URL's host name, and the Host header still names it, so the enrollment origin
 lock on the control plane keeps working.
+
+A socket timeout bounds each ``recv()``, not a call: a peer sending one byte every
+few seconds would hold a call for ever. ``Deadline`` ends a call at a fixed time by
+shutting the socket it is using (the adapter's connections tell it which one), and
+answers are read with a cap (``read_answer``), never decompressed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import ssl
+import threading
+from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
 import requests
 import urllib3
 from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from modelforge_contract.tls import strict_x509_cause
 
@@ -25,9 +37,143 @@ log = logging.getLogger(__name__)
 
 # (connect, read) seconds: bounded so one hung call delays only its own publication.
 REQUEST_TIMEOUT = (5.0, 15.0)
+# The whole call, from connecting to the last byte of the answer.
+CALL_DEADLINE_SECONDS = 30.0
+# Answers are a few hundred bytes; anything near this is not the control plane talking.
+MAX_ANSWER_BYTES = 1024 * 1024
+_READ_CHUNK = 64 * 1024
+
+_in_flight = threading.local()  # .deadline: the Deadline of the call this thread is making
 
 
-class HostAddressAdapter(HTTPAdapter):
+class AnswerTooLarge(Exception):
+    """The answer is larger than MAX_ANSWER_BYTES (or not plain bytes at all)."""
+
+
+class Deadline:
+    """Ends the call made inside ``with Deadline(seconds):`` once it has run that long.
+
+    The connection the call uses registers itself (``watch``); at the deadline its
+    socket is shut down, so a ``recv()`` blocked in this thread returns at once and the
+    call fails. Nothing is shut once the block has been left: the connection may by then
+    belong to another call.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.expired = False
+        self._active = False
+        self._connection: HTTPConnection | None = None
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> Deadline:
+        self._active = True
+        _in_flight.deadline = self
+        self._timer.start()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        with self._lock:
+            self._active = False
+            self._connection = None
+        self._timer.cancel()
+        _in_flight.deadline = None
+
+    def watch(self, connection: HTTPConnection) -> None:
+        with self._lock:
+            self._connection = connection
+            if self.expired:
+                _shut(connection)
+
+    def _expire(self) -> None:
+        with self._lock:
+            if not self._active:
+                return
+            self.expired = True
+            if self._connection is not None:
+                _shut(self._connection)
+
+
+def _shut(connection: HTTPConnection) -> None:
+    sock = connection.sock
+    if sock is not None:
+        # The plain socket call, also for a TLS socket: no TLS state is touched while
+        # another thread may be reading through it.
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+def _watched(connection: HTTPConnection) -> None:
+    deadline = getattr(_in_flight, "deadline", None)
+    if deadline is not None:
+        deadline.watch(connection)
+
+
+class _WatchedHTTPConnection(HTTPConnection):
+    def connect(self) -> None:
+        _watched(self)
+        super().connect()
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        _watched(self)
+        super().request(*args, **kwargs)
+
+
+class _WatchedHTTPSConnection(HTTPSConnection):
+    def connect(self) -> None:
+        _watched(self)
+        super().connect()
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        _watched(self)
+        super().request(*args, **kwargs)
+
+
+class _HTTPPool(HTTPConnectionPool):
+    ConnectionCls = _WatchedHTTPConnection
+
+
+class _HTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _WatchedHTTPSConnection
+
+
+class BoundedAdapter(HTTPAdapter):
+    """requests' adapter whose connections report to the calling thread's Deadline."""
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+
+
+def read_answer(response: requests.Response, limit: int = MAX_ANSWER_BYTES) -> bytes:
+    """The body of a ``stream=True`` response, at most ``limit`` bytes, as sent.
+
+    The agent asks for no content coding and decodes none: a compressed answer could
+    expand without bound.
+    """
+    coding = response.headers.get("Content-Encoding", "identity").strip().lower()
+    if coding not in ("", "identity"):
+        raise AnswerTooLarge(f"content coding {coding[:20]!r}")
+    declared = response.headers.get("Content-Length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise AnswerTooLarge("declared length")
+    chunks, size = [], 0
+    for chunk in response.raw.stream(_READ_CHUNK, decode_content=False):
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLarge("body")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class HostAddressAdapter(BoundedAdapter):
     """Dial ``address`` instead of the URL's host; verify and name the URL's host."""
 
     def __init__(self, address: str, **kwargs: Any) -> None:
@@ -59,10 +205,13 @@ def make_session(settings: AgentSettings) -> requests.Session:
     # no proxy variables, no REQUESTS_CA_BUNDLE, no .netrc credentials.
     session.trust_env = False
     session.verify = settings.tls_verify_value
+    session.headers["Accept-Encoding"] = "identity"
     if settings.control_plane_host_address:
-        adapter = HostAddressAdapter(settings.control_plane_host_address)
-        session.mount("https://", adapter)
-        session.mount("http://", adapter)
+        adapter: BoundedAdapter = HostAddressAdapter(settings.control_plane_host_address)
+    else:
+        adapter = BoundedAdapter()
+    session.mount("https://", adapter)
+    session.mount("http://", adapter)
     if not settings.tls_verify:
         # One loud warning per start (main) instead of one per request.
         urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)

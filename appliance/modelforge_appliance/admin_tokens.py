@@ -12,6 +12,10 @@ from .errors import NotFound, Unauthorized
 from .models import AdminToken
 from .store import Store
 
+# last_used_at is kept to this resolution, so a busy script costs one write a minute,
+# not one per request.
+LAST_USED_RESOLUTION_SECONDS = 60
+
 _NEXT_STEP = (
     "Send X-ModelForge-Admin-Token with a token from `modelforge init` or "
     "`modelforge admin-token create`."
@@ -81,4 +85,18 @@ def authenticate_admin(store: Store, header_value: str | None) -> AdminToken:
         row = AdminToken.get_or_none(AdminToken.token_id == token_id)
     if row is None or not tokens.digest_matches(secret, row.digest) or row.revoked_at is not None:
         raise invalid
+    _mark_used(store, row)
     return row
+
+
+def _mark_used(store: Store, row: AdminToken) -> None:
+    """Move last_used_at when it is older than the resolution (after authentication only)."""
+    now = store.clock.now()
+    if row.last_used_at is not None and now - row.last_used_at < LAST_USED_RESOLUTION_SECONDS:
+        return
+    with store.write():
+        AdminToken.update(last_used_at=now).where(
+            (AdminToken.token_id == row.token_id)
+            & (AdminToken.last_used_at.is_null() | (AdminToken.last_used_at < now))
+        ).execute()
+    row.last_used_at = now

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import re
 import uuid
 from dataclasses import dataclass
@@ -198,8 +199,14 @@ def _refusal_for(row: EnrollmentToken, now: float) -> ApiError:
     return Gone("this enrollment token has expired", code=ENROLLMENT_TOKEN_EXPIRED)
 
 
-def claim_token(store: Store, request: EnrollRequest) -> Enrolled:
-    """Claim a token for a node; refusals are audited and leave nothing else behind."""
+def claim_token(
+    store: Store, request: EnrollRequest, refusals: audit.RefusalLog | None = None
+) -> Enrolled:
+    """Claim a token for a node; refusals are audited and leave nothing else behind.
+
+    With ``refusals``, repeats of one refusal (a consumed token replayed) are counted and
+    written once per window instead of one row each.
+    """
     parsed = tokens.parse(request.token, KIND_ENROLLMENT)
     enrollment_id = parsed[0] if parsed else None
     try:
@@ -208,14 +215,15 @@ def claim_token(store: Store, request: EnrollRequest) -> Enrolled:
         if refusal.code == ENROLLMENT_TOKEN_INVALID:
             # Anyone can send garbage: logged and counted, but not written to the store.
             raise
-        audit.record_alone(
-            store,
-            f"enrollment:{enrollment_id}",
-            "enrollment.refused",
-            enrollment_id=enrollment_id,
-            code=refusal.code,
-            hostname=request.hostname,
-        )
+        what = {"enrollment_id": enrollment_id, "code": refusal.code}
+        actor = f"enrollment:{enrollment_id}"
+        if refusals is None:
+            audit.record_alone(
+                store, actor, "enrollment.refused", **what, hostname=request.hostname
+            )
+        else:
+            key = (str(enrollment_id), refusal.code)
+            refusals.record(key, actor, "enrollment.refused", **what, hostname=request.hostname)
         raise
 
 
@@ -306,9 +314,13 @@ def _identity_digest(request: EnrollRequest) -> str | None:
     if request.identity_id is None:
         return None
     parsed = tokens.parse(request.identity_secret, KIND_IDENTITY)
-    if parsed is None or parsed[0] != request.identity_id:
+    # Exactly as sent: the digest stored at the first enrollment is compared with the one of
+    # every later one, so a secret that only matches after trimming would enroll once and
+    # never again.
+    if parsed is None or parsed[0] != request.identity_id or parsed[1] != request.identity_secret:
         raise Invalid(
-            "identity.identity_secret is not a well-formed secret for identity.identity_id",
+            "identity.identity_secret is not a well-formed secret for identity.identity_id "
+            "(exactly, without surrounding spaces)",
             code=FIELD_FORMAT,
             next_step="Let the node agent generate its identity; do not edit the state file.",
         )
@@ -325,7 +337,7 @@ def _known_node(store: Store, request: EnrollRequest, identity_digest: str | Non
     node = query.first()
     if node is None:
         return None
-    if not tokens.digest_matches(request.identity_secret, node.identity_digest or ""):
+    if not hmac.compare_digest(identity_digest or "", node.identity_digest or ""):
         raise Forbidden(
             "this identity id is enrolled with a different identity secret",
             code=IDENTITY_SECRET_MISMATCH,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter as Tally
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -70,6 +70,24 @@ class Metrics:
             ["method", "route", "status"],
             registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        )
+        # Set by the server that serves this app (server.create_server).
+        self.connections_open = Gauge(
+            "modelforge_connections_open",
+            "Client connections open now.",
+            registry=self.registry,
+        )
+        self.requests_queued = Gauge(
+            "modelforge_requests_queued",
+            "Requests received and waiting for a worker thread (MODELFORGE_THREADS).",
+            registry=self.registry,
+        )
+        self.connections_closed = Counter(
+            "modelforge_connections_closed",
+            "Connections the control plane closed: idle too long, or a request not received "
+            "within MODELFORGE_REQUEST_TIMEOUT_SECONDS.",
+            ["reason"],
+            registry=self.registry,
         )
         self.registry.register(_NodesByLiveness(store, settings))
 

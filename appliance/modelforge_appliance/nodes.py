@@ -5,12 +5,20 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from modelforge_contract import DECOMMISSIONED, INVENTORY_EMPTY, OFFLINE, ONLINE, PENDING, STALE
+from modelforge_contract import (
+    DECOMMISSIONED,
+    INVENTORY_EMPTY,
+    NODE_DECOMMISSIONED,
+    OFFLINE,
+    ONLINE,
+    PENDING,
+    STALE,
+)
 
 from . import audit
 from .clock import isoformat
 from .credentials import Caller
-from .errors import Invalid, NotFound
+from .errors import Conflict, Invalid, NotFound
 from .models import Credential, Node
 from .settings import Settings
 from .store import Store
@@ -118,14 +126,27 @@ def set_cordoned(store: Store, node_id: str, cordoned: bool, actor: str) -> Node
     """Cordon (no new work, still monitored) or uncordon a node; audited when it changes.
 
     Only the cordon column is written, by a conditional update, so a concurrent
-    decommission or re-enrollment is never overwritten with what this call read.
+    decommission or re-enrollment is never overwritten with what this call read. A
+    decommissioned node stays cordoned: uncordoning it is refused (409).
     """
     with store.write():
         changed = (
             Node.update(cordoned=cordoned)
-            .where((Node.node_id == node_id) & (Node.cordoned != cordoned))
+            .where(
+                (Node.node_id == node_id)
+                & (Node.cordoned != cordoned)
+                & Node.decommissioned_at.is_null()
+            )
             .execute()
         )
+        if not changed and not cordoned:
+            node = get_node(store, node_id)
+            if node.decommissioned_at is not None:
+                raise Conflict(
+                    f"node {node_id} is decommissioned; it stays cordoned",
+                    code=NODE_DECOMMISSIONED,
+                    next_step="Enroll the hardware as a new node to return it to service.",
+                )
         if changed:
             audit.record(
                 store, actor, "node.cordoned" if cordoned else "node.uncordoned", node_id=node_id

@@ -7,6 +7,7 @@ Every setting is declared once in ``SETTINGS`` with its default and meaning;
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -51,9 +52,10 @@ SETTINGS: tuple[SettingSpec, ...] = (
     SettingSpec(
         "MODELFORGE_TRUSTED_PROXY",
         None,
-        "Address of a TLS-terminating reverse proxy in front of the control plane (e.g. "
-        "127.0.0.1). Only from it are X-Forwarded-Proto and X-Forwarded-Host believed, so "
-        "requests keep the origin the agents addressed; from anyone else they are dropped.",
+        "IP address of a TLS-terminating reverse proxy in front of the control plane (e.g. "
+        "127.0.0.1), or several separated by commas. Only from them are X-Forwarded-Proto and "
+        "X-Forwarded-Host believed, so requests keep the origin the agents addressed; from "
+        "anyone else they are dropped. Host names, networks and * are refused.",
     ),
     SettingSpec(
         "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS",
@@ -87,6 +89,26 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "Largest request body accepted; larger bodies are refused with 413 BODY_TOO_LARGE.",
     ),
     SettingSpec("MODELFORGE_THREADS", "8", "Worker threads of the waitress server."),
+    SettingSpec(
+        "MODELFORGE_CONNECTION_LIMIT",
+        "10000",
+        "Client connections held open at once (every agent keeps one). Beyond it new "
+        "connections wait in the listen backlog. The process needs this many file descriptors "
+        "plus a margin; serve raises its own soft limit or refuses to start.",
+    ),
+    SettingSpec(
+        "MODELFORGE_IDLE_TIMEOUT_SECONDS",
+        "60",
+        "A keep-alive connection with no request for this long is closed. Must exceed the "
+        "heartbeat interval, so agents keep their connection between heartbeats.",
+    ),
+    SettingSpec(
+        "MODELFORGE_REQUEST_TIMEOUT_SECONDS",
+        "30",
+        "Time a client gets to send a whole request, headers and body, counted from its first "
+        "byte (or from the connection's opening, for its first request); a slower client is "
+        "disconnected.",
+    ),
     SettingSpec("MODELFORGE_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
 )
 KNOWN_NAMES = frozenset(spec.name for spec in SETTINGS)
@@ -106,7 +128,7 @@ class Settings:
     listen_host: str
     listen_port: int
     public_api_origin: str | None
-    trusted_proxy: str | None
+    trusted_proxies: tuple[str, ...]
     heartbeat_interval_seconds: int
     stale_after_seconds: int
     offline_after_seconds: int
@@ -115,6 +137,9 @@ class Settings:
     max_body_bytes: int
     threads: int
     log_level: str
+    connection_limit: int
+    idle_timeout_seconds: int
+    request_timeout_seconds: int
 
     @property
     def listen(self) -> str:
@@ -164,6 +189,29 @@ def parse_listen(value: str, name: str = "MODELFORGE_LISTEN") -> tuple[str, int]
     if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ConfigError(f"{name}={value!r} is not HOST:PORT (for example 127.0.0.1:8000)")
     return host, int(port_text)
+
+
+def parse_trusted_proxies(raw: str | None) -> tuple[str, ...]:
+    """MODELFORGE_TRUSTED_PROXY: IP addresses separated by commas, each in canonical form.
+
+    waitress compares a request's peer address with these exactly, so only literal
+    addresses make sense: a name, a network or ``*`` would trust anyone (or no one).
+    """
+    name = "MODELFORGE_TRUSTED_PROXY"
+    if raw is None or not raw.strip():
+        return ()
+    addresses = []
+    for part in raw.split(","):
+        text = part.strip()
+        try:
+            addresses.append(str(ipaddress.ip_address(text)))
+        except ValueError:
+            raise ConfigError(
+                f"{name}={raw!r}: {text!r} is not an IP address; list the proxy's own "
+                "address(es), separated by commas (e.g. 127.0.0.1); names, networks and * "
+                "are refused"
+            ) from None
+    return tuple(dict.fromkeys(addresses))
 
 
 def _int(env: Mapping[str, str], name: str, minimum: int, maximum: int) -> int:
@@ -251,6 +299,13 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
             f"MODELFORGE_HEARTBEAT_INTERVAL_SECONDS ({interval})"
         )
 
+    idle_timeout = _int(env, "MODELFORGE_IDLE_TIMEOUT_SECONDS", 2, 86400)
+    if idle_timeout <= interval:
+        raise ConfigError(
+            f"MODELFORGE_IDLE_TIMEOUT_SECONDS ({idle_timeout}) must be greater than "
+            f"MODELFORGE_HEARTBEAT_INTERVAL_SECONDS ({interval}), or every heartbeat reconnects"
+        )
+
     log_level = env.get("MODELFORGE_LOG_LEVEL", "INFO").strip().upper()
     if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError(
@@ -263,7 +318,7 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         listen_host=host,
         listen_port=port,
         public_api_origin=origin,
-        trusted_proxy=env.get("MODELFORGE_TRUSTED_PROXY") or None,
+        trusted_proxies=parse_trusted_proxies(env.get("MODELFORGE_TRUSTED_PROXY")),
         heartbeat_interval_seconds=interval,
         stale_after_seconds=stale,
         offline_after_seconds=offline,
@@ -274,4 +329,7 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         max_body_bytes=_int(env, "MODELFORGE_MAX_BODY_BYTES", 1024, 64 * 1024 * 1024),
         threads=_int(env, "MODELFORGE_THREADS", 1, 256),
         log_level=log_level,
+        connection_limit=_int(env, "MODELFORGE_CONNECTION_LIMIT", 10, 1_000_000),
+        idle_timeout_seconds=idle_timeout,
+        request_timeout_seconds=_int(env, "MODELFORGE_REQUEST_TIMEOUT_SECONDS", 1, 3600),
     )

@@ -25,7 +25,11 @@ from modelforge_contract import (
 
 from .errors import ApiError, Invalid, TooLarge
 
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f]")  # any control character but tab
+# Refused in every string field: C0 controls but tab, DEL and the C1 controls
+# (U+007F-U+009F), and the invisible bidirectional marks, embeddings, overrides and
+# isolates that make a value display as something else (a host name that reads
+# backwards in the console, a forged line in a log).
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 _TYPE_NAMES = {
     str: "a string",
     int: "an integer",
@@ -80,7 +84,9 @@ def check_value(value: Any, spec: Field, path: str) -> Any:
     _check_type(value, spec, path)
     if isinstance(value, str):
         if _CONTROL.search(value):
-            raise _fail(FIELD_TYPE, path, "must not contain control characters")
+            raise _fail(
+                FIELD_TYPE, path, "must not contain control characters or bidirectional marks"
+            )
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate from a \udxxx escape

@@ -140,10 +140,19 @@ FIELD_FORMAT = "FIELD_FORMAT"
 QUERY_INVALID = "QUERY_INVALID"
 HOST_INVALID = "HOST_INVALID"
 
+# -- refusals the HTTP server gives before any route runs (issue 14) -----------
+# waitress answers these itself; the control plane renders them in the one error shape.
+REQUEST_MALFORMED = "REQUEST_MALFORMED"  # 400: not well-formed HTTP/1.1
+HEADERS_TOO_LARGE = "HEADERS_TOO_LARGE"  # 431
+TRANSFER_ENCODING_UNSUPPORTED = "TRANSFER_ENCODING_UNSUPPORTED"  # 501: not chunked
+
 
 # -- exit codes (DESIGN §4) ---------------------------------------------------
 
 EXIT_OK = 0
+# The node agent stops here when one of its own loops fails unexpectedly (a bug): better
+# restarted by its supervisor than up and silent (issue 14).
+EXIT_AGENT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_NVIDIA_PREFLIGHT = 3
 EXIT_ENROLLMENT_REFUSED = 4

@@ -9,10 +9,9 @@
 SUPPORTED_PYTHONS="3.10 3.11 3.12 3.13"
 case "${CI:-}" in 1 | true | True | TRUE | yes) IN_CI=1 ;; *) IN_CI= ;; esac
 
-# System packages the Debian-root and TLS tests need; appended to the caller's `missing`.
+# System packages the Debian-root tests need; appended to the caller's `missing`.
 root_test_packages() {
     command -v debootstrap >/dev/null || missing+=(debootstrap)
-    command -v openssl >/dev/null || missing+=(openssl)
     command -v unshare >/dev/null || missing+=(util-linux)
     case "$(uname -m)" in
         x86_64) [ -x /usr/libexec/qemu-binfmt/aarch64-binfmt-P ] || missing+=(qemu-user-static binfmt-support) ;;

@@ -28,10 +28,14 @@ def assert_error_shape(response: requests.Response, label: str) -> str:
 
 
 def snapshot(store) -> dict:
-    """Everything but the audit trail, which records refusals by design."""
+    """Everything but the audit trail, which records refusals by design, and the stamps
+    that say when an admin token or credential last authenticated a request."""
     with store.connection():
         return {
-            model.__name__: sorted(map(repr, model.select().dicts()))
+            model.__name__: sorted(
+                repr({k: v for k, v in row.items() if k != "last_used_at"})
+                for row in model.select().dicts()
+            )
             for model in (AdminToken, Node, EnrollmentToken, Credential)
         }
 

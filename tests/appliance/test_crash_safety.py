@@ -1,5 +1,6 @@
 """SIGKILL in the middle of enrollment and heartbeat load: nothing acknowledged is lost,
-nothing half-written is visible, and the only heartbeats that can go missing are those
+nothing half-written is visible, no heartbeat acknowledged before an admin read (which
+flushes) goes missing, and the only heartbeats that can go missing at all are those
 accepted within one flush interval of the newest acknowledged one.
 
 Nothing here depends on how fast this machine is: the load runs until the server's own
@@ -129,6 +130,14 @@ def test_sigkill_under_load_loses_nothing_acknowledged(tmp_path):
             assert time.monotonic() < patience, "the load did not get going"
             assert server.poll() is None, host.log.read_text()
             time.sleep(0.05)
+        # Readers of liveness flush first: every heartbeat acknowledged before this admin
+        # read was answered is in the store.
+        with load.lock:
+            flushed = dict(load.last_ack)
+        nodes = requests.get(
+            f"{host.url}/api/v1/admin/hardware/nodes", headers=host.admin, timeout=30
+        )
+        assert nodes.status_code == 200
         server.send_signal(signal.SIGKILL)
         killed_at = time.time()
         server.wait(timeout=10)
@@ -156,10 +165,14 @@ def test_sigkill_under_load_loses_nothing_acknowledged(tmp_path):
         for row in db.execute("SELECT node_id FROM audit_event WHERE action = 'enrollment.claimed'")
     }
     assert claims == {node_id for node_id, _ in per_node}
-    # Only heartbeats accepted within one flush interval of the newest acknowledged one can
-    # be lost: every older acknowledgement is in the store (server timestamps only).
     stored = dict(db.execute("SELECT node_id, last_heartbeat_at FROM node"))
     db.close()
+    # Nothing acknowledged before the admin read is lost (answers carry milliseconds).
+    assert flushed, "no heartbeat was acknowledged before the admin read"
+    for node_id, acked in flushed.items():
+        assert stored[node_id] is not None and stored[node_id] >= acked - 0.001
+    # Only heartbeats accepted within one flush interval of the newest acknowledged one can
+    # be lost: every older acknowledgement is in the store (server timestamps only).
     newest = load.newest_ack()
     # (server_time is shown in milliseconds, truncated: the stored value is not below it)
     assert quiet_ack <= stored[quiet["node_id"]] < quiet_ack + 0.001

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import modelforge_contract as contract
-from modelforge_appliance.web import make_app
+from modelforge_appliance.api import make_app
 
 from ..support import make_settings
 

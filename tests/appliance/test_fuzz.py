@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
 import string
 
 import pytest
@@ -144,3 +145,79 @@ def test_no_request_gets_a_5xx_hangs_or_changes_the_store_when_refused(world, da
             assert set(error) == {"code", "message", "next_step"}
             assert CODE.match(error["code"])
         assert snapshot(cp.store) == before, (method, path, response.status)
+
+
+# -- headers, as bytes on the wire --------------------------------------------------------------
+
+HEADER_NAMES = st.sampled_from(
+    [
+        b"X-ModelForge-Admin-Token",
+        b"Authorization",
+        b"X-ModelForge-Agent-Protocol",
+        b"Content-Type",
+        b"Content-Length",
+        b"Transfer-Encoding",
+        b"Host",
+        b"X-Forwarded-Proto",
+        b"X-Forwarded-Host",
+        b"Expect",
+        b"Connection",
+    ]
+) | st.binary(min_size=1, max_size=30)
+# Any byte but CR and LF (which end a header line); non-UTF-8, controls and DEL included.
+HEADER_VALUES = st.sampled_from([b"ADMIN", b"Bearer CRED", b"1", b"application/json"]) | st.binary(
+    max_size=200
+).map(lambda value: value.replace(b"\r", b"").replace(b"\n", b""))
+
+
+@st.composite
+def raw_requests(draw, node: dict, minted: dict, cp) -> bytes:
+    route = draw(st.sampled_from(ROUTES))
+    path = route.format(node=node["node_id"], enrollment=minted["enrollment_id"]).encode()
+    method = draw(st.sampled_from([b"GET", b"POST", b"PUT", b"DELETE"]))
+    swap = {b"ADMIN": cp.admin_token.encode(), b"CRED": node["credential"].encode()}
+    lines = [method + b" " + path + b" HTTP/1.1", b"Host: 127.0.0.1", b"Connection: close"]
+    for name, value in draw(st.lists(st.tuples(HEADER_NAMES, HEADER_VALUES), max_size=6)):
+        value = b" ".join(swap.get(part, part) for part in value.split(b" "))
+        lines.append(name + b": " + value)
+    body = draw(bodies(node, minted))
+    if draw(st.booleans()):
+        lines.append(b"Content-Length: %d" % len(body))
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_no_header_bytes_get_a_5xx_a_hang_or_a_change_when_refused(world, data):
+    cp, node, minted = world
+    request = data.draw(raw_requests(node, minted, cp))
+    before = snapshot(cp.store)
+    with socket.create_connection(("127.0.0.1", int(cp.url.rsplit(":", 1)[1])), timeout=10) as sock:
+        try:
+            sock.sendall(request)
+            sock.shutdown(socket.SHUT_WR)
+            raw = b""
+            while chunk := sock.recv(65536):
+                raw += chunk
+        except ConnectionResetError:
+            return  # refused before the whole request was read (e.g. 413 on Content-Length)
+    if not raw:
+        return  # a request the server may drop unanswered (an empty or cut-off one)
+    head, _, text = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    # Only the first answer: the body may have held more requests (without Content-Length,
+    # the bytes after the headers are the next request on the connection).
+    length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+    text = text[: int(length.group(1))] if length else text
+    # 501 TRANSFER_ENCODING_UNSUPPORTED is the one documented 5xx a request can earn.
+    assert status < 500 or status == 501, (request[:200], raw[:300])
+    if status >= 400:
+        if not request.startswith(b"HEAD"):
+            error = json.loads(text)["error"]
+            assert set(error) == {"code", "message", "next_step"}
+            assert CODE.match(error["code"])
+        assert snapshot(cp.store) == before, (request[:200], status)

@@ -32,7 +32,7 @@ def test_enrollment_through_a_trusted_tls_proxy_matches_the_public_origin(tmp_pa
     settings = replace(
         make_settings(tmp_path / "state"),
         public_api_origin="https://cp.lan",
-        trusted_proxy="127.0.0.1",
+        trusted_proxies=("127.0.0.1",),
     )
     with serve(settings) as cp:
         token = cp.mint()["token"]

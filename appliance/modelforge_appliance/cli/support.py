@@ -12,8 +12,10 @@ import click
 from modelforge_contract import EXIT_USAGE
 from modelforge_contract.logs import configure_logging
 
-from .settings import Settings, load_settings
-from .store import Store
+from ..settings import Settings, load_settings
+from ..store import Store
+
+JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
 
 class Context:
@@ -33,7 +35,7 @@ class Context:
 
     def store(self) -> Store:
         """The one store of this command, opened and migrated on first use."""
-        from .server import open_store
+        from ..server import open_store
 
         if self._store is None:
             self._store = open_store(self.settings)

@@ -1,0 +1,171 @@
+"""Admin routes: enrollment tokens, the fleet, lifecycle actions, alerts, audit, metrics.
+
+Every handler authenticates first (``admin_actor``), then calls one service function.
+"""
+
+from __future__ import annotations
+
+import bottle
+
+from modelforge_contract import (
+    HEADER_ADMIN_TOKEN,
+    HOST_INVALID,
+    PATH_ADMIN_ALERTS,
+    PATH_ADMIN_AUDIT,
+    PATH_ADMIN_ENROLLMENT,
+    PATH_ADMIN_ENROLLMENTS,
+    PATH_ADMIN_NODE,
+    PATH_ADMIN_NODE_CORDON,
+    PATH_ADMIN_NODE_CREDENTIAL,
+    PATH_ADMIN_NODE_CREDENTIALS,
+    PATH_ADMIN_NODE_DECOMMISSION_EXECUTE,
+    PATH_ADMIN_NODE_DECOMMISSION_PREVIEW,
+    PATH_ADMIN_NODE_READINESS,
+    PATH_ADMIN_NODE_UNCORDON,
+    PATH_ADMIN_NODES,
+    PATH_HEALTHZ,
+    PATH_METRICS,
+)
+
+from .. import admin_tokens, alerts, audit, credentials, decommission, enrollment, nodes, readiness
+from ..errors import Invalid, StoreUnavailable
+from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ..validation import EXECUTE_FIELDS, MINT_FIELDS
+from .http import ApiContext, json_response, query_int, request_header, request_origin
+
+
+def admin_actor(context: ApiContext) -> str:
+    """Authenticate the admin, then flush heartbeats so the answer sees the acknowledged ones.
+
+    In that order: a request without a valid token causes no write at all.
+    """
+    token = admin_tokens.authenticate_admin(context.store, request_header(HEADER_ADMIN_TOKEN))
+    context.heartbeats.flush()
+    return audit.admin_actor(token.token_id)
+
+
+def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
+    settings, store, heartbeats = context.settings, context.store, context.heartbeats
+    clock = store.clock
+
+    def admin() -> str:
+        return admin_actor(context)
+
+    @app.get(PATH_METRICS)
+    def prometheus_metrics():
+        # Prometheus sends `authorization: {credentials: mfa_…}` as a Bearer header.
+        bearer = request_header("Authorization") or ""
+        header = request_header(HEADER_ADMIN_TOKEN) or bearer.removeprefix("Bearer ")
+        admin_tokens.authenticate_admin(store, header or None)
+        heartbeats.flush()
+        return bottle.HTTPResponse(
+            context.metrics.exposition(),
+            headers={"Content-Type": METRICS_CONTENT_TYPE, "Cache-Control": "no-store"},
+        )
+
+    @app.get(PATH_HEALTHZ)
+    def healthz():
+        if not store.ping():
+            raise StoreUnavailable("the store did not answer")
+        return json_response({"status": "ok"})
+
+    # -- enrollment tokens -------------------------------------------------------
+
+    @app.post(PATH_ADMIN_ENROLLMENTS)
+    def mint():
+        actor = admin()
+        fields = context.body(MINT_FIELDS)
+        origin = settings.public_api_origin or request_origin(bottle.request.environ)
+        if origin == "unknown":
+            raise Invalid(
+                "the Host header of this request is not an origin a token can be locked to",
+                code=HOST_INVALID,
+                next_step="Set MODELFORGE_PUBLIC_API_ORIGIN, or mint through the address the "
+                "agents use.",
+            )
+        minted = enrollment.mint_enrollment_token(
+            store,
+            display_name=fields["display_name"],
+            expires_in_seconds=fields["expires_in_seconds"],
+            api_origin=origin,
+            actor=actor,
+        )
+        return json_response(minted.response(clock.now()), 201)
+
+    @app.get(PATH_ADMIN_ENROLLMENTS)
+    def list_enrollments():
+        admin()
+        return json_response({"enrollments": enrollment.list_enrollments(store)})
+
+    @app.delete(PATH_ADMIN_ENROLLMENT)
+    def revoke_enrollment(enrollment_id: str):
+        actor = admin()
+        return json_response(enrollment.revoke_enrollment(store, enrollment_id, actor))
+
+    # -- fleet and lifecycle -------------------------------------------------------
+
+    @app.get(PATH_ADMIN_NODES)
+    def fleet():
+        admin()
+        return json_response({"nodes": nodes.list_nodes(store, settings)})
+
+    @app.get(PATH_ADMIN_NODE)
+    def one_node(node_id: str):
+        admin()
+        node = nodes.get_node(store, node_id)
+        return json_response(nodes.node_view(node, clock.now(), settings))
+
+    @app.get(PATH_ADMIN_NODE_READINESS)
+    def node_readiness(node_id: str):
+        admin()
+        return json_response(readiness.readiness_of(store, settings, node_id))
+
+    @app.get(PATH_ADMIN_NODE_CREDENTIALS)
+    def node_credentials(node_id: str):
+        admin()
+        return json_response(credentials.credentials_of(store, nodes.get_node(store, node_id)))
+
+    @app.delete(PATH_ADMIN_NODE_CREDENTIAL)
+    def revoke_node_credential(node_id: str):
+        actor = admin()
+        node = nodes.get_node(store, node_id)
+        revoked = credentials.revoke_node_credential(store, node, actor)
+        return json_response({"node_id": node_id, "revoked": revoked})
+
+    @app.post(PATH_ADMIN_NODE_DECOMMISSION_PREVIEW)
+    def decommission_preview(node_id: str):
+        actor = admin()
+        return json_response(decommission.preview(store, node_id, actor))
+
+    @app.post(PATH_ADMIN_NODE_DECOMMISSION_EXECUTE)
+    def decommission_execute(node_id: str):
+        actor = admin()
+        confirmation = context.body(EXECUTE_FIELDS)["confirmation"]
+        return json_response(decommission.execute(store, node_id, confirmation, actor))
+
+    @app.post(PATH_ADMIN_NODE_CORDON)
+    def cordon(node_id: str):
+        actor = admin()
+        node = nodes.set_cordoned(store, node_id, True, actor)
+        return json_response(nodes.node_view(node, clock.now(), settings))
+
+    @app.post(PATH_ADMIN_NODE_UNCORDON)
+    def uncordon(node_id: str):
+        actor = admin()
+        node = nodes.set_cordoned(store, node_id, False, actor)
+        return json_response(nodes.node_view(node, clock.now(), settings))
+
+    # -- alerts and audit ----------------------------------------------------------
+
+    @app.get(PATH_ADMIN_ALERTS)
+    def list_alerts():
+        admin()
+        return json_response({"alerts": alerts.active_alerts(store, settings)})
+
+    @app.get(PATH_ADMIN_AUDIT)
+    def audit_events():
+        admin()
+        limit = query_int("limit", 50, 1, 500)
+        before = query_int("before", None, 1, 2**62)
+        node_id = bottle.request.query.get("node_id") or None
+        return json_response(audit.list_events(store, limit=limit, before=before, node_id=node_id))

@@ -1,0 +1,54 @@
+"""``modelforge admin-token create|list|revoke``: tokens for API automation."""
+
+from __future__ import annotations
+
+import click
+
+from .. import admin_tokens, audit
+from ..errors import NotFound
+from .support import Context, emit, fail
+
+
+@click.group("admin-token")
+def admin_token() -> None:
+    """Create, list and revoke admin tokens (shown once, stored as digests)."""
+
+
+@admin_token.command("create")
+@click.option("--name", required=True, help="What the token is for, e.g. 'backup script'.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def admin_token_create(obj: Context, name: str, as_json: bool) -> None:
+    """Mint an admin token and print it once."""
+    row, secret = admin_tokens.create_admin_token(obj.store(), name, audit.CLI_ACTOR)
+    emit(
+        as_json,
+        {"token_id": row.token_id, "admin_token": secret},
+        f"Admin token {row.token_id} (shown once):\n\n    {secret}\n",
+    )
+
+
+@admin_token.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def admin_token_list(obj: Context, as_json: bool) -> None:
+    """List admin tokens (never the secrets)."""
+    rows = admin_tokens.list_admin_tokens(obj.store())
+    lines = [f"{'TOKEN ID':18} {'NAME':24} {'CREATED':26} STATE"]
+    for row in rows:
+        state = f"revoked {row['revoked_at']}" if row["revoked_at"] else "active"
+        lines.append(f"{row['token_id']:18} {row['name'][:24]:24} {row['created_at']:26} {state}")
+    emit(as_json, {"admin_tokens": rows}, "\n".join(lines))
+
+
+@admin_token.command("revoke")
+@click.argument("token_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def admin_token_revoke(obj: Context, token_id: str, as_json: bool) -> None:
+    """Revoke an admin token by its id (see `admin-token list`)."""
+    try:
+        row = admin_tokens.revoke_admin_token(obj.store(), token_id, audit.CLI_ACTOR)
+    except NotFound as exc:
+        fail(exc.message)
+    emit(as_json, admin_tokens.admin_token_view(row), f"Revoked admin token {token_id}.")

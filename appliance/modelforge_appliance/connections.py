@@ -1,0 +1,240 @@
+"""How the control plane holds thousands of connections on waitress.
+
+Three things waitress does not do on its own:
+
+- **A deadline for the whole request.** waitress closes a connection only after
+  ``channel_timeout`` seconds *without any byte*, so a client that trickles its headers
+  one byte at a time holds a connection for ever. ``Channel`` notes when the request
+  it is receiving began (or when the connection opened, for its first request), and
+  ``Server.maintenance`` closes it once that is older than the request timeout.
+- **Its own refusals in the one error shape.** A request waitress refuses before the
+  application sees it (malformed, headers or body over the limit, an unknown
+  transfer coding) is answered by ``JsonErrorTask`` as
+  ``{"error": {"code", "message", "next_step"}}``, never as waitress's plain text, and
+  never echoing what the client sent.
+- **An event loop whose cost does not grow with registrations.** waitress's poll loop
+  builds a new ``poll`` set from every connection on every turn; ``EventLoop`` keeps
+  one ``epoll`` set and only changes the entries whose interest changed. It still asks
+  every connection what it is waiting for each turn, exactly as waitress does, so its
+  behaviour is waitress's; bench/fleet.py measures the difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import select
+import time
+from collections.abc import Callable
+from typing import Any
+
+from waitress import wasyncore
+from waitress.channel import HTTPChannel
+from waitress.server import TcpWSGIServer
+from waitress.task import ErrorTask
+
+from modelforge_contract import (
+    API_PREFIX,
+    BODY_TOO_LARGE,
+    HEADERS_TOO_LARGE,
+    INTERNAL_ERROR,
+    REQUEST_MALFORMED,
+    TRANSFER_ENCODING_UNSUPPORTED,
+    compatibility_of,
+)
+
+log = logging.getLogger(__name__)
+
+AGENT_PREFIX = f"{API_PREFIX}/agent/"
+
+# waitress's refusals by status: (code, message, next step). Its own text is never sent
+# back: it can quote a header line the client sent, credential included.
+WAITRESS_REFUSALS: dict[int, tuple[str, str, str]] = {
+    400: (
+        REQUEST_MALFORMED,
+        "the request is not well-formed HTTP/1.1",
+        "Send a well-formed request; see docs/api.md.",
+    ),
+    413: (
+        BODY_TOO_LARGE,
+        "the body is larger than the control plane accepts",
+        "Send a smaller body (MODELFORGE_MAX_BODY_BYTES sets the limit).",
+    ),
+    431: (
+        HEADERS_TOO_LARGE,
+        "the request line and headers are larger than the control plane accepts",
+        "Send shorter headers.",
+    ),
+    501: (
+        TRANSFER_ENCODING_UNSUPPORTED,
+        "the request uses a transfer coding other than chunked",
+        "Send the body with Content-Length, or with Transfer-Encoding: chunked.",
+    ),
+    500: (
+        INTERNAL_ERROR,
+        "the control plane failed to answer",
+        "Retry; if it persists, check the control plane's log.",
+    ),
+}
+
+
+class JsonErrorTask(ErrorTask):
+    """waitress's answer to a request it refused itself, in the one error shape."""
+
+    def execute(self) -> None:
+        error = self.request.error
+        code, message, next_step = WAITRESS_REFUSALS.get(error.code, WAITRESS_REFUSALS[400])
+        body: dict[str, Any] = {"error": {"code": code, "message": message, "next_step": next_step}}
+        if (getattr(self.request, "path", "") or "").startswith(AGENT_PREFIX):
+            # Every agent answer carries compatibility, refusals included (DESIGN §3).
+            protocol = self.request.headers.get("X_MODELFORGE_AGENT_PROTOCOL")
+            body["compatibility"] = compatibility_of(protocol)
+        raw = json.dumps(body).encode()
+        self.status = f"{error.code} {error.reason}"
+        self.response_headers.extend(
+            [("Content-Type", "application/json"), ("Cache-Control", "no-store")]
+        )
+        self.set_close_on_finish()
+        self.content_length = len(raw)
+        self.write(raw)
+
+
+class Channel(HTTPChannel):
+    """One client connection, timed from the first byte of the request it is receiving."""
+
+    error_task_class = JsonErrorTask
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A new connection must send its first request within the deadline too: a socket
+        # that connects and says nothing is a slow client, not an idle keep-alive one.
+        self.request_began: float | None = self.creation_time
+        self._timed_request: object | None = None
+        self._fresh = True
+
+    def received(self, data: bytes) -> bool:
+        result = super().received(data)
+        if self.request is None:
+            # Nothing half-received: the connection is idle, and the idle timeout applies.
+            self.request_began, self._timed_request = None, None
+        elif self.request is not self._timed_request:
+            # A request began in this chunk of bytes (the first one: when the connection
+            # opened).
+            self._timed_request = self.request
+            self.request_began = self.creation_time if self._fresh else time.time()
+        self._fresh = False
+        return result
+
+
+# waitress accepts one connection per loop turn; a fleet reconnecting at once (after a
+# restart of the control plane) would then wait on the loop, one turn per agent.
+ACCEPTS_PER_TURN = 64
+
+
+class Server(TcpWSGIServer):
+    """waitress's TCP server with ``Channel`` connections, the request deadline, and
+    accepting every waiting connection (up to ACCEPTS_PER_TURN) in one loop turn."""
+
+    channel_class = Channel
+    request_timeout: float = 30.0
+    # Called with "idle" or "request_timeout" for every connection this server closes.
+    on_close: Callable[[str], None] = staticmethod(lambda reason: None)
+
+    def handle_accept(self) -> None:
+        for _ in range(ACCEPTS_PER_TURN):
+            before = len(self._map)
+            if before >= self.adj.connection_limit:
+                return
+            super().handle_accept()
+            if len(self._map) == before:
+                return  # nobody else is waiting (or that accept failed, and was logged)
+
+    def maintenance(self, now: float) -> None:
+        idle_cutoff = now - self.adj.channel_timeout
+        request_cutoff = now - self.request_timeout
+        for channel in self.active_channels.values():
+            if channel.requests or channel.will_close:
+                continue  # being answered (or already going): never cut off mid-answer
+            began = getattr(channel, "request_began", None)
+            if began is not None and began < request_cutoff:
+                reason = "request_timeout"
+            elif channel.last_activity < idle_cutoff:
+                reason = "idle"
+            else:
+                continue
+            channel.will_close = True
+            self.on_close(reason)
+            log.debug("closing a connection from %s: %s", channel.addr, reason)
+
+
+_READ = select.POLLIN | select.POLLPRI
+_WRITE = select.POLLOUT
+
+
+class EventLoop:
+    """wasyncore's poll loop over a socket map, with one persistent epoll set.
+
+    Each turn asks every dispatcher, as ``wasyncore.poll2`` does, whether it wants to
+    read or write; only a change of answer costs a system call. A dispatcher that wants
+    neither is taken out of the set, again as in poll2, so a hang-up during an answer is
+    noticed when the answer is done. Events are dispatched with wasyncore's own
+    ``readwrite``.
+    """
+
+    def __init__(self, socket_map: dict[int, Any]) -> None:
+        self.map = socket_map
+        self._epoll = select.epoll() if hasattr(select, "epoll") else None
+        # fd -> (dispatcher, registered events): a closed fd may come back as a new socket.
+        self._registered: dict[int, tuple[Any, int]] = {}
+
+    def turn(self, timeout: float) -> None:
+        if self._epoll is None:  # not Linux: waitress's own loop
+            wasyncore.poll2(timeout, self.map)
+            return
+        for fd in [fd for fd, (obj, _) in self._registered.items() if self.map.get(fd) is not obj]:
+            self._forget(fd)
+        for fd, obj in list(self.map.items()):
+            events = 0
+            if obj.readable():
+                events |= _READ
+            if obj.writable() and not obj.accepting:
+                events |= _WRITE
+            self._register(fd, obj, events)
+        try:
+            ready = self._epoll.poll(timeout)
+        except InterruptedError:
+            return
+        for fd, events in ready:
+            obj = self.map.get(fd)
+            if obj is not None:
+                wasyncore.readwrite(obj, events)
+
+    def _register(self, fd: int, obj: Any, events: int) -> None:
+        known = self._registered.get(fd)
+        if known is not None and known[1] == events:
+            return
+        if not events:
+            self._forget(fd)
+            return
+        try:
+            if known is None:
+                self._epoll.register(fd, events)
+            else:
+                self._epoll.modify(fd, events)
+        except FileNotFoundError:  # the kernel dropped it along with a closed descriptor
+            self._epoll.register(fd, events)
+        except FileExistsError:
+            self._epoll.modify(fd, events)
+        self._registered[fd] = (obj, events)
+
+    def _forget(self, fd: int) -> None:
+        if self._registered.pop(fd, None) is not None:
+            # A closed descriptor is already gone from the set.
+            with contextlib.suppress(OSError):
+                self._epoll.unregister(fd)
+
+    def close(self) -> None:
+        if self._epoll is not None:
+            self._epoll.close()
+        self._registered.clear()

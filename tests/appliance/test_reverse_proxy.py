@@ -1,0 +1,185 @@
+"""The nginx example of docs/reverse-proxy.md, run as written: Debian's nginx terminates TLS in
+front of the real control plane, and a real agent enrolls and heartbeats through it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from modelforge_node_agent.settings import load_settings
+from modelforge_node_agent.transport import make_session
+
+from ..agent.processes import AgentProcess, agent_env, wait_until
+from ..support import free_port, make_settings, serve, unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+NAME = "cp.modelforge.test"
+
+
+def nginx_binary() -> str:
+    path = shutil.which("nginx") or (
+        "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
+    )
+    if path is None:
+        unavailable("nginx is not installed: scripts/test installs Debian's nginx-light as root")
+    return path
+
+
+def documented_site() -> str:
+    """The nginx site file from docs/reverse-proxy.md, exactly as documented."""
+    text = (ROOT / "docs" / "reverse-proxy.md").read_text()
+    blocks = re.findall(r"```nginx\n(.*?)```", text, re.DOTALL)
+    assert len(blocks) == 1, "docs/reverse-proxy.md should show one nginx site file"
+    return blocks[0]
+
+
+def substitute(site: str, replacements: list[tuple[str, str]]) -> str:
+    for old, new in replacements:
+        assert old in site, f"the documented example no longer contains {old!r}"
+        site = site.replace(old, new)
+    return site
+
+
+def make_pki(directory: Path) -> Path:
+    if shutil.which("openssl") is None:
+        unavailable("openssl is needed to mint test certificates")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=directory)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+            "-days", "2", "-subj", "/CN=ModelForge Test CA")  # fmt: skip
+    (directory / "san.ext").write_text(f"subjectAltName=DNS:{NAME}\n")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{NAME}.key", "-out", "server.csr",
+            "-subj", f"/CN={NAME}")  # fmt: skip
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{NAME}.pem", "-days", "2", "-extfile", "san.ext")  # fmt: skip
+    return directory / "ca.pem"
+
+
+def start_nginx(work: Path, site: str) -> subprocess.Popen:
+    for temp in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (work / temp).mkdir()
+    user = "user root;\n" if os.getuid() == 0 else ""
+    conf = work / "nginx.conf"
+    conf.write_text(
+        f"{user}daemon off;\nworker_processes 1;\npid {work}/nginx.pid;\n"
+        f"error_log {work}/error.log warn;\nevents {{ worker_connections 256; }}\n"
+        "http {\n    access_log off;\n"
+        f"    client_body_temp_path {work}/body;\n    proxy_temp_path {work}/proxy;\n"
+        f"    fastcgi_temp_path {work}/fastcgi;\n    uwsgi_temp_path {work}/uwsgi;\n"
+        f"    scgi_temp_path {work}/scgi;\n{site}\n}}\n"
+    )
+    nginx = nginx_binary()
+    check = subprocess.run([nginx, "-t", "-p", str(work), "-e", str(work / "error.log"), "-c", str(conf)],
+                           capture_output=True, text=True)  # fmt: skip
+    assert check.returncode == 0, check.stderr
+    return subprocess.Popen(
+        [nginx, "-p", str(work), "-e", str(work / "error.log"), "-c", str(conf)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def wait_for_port(port: int, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text() if log.exists() else "nginx exited"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError("nginx did not listen")
+
+
+@pytest.mark.slow
+def test_the_documented_nginx_example_carries_enrollment_and_heartbeats(tmp_path):
+    nginx_binary()
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca = make_pki(pki)
+    proxy_port = free_port()
+    origin = f"https://{NAME}:{proxy_port}"
+    settings = replace(
+        make_settings(tmp_path / "state"), public_api_origin=origin, trusted_proxies=("127.0.0.1",)
+    )
+    with serve(settings) as cp:
+        site = substitute(
+            documented_site(),
+            [
+                ("/etc/modelforge/tls/", f"{pki}/"),
+                ("cp.lan", NAME),
+                ("listen 443 ssl;", f"listen 127.0.0.1:{proxy_port} ssl;"),
+                ("127.0.0.1:8000", cp.url.removeprefix("http://")),
+            ],
+        )
+        work = tmp_path / "nginx"
+        work.mkdir()
+        nginx = start_nginx(work, site)
+        try:
+            wait_for_port(proxy_port, nginx, work / "error.log")
+            # Through the proxy, as a node sees it: TLS verified against the private CA.
+            agent_settings = load_settings(
+                {
+                    "MODELFORGE_AGENT_CONTROL_PLANE_URL": origin,
+                    "MODELFORGE_AGENT_CONTROL_PLANE_HOST_ADDRESS": "127.0.0.1",
+                    "MODELFORGE_AGENT_CA_CERT_PATH": str(ca),
+                }
+            )
+            session = make_session(agent_settings)
+            assert session.get(f"{origin}/healthz", timeout=10).json() == {"status": "ok"}
+
+            # The body limit is the control plane's: a body at the limit reaches it (and is
+            # refused as not JSON), one byte more is refused by nginx in the same shape.
+            def post(size: int):
+                return session.post(
+                    f"{origin}/api/v1/agent/heartbeat",
+                    data=b"x" * size,
+                    headers={
+                        "Content-Type": "application/json",
+                        "X-ModelForge-Agent-Protocol": "1",
+                    },
+                    timeout=30,
+                )
+
+            limit = cp.settings.max_body_bytes
+            at_limit = post(limit)
+            assert (at_limit.status_code, at_limit.json()["error"]["code"]) == (
+                400,
+                "BODY_NOT_JSON",
+            )
+            over = post(limit + 1)
+            assert (over.status_code, over.json()["error"]["code"]) == (413, "BODY_TOO_LARGE")
+            assert set(over.json()["error"]) == {"code", "message", "next_step"}
+
+            minted = cp.mint()
+            assert minted["api_origin"] == origin
+            env = agent_env(
+                control_plane_url=origin,
+                control_plane_host_address="127.0.0.1",
+                ca_cert_path=ca,
+                enrollment_token=minted["token"],
+                accelerator_mode="cpu",
+                state_volume=tmp_path / "agent-state",
+            )
+            with AgentProcess(env, tmp_path / "agent.log") as agent:
+
+                def online():
+                    nodes = cp.admin("GET", "/api/v1/admin/hardware/nodes").json()["nodes"]
+                    return nodes if nodes and nodes[0]["liveness"] == "online" else None
+
+                nodes = wait_until(online, timeout=30, what="the agent online through nginx")
+                agent.terminate()
+            assert nodes[0]["hostname"]
+        finally:
+            nginx.terminate()
+            nginx.wait(timeout=10)
