@@ -13,9 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
-from .support import IN_CI
+from .support import unavailable
 
 # docs/node-agent.md, "Private CA": the CA and the server certificate, as documented.
 CA_EXTENSIONS = ("basicConstraints=critical,CA:TRUE", "keyUsage=critical,keyCertSign,cRLSign")
@@ -30,10 +28,7 @@ SERVER_EXTENSIONS = (
 
 def openssl(directory: Path, *args: str) -> None:
     if shutil.which("openssl") is None:
-        message = "openssl is needed to make test certificates"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable("openssl is needed to make test certificates (scripts/test installs it)")
     subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=directory, timeout=60)
 
 

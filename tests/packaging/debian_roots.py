@@ -174,16 +174,12 @@ def debian_root(suite: str, arch: str) -> Path:
 
 def debian_root_or_skip(suite: str, arch: str) -> Path:
     """debian_root() for a test: skipped where it cannot be made, failed with CI=true."""
-    import pytest
-
-    from tests.support import IN_CI
+    from tests.support import unavailable
 
     try:
         return debian_root(suite, arch)
     except RootUnavailable as exc:
-        if IN_CI:
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
+        unavailable(str(exc))
 
 
 def in_root(root: Path, argv: Sequence[str], env: dict[str, str], cwd: str = "/") -> list[str]:
