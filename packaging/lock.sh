@@ -13,7 +13,7 @@ unset PIP_FIND_LINKS PIP_EXTRA_INDEX_URL PIP_INDEX_URL PIP_CONSTRAINT
 python3 -m venv "$tools"
 "$tools/bin/pip" install --quiet pip-tools==7.6.2
 export CUSTOM_COMPILE_COMMAND="packaging/lock.sh"
-for name in appliance agent build; do
+for name in appliance agent build worker worker-cuda; do
     "$tools/bin/pip-compile" --quiet --generate-hashes --allow-unsafe --strip-extras \
         --no-emit-index-url \
         --output-file "packaging/requirements-$name.txt" "packaging/requirements-$name.in"

@@ -1,8 +1,12 @@
-"""The rehearsal compose file is valid for Compose v1 and names a disposable identity."""
+"""The compose files are valid for Compose v1 (Debian's docker-compose) and say what the
+docs promise: image selection, durable state, the private CA, the worker's socket and GPUs.
+Starting them against real images is tests/release/test_end_to_end.py."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -41,3 +45,225 @@ def test_node_recovery_compose_file_is_valid_and_needs_a_control_plane_url():
     assert "MODELFORGE_AGENT_ACCELERATOR_MODE: cpu" in config.stdout
     assert "rehearsal-agent-state:/var/lib/modelforge-node-agent" in config.stdout
     assert "mfe_" not in path.read_text() and "mfc_" not in path.read_text()
+
+
+# -- the release compose files ------------------------------------------------------------------
+
+COMPOSE_FILES = (
+    "docker-compose.yml",
+    "docker-compose.node-agent.yml",
+    "docker-compose.node-agent.private-ca.yml",
+    "docker-compose.runtime-worker.yml",
+    "docker-compose.node-recovery.yml",
+)
+# docker-compose (v1) is a Debian Python program: its YAML library reads its output.
+_YAML_TO_JSON = "import json, sys, yaml; print(json.dumps(yaml.safe_load(sys.stdin)))"
+
+
+def compose_model(tmp_path: Path, *files: str, **env: str) -> dict:
+    """``docker-compose config`` of FILES, as data; fails the test with v1's message."""
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        if IN_CI:
+            pytest.fail("docker-compose is missing: scripts/test installs it as root")
+        pytest.skip("docker-compose is not installed")
+    env_file = tmp_path / "modelforge-node.env"
+    env_file.write_text("MODELFORGE_AGENT_CONTROL_PLANE_URL=http://cp.lan:8000\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+    argv = [binary]
+    for name in files:
+        argv += ["-f", str(ROOT / name)]
+    result = subprocess.run(
+        [*argv, "config"],
+        env={**clean, "MODELFORGE_NODE_AGENT_ENV_FILE": str(env_file), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    converted = subprocess.run(
+        [shutil.which("python3", path="/usr/bin") or "/usr/bin/python3", "-c", _YAML_TO_JSON],
+        input=result.stdout,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(converted.stdout)
+
+
+def gpu_reservation(service: dict) -> list:
+    return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+
+
+def test_every_image_falls_back_to_a_local_source_build_never_latest():
+    for name in COMPOSE_FILES:
+        text = (ROOT / name).read_text()
+        settings = "\n".join(line.split("#")[0] for line in text.splitlines())
+        assert "latest" not in settings, name
+        for line in settings.splitlines():
+            if line.strip().startswith("image:"):
+                assert re.fullmatch(
+                    r"\s*image: \$\{MODELFORGE_\w+_IMAGE:-modelforge-[a-z-]+:local\}", line
+                ), line
+        assert "mfe_" not in text and "mfc_" not in text, name
+
+
+@pytest.mark.parametrize(
+    ("files", "service", "variable", "image"),
+    [
+        (
+            ["docker-compose.yml"],
+            "control-plane",
+            "MODELFORGE_CONTROL_PLANE_IMAGE",
+            "modelforge-control-plane",
+        ),
+        (
+            ["docker-compose.node-agent.yml"],
+            "node-agent",
+            "MODELFORGE_NODE_AGENT_IMAGE",
+            "modelforge-node-agent",
+        ),
+        (
+            ["docker-compose.node-agent.yml", "docker-compose.runtime-worker.yml"],
+            "runtime-worker",
+            "MODELFORGE_RUNTIME_WORKER_IMAGE",
+            "modelforge-runtime-worker",
+        ),
+    ],
+)
+def test_a_variable_selects_the_image_and_build_stays_for_source_builds(
+    tmp_path, files, service, variable, image
+):
+    default = compose_model(tmp_path, *files)["services"][service]
+    assert default["image"] == f"{image}:local"
+    assert default["build"]["dockerfile"] == f"packaging/images/{image}.Dockerfile"
+    assert (ROOT / default["build"]["dockerfile"]).is_file()
+    chosen = compose_model(tmp_path, *files, **{variable: f"{image}:1.3.0-rc.1"})["services"][
+        service
+    ]
+    assert chosen["image"] == f"{image}:1.3.0-rc.1"
+
+
+def test_the_control_plane_keeps_its_store_in_a_volume_and_runs_locked_down(tmp_path):
+    model = compose_model(
+        tmp_path, "docker-compose.yml", MODELFORGE_PUBLIC_API_ORIGIN="http://10.0.0.5:8000"
+    )
+    service = model["services"]["control-plane"]
+    assert service["environment"]["MODELFORGE_PUBLIC_API_ORIGIN"] == "http://10.0.0.5:8000"
+    assert any(
+        v["target"] == "/var/lib/modelforge" and v["type"] == "volume" for v in _volumes(service)
+    )
+    assert service["read_only"] is True and service["cap_drop"] == ["ALL"]
+    assert "control-plane-state" in model["volumes"]
+
+
+def _volumes(service: dict) -> list[dict]:
+    # v1 prints short-syntax volumes as "source:target[:mode]" strings.
+    out = []
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            source, target, *_ = volume.split(":")
+            kind = "bind" if source.startswith("/") else "volume"
+            out.append(
+                {
+                    "source": source,
+                    "target": target,
+                    "type": kind,
+                    "read_only": volume.endswith(":ro"),
+                }
+            )
+        else:
+            out.append(volume)
+    return out
+
+
+def test_the_agent_state_volume_is_durable_and_the_token_comes_from_the_shell(tmp_path):
+    model = compose_model(tmp_path, "docker-compose.yml", "docker-compose.node-agent.yml")
+    agent = model["services"]["node-agent"]
+    (state,) = [v for v in _volumes(agent) if v["target"] == "/var/lib/modelforge-node-agent"]
+    assert state["type"] == "volume" and state["source"] == "node-agent-state"
+    assert "node-agent-state" in model["volumes"]  # a named volume: `down` keeps it
+    assert agent["environment"]["MODELFORGE_AGENT_ENROLLMENT_TOKEN"] == ""
+    assert agent["read_only"] is True and agent["cap_drop"] == ["ALL"]
+    assert not gpu_reservation(agent)  # a CPU-only node runs this file alone
+    # On Unraid the state goes to appdata instead.
+    bound = compose_model(
+        tmp_path,
+        "docker-compose.node-agent.yml",
+        MODELFORGE_NODE_AGENT_STATE="/mnt/user/appdata/modelforge/agent-state",
+    )
+    (state,) = [
+        v
+        for v in _volumes(bound["services"]["node-agent"])
+        if v["target"] == "/var/lib/modelforge-node-agent"
+    ]
+    assert state["type"] == "bind" and state["source"] == "/mnt/user/appdata/modelforge/agent-state"
+
+
+def test_the_private_ca_file_mounts_the_ca_and_maps_the_control_plane_host(tmp_path):
+    files = (
+        "docker-compose.yml",
+        "docker-compose.node-agent.yml",
+        "docker-compose.node-agent.private-ca.yml",
+    )
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    agent = compose_model(
+        tmp_path,
+        *files,
+        MODELFORGE_AGENT_CA_CERT_PATH=str(ca),
+        MODELFORGE_AGENT_CONTROL_PLANE_HOST_ADDRESS="192.168.1.10",
+    )["services"]["node-agent"]
+    (mount,) = [v for v in _volumes(agent) if v["target"] == "/etc/modelforge-node-agent/ca.pem"]
+    assert mount["source"] == str(ca) and mount["read_only"] is True
+    assert (
+        agent["environment"]["MODELFORGE_AGENT_CA_CERT_PATH"] == "/etc/modelforge-node-agent/ca.pem"
+    )
+    assert agent["environment"]["MODELFORGE_AGENT_CONTROL_PLANE_HOST_ADDRESS"] == "192.168.1.10"
+    assert agent["environment"]["MODELFORGE_AGENT_TLS_VERIFY"] == "true"
+    assert any(v["target"] == "/var/lib/modelforge-node-agent" for v in _volumes(agent))
+
+
+def test_the_private_ca_file_says_which_variable_is_missing(tmp_path):
+    binary = shutil.which("docker-compose") or pytest.skip("docker-compose is not installed")
+    (tmp_path / "modelforge-node.env").write_text("")
+    result = subprocess.run(
+        [
+            binary,
+            "-f",
+            "docker-compose.node-agent.yml",
+            "-f",
+            "docker-compose.node-agent.private-ca.yml",
+            "config",
+        ],
+        env={
+            "PATH": os.environ["PATH"],
+            "MODELFORGE_NODE_AGENT_ENV_FILE": str(tmp_path / "modelforge-node.env"),
+        },
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "set MODELFORGE_AGENT_" in result.stderr
+
+
+def test_the_runtime_worker_shares_a_socket_volume_and_the_gpus_with_the_agent(tmp_path):
+    model = compose_model(
+        tmp_path,
+        "docker-compose.yml",
+        "docker-compose.node-agent.yml",
+        "docker-compose.runtime-worker.yml",
+    )
+    worker, agent = model["services"]["runtime-worker"], model["services"]["node-agent"]
+    assert worker["network_mode"] == "none"  # the socket is the only way in
+    for service in (worker, agent):
+        assert any(
+            v["source"] == "worker-socket" and v["target"] == "/run/modelforge-worker"
+            for v in _volumes(service)
+        )
+        (gpus,) = gpu_reservation(service)
+        assert gpus["driver"] == "nvidia" and gpus["capabilities"] == ["gpu"]
+    assert worker["environment"]["MODELFORGE_WORKER_SOCKET"] == "/run/modelforge-worker/worker.sock"

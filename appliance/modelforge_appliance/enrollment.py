@@ -25,7 +25,7 @@ from modelforge_contract import (
     NODE_DECOMMISSIONED,
 )
 
-from . import audit, credentials, tokens
+from . import audit, credentials, finality, tokens
 from .clock import isoformat
 from .errors import ApiError, Conflict, Forbidden, Gone, Invalid, NotFound, Unauthorized
 from .models import EnrollmentToken, Node
@@ -81,16 +81,35 @@ def agent_env_file(api_origin: str, display_name: str) -> str:
     )
 
 
-# Reads the token without echo into a mode-0600 temporary env file that is removed
-# on exit, error or signal; the token never reaches shell history or process arguments.
-START_COMMAND = (
-    "bash -c 'set +x; umask 077; tok_file=$(mktemp); "
-    'trap "rm -f \\"$tok_file\\"" EXIT INT TERM HUP; '
-    'IFS= read -rsp "Enrollment token: " tok; echo; '
-    'printf "MODELFORGE_AGENT_ENROLLMENT_TOKEN=%s\\n" "$tok" > "$tok_file"; unset tok; '
-    'set -a; . ./modelforge-node.env; . "$tok_file"; set +a; rm -f "$tok_file"; '
-    "exec modelforge-node-agent'"
+# The start command for Bash (agent pyz under systemd's user, or a checkout). Tracing is
+# turned off first; the token is read without echo, checked for its shape (so nothing else
+# is ever sourced), written to a mode-0600 temporary env file that is removed before the
+# agent starts, and on any exit, error or signal; it never reaches argv or shell history.
+# tests/appliance/test_start_command.py runs it with real bash.
+_START_STEPS = (
+    "set +x",
+    "umask 077",
+    '[ -f ./modelforge-node.env ] || { echo "modelforge: run this in the directory that '
+    'holds modelforge-node.env" >&2; exit 2; }',
+    "tok_file=$(mktemp) || exit 1",
+    'trap "rm -f \\"$tok_file\\"" EXIT',
+    'trap "rm -f \\"$tok_file\\"; exit 130" INT',
+    'trap "rm -f \\"$tok_file\\"; exit 143" TERM',
+    'trap "rm -f \\"$tok_file\\"; exit 129" HUP',
+    'IFS= read -rsp "Enrollment token: " tok',
+    "echo >&2",
+    "[[ $tok =~ ^mfe_[0-9a-f]{8,32}_[A-Za-z0-9_-]{20,}$ ]] || { unset tok; echo "
+    '"modelforge: that is not an enrollment token (mfe_...)" >&2; exit 2; }',
+    'printf "MODELFORGE_AGENT_ENROLLMENT_TOKEN=%s\\n" "$tok" > "$tok_file"',
+    "unset tok",
+    "set -a",
+    ". ./modelforge-node.env",
+    '. "$tok_file"',
+    "set +a",
+    'rm -f "$tok_file"',
+    "exec modelforge-node-agent",
 )
+START_COMMAND = "bash -c '" + "; ".join(_START_STEPS) + "'"
 
 
 @dataclass(frozen=True)
@@ -336,6 +355,9 @@ def _known_node(store: Store, request: EnrollRequest, identity_digest: str | Non
         query = query.for_update()
     node = query.first()
     if node is None:
+        # A restore can bring back a store without this node; its retirement stays final.
+        if finality.identity_retired(request.identity_id):
+            raise _identity_decommissioned()
         return None
     if not hmac.compare_digest(identity_digest or "", node.identity_digest or ""):
         raise Forbidden(
@@ -345,9 +367,13 @@ def _known_node(store: Store, request: EnrollRequest, identity_digest: str | Non
             "as a new node (then decommission the old one).",
         )
     if node.decommissioned_at is not None:
-        raise Forbidden(
-            "this identity belongs to a decommissioned node",
-            code=NODE_DECOMMISSIONED,
-            next_step="Delete the agent's identity file to enroll the hardware as a new node.",
-        )
+        raise _identity_decommissioned()
     return node
+
+
+def _identity_decommissioned() -> Forbidden:
+    return Forbidden(
+        "this identity belongs to a decommissioned node",
+        code=NODE_DECOMMISSIONED,
+        next_step="Delete the agent's identity file to enroll the hardware as a new node.",
+    )

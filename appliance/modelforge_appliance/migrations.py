@@ -13,8 +13,13 @@ import peewee as pw
 
 # Column types that differ between the two stores.
 _TYPES = {
-    "sqlite": {"double": "REAL", "bool": "INTEGER", "serial": "INTEGER"},
-    "postgresql": {"double": "DOUBLE PRECISION", "bool": "BOOLEAN", "serial": "SERIAL"},
+    "sqlite": {"double": "REAL", "bool": "INTEGER", "serial": "INTEGER", "bigserial": "INTEGER"},
+    "postgresql": {
+        "double": "DOUBLE PRECISION",
+        "bool": "BOOLEAN",
+        "serial": "SERIAL",
+        "bigserial": "BIGSERIAL",
+    },
 }
 
 
@@ -23,10 +28,14 @@ class Migration:
     version: int
     name: str
     statements: tuple[str, ...]
+    # Statements only one kind of store understands (triggers), run after the shared ones.
+    sqlite: tuple[str, ...] = ()
+    postgresql: tuple[str, ...] = ()
 
     def apply(self, db: pw.Database) -> None:
-        types = _TYPES["sqlite" if isinstance(db, pw.SqliteDatabase) else "postgresql"]
-        for statement in self.statements:
+        kind = "sqlite" if isinstance(db, pw.SqliteDatabase) else "postgresql"
+        types = _TYPES[kind]
+        for statement in (*self.statements, *getattr(self, kind)):
             db.execute_sql(statement.format(**types))
 
 
@@ -75,8 +84,177 @@ _DECOMMISSION_CONFIRMATIONS = (
     'CREATE INDEX "decommission_confirmation_node_id" ON "decommission_confirmation" ("node_id")',
 )
 
+# 3: the finality record (finality.py): every secret id ever revoked or spent. The store
+# keeps it itself: triggers add a row in the same transaction as the revocation, whichever
+# code or hand-written SQL made it, and refuse to change or delete one. Re-runnable (IF NOT
+# EXISTS, OR REPLACE): a pg_restore --clean of a dump from before this migration leaves the
+# current record in place, as it is not in the dump, and migrating again must keep it.
+_FINALITY_RECORD = (
+    'CREATE TABLE IF NOT EXISTS "finality" ("kind" VARCHAR(32) NOT NULL, "subject_id" '
+    'VARCHAR(64) NOT NULL, "final_at" {double} NOT NULL, "reason" VARCHAR(120), PRIMARY '
+    'KEY ("kind", "subject_id"))',
+    'INSERT INTO "finality" ("kind", "subject_id", "final_at", "reason") SELECT '
+    '\'credential\', c."credential_id", c."revoked_at", c."revoked_reason" FROM '
+    '"credential" AS c WHERE c."revoked_at" IS NOT NULL AND NOT EXISTS (SELECT 1 FROM '
+    '"finality" AS f WHERE f."kind" = \'credential\' AND f."subject_id" = '
+    'c."credential_id")',
+    'INSERT INTO "finality" ("kind", "subject_id", "final_at", "reason") SELECT '
+    '\'admin_token\', a."token_id", a."revoked_at", NULL FROM "admin_token" AS a WHERE '
+    'a."revoked_at" IS NOT NULL AND NOT EXISTS (SELECT 1 FROM "finality" AS f WHERE '
+    'f."kind" = \'admin_token\' AND f."subject_id" = a."token_id")',
+    'INSERT INTO "finality" ("kind", "subject_id", "final_at", "reason") SELECT '
+    '\'enrollment_token\', e."enrollment_id", COALESCE(e."consumed_at", e."revoked_at"), '
+    "CASE WHEN e.\"consumed_at\" IS NOT NULL THEN 'used' ELSE 'revoked' END FROM "
+    '"enrollment_token" AS e WHERE COALESCE(e."consumed_at", e."revoked_at") IS NOT NULL '
+    'AND NOT EXISTS (SELECT 1 FROM "finality" AS f WHERE f."kind" = \'enrollment_token\' '
+    'AND f."subject_id" = e."enrollment_id")',
+    'INSERT INTO "finality" ("kind", "subject_id", "final_at", "reason") SELECT \'node\', '
+    'n."node_id", n."decommissioned_at", \'decommissioned\' FROM "node" AS n WHERE '
+    'n."decommissioned_at" IS NOT NULL AND NOT EXISTS (SELECT 1 FROM "finality" AS f '
+    'WHERE f."kind" = \'node\' AND f."subject_id" = n."node_id")',
+    'INSERT INTO "finality" ("kind", "subject_id", "final_at", "reason") SELECT '
+    '\'identity\', n."identity_id", n."decommissioned_at", \'decommissioned\' FROM "node" AS '
+    'n WHERE n."decommissioned_at" IS NOT NULL AND n."identity_id" IS NOT NULL AND NOT '
+    'EXISTS (SELECT 1 FROM "finality" AS f WHERE f."kind" = \'identity\' AND f."subject_id" '
+    '= n."identity_id")',
+    'INSERT INTO "finality" ("kind", "subject_id", "final_at", "reason") SELECT '
+    "'decommission_confirmation', d.\"confirmation_id\", d.\"used_at\", 'used' FROM "
+    '"decommission_confirmation" AS d WHERE d."used_at" IS NOT NULL AND NOT EXISTS '
+    '(SELECT 1 FROM "finality" AS f WHERE f."kind" = \'decommission_confirmation\' AND '
+    'f."subject_id" = d."confirmation_id")',
+)
+
+# Triggers; the INSERT in each body is the same SQL on both stores.
+_FINALITY_SQLITE = (
+    'CREATE TRIGGER IF NOT EXISTS "credential_final" AFTER UPDATE OF "revoked_at" ON '
+    '"credential" WHEN NEW."revoked_at" IS NOT NULL BEGIN INSERT INTO "finality" ("kind", '
+    '"subject_id", "final_at", "reason") SELECT \'credential\', NEW."credential_id", '
+    'NEW."revoked_at", NEW."revoked_reason" WHERE NOT EXISTS (SELECT 1 FROM "finality" AS '
+    'f WHERE f."kind" = \'credential\' AND f."subject_id" = NEW."credential_id"); END',
+    'CREATE TRIGGER IF NOT EXISTS "admin_token_final" AFTER UPDATE OF "revoked_at" ON '
+    '"admin_token" WHEN NEW."revoked_at" IS NOT NULL BEGIN INSERT INTO "finality" '
+    '("kind", "subject_id", "final_at", "reason") SELECT \'admin_token\', NEW."token_id", '
+    'NEW."revoked_at", NULL WHERE NOT EXISTS (SELECT 1 FROM "finality" AS f WHERE '
+    'f."kind" = \'admin_token\' AND f."subject_id" = NEW."token_id"); END',
+    'CREATE TRIGGER IF NOT EXISTS "enrollment_token_final" AFTER UPDATE OF "consumed_at", '
+    '"revoked_at" ON "enrollment_token" WHEN COALESCE(NEW."consumed_at", '
+    'NEW."revoked_at") IS NOT NULL BEGIN INSERT INTO "finality" ("kind", "subject_id", '
+    '"final_at", "reason") SELECT \'enrollment_token\', NEW."enrollment_id", '
+    'COALESCE(NEW."consumed_at", NEW."revoked_at"), CASE WHEN NEW."consumed_at" IS NOT '
+    "NULL THEN 'used' ELSE 'revoked' END WHERE NOT EXISTS (SELECT 1 FROM \"finality\" AS f "
+    'WHERE f."kind" = \'enrollment_token\' AND f."subject_id" = NEW."enrollment_id"); END',
+    'CREATE TRIGGER IF NOT EXISTS "node_final" AFTER UPDATE OF "decommissioned_at" ON '
+    '"node" WHEN NEW."decommissioned_at" IS NOT NULL BEGIN INSERT INTO "finality" '
+    '("kind", "subject_id", "final_at", "reason") SELECT \'node\', NEW."node_id", '
+    'NEW."decommissioned_at", \'decommissioned\' WHERE NOT EXISTS (SELECT 1 FROM "finality" '
+    'AS f WHERE f."kind" = \'node\' AND f."subject_id" = NEW."node_id"); INSERT INTO '
+    '"finality" ("kind", "subject_id", "final_at", "reason") SELECT \'identity\', '
+    'NEW."identity_id", NEW."decommissioned_at", \'decommissioned\' WHERE NEW."identity_id" '
+    'IS NOT NULL AND NOT EXISTS (SELECT 1 FROM "finality" AS f WHERE f."kind" = '
+    '\'identity\' AND f."subject_id" = NEW."identity_id"); END',
+    'CREATE TRIGGER IF NOT EXISTS "decommission_confirmation_final" AFTER UPDATE OF '
+    '"used_at" ON "decommission_confirmation" WHEN NEW."used_at" IS NOT NULL BEGIN INSERT '
+    'INTO "finality" ("kind", "subject_id", "final_at", "reason") SELECT '
+    "'decommission_confirmation', NEW.\"confirmation_id\", NEW.\"used_at\", 'used' WHERE NOT "
+    'EXISTS (SELECT 1 FROM "finality" AS f WHERE f."kind" = \'decommission_confirmation\' '
+    'AND f."subject_id" = NEW."confirmation_id"); END',
+    'CREATE TRIGGER IF NOT EXISTS "finality_only_grows_update" BEFORE UPDATE ON '
+    '"finality" BEGIN SELECT RAISE(ABORT, \'the finality record only grows: its rows are '
+    "never changed or deleted'); END",
+    'CREATE TRIGGER IF NOT EXISTS "finality_only_grows_delete" BEFORE DELETE ON '
+    '"finality" BEGIN SELECT RAISE(ABORT, \'the finality record only grows: its rows are '
+    "never changed or deleted'); END",
+)
+
+_FINALITY_POSTGRESQL = (
+    'CREATE OR REPLACE FUNCTION "credential_final"() RETURNS trigger LANGUAGE plpgsql AS '
+    '$$ BEGIN IF NEW."revoked_at" IS NOT NULL THEN INSERT INTO "finality" ("kind", '
+    '"subject_id", "final_at", "reason") SELECT \'credential\', NEW."credential_id", '
+    'NEW."revoked_at", NEW."revoked_reason" WHERE NOT EXISTS (SELECT 1 FROM "finality" AS '
+    'f WHERE f."kind" = \'credential\' AND f."subject_id" = NEW."credential_id"); END IF; '
+    "RETURN NULL; END $$",
+    'DROP TRIGGER IF EXISTS "credential_final" ON "credential"',
+    'CREATE TRIGGER "credential_final" AFTER UPDATE OF "revoked_at" ON "credential" FOR '
+    'EACH ROW EXECUTE FUNCTION "credential_final"()',
+    'CREATE OR REPLACE FUNCTION "admin_token_final"() RETURNS trigger LANGUAGE plpgsql AS '
+    '$$ BEGIN IF NEW."revoked_at" IS NOT NULL THEN INSERT INTO "finality" ("kind", '
+    '"subject_id", "final_at", "reason") SELECT \'admin_token\', NEW."token_id", '
+    'NEW."revoked_at", NULL WHERE NOT EXISTS (SELECT 1 FROM "finality" AS f WHERE '
+    'f."kind" = \'admin_token\' AND f."subject_id" = NEW."token_id"); END IF; RETURN NULL; '
+    "END $$",
+    'DROP TRIGGER IF EXISTS "admin_token_final" ON "admin_token"',
+    'CREATE TRIGGER "admin_token_final" AFTER UPDATE OF "revoked_at" ON "admin_token" FOR '
+    'EACH ROW EXECUTE FUNCTION "admin_token_final"()',
+    'CREATE OR REPLACE FUNCTION "enrollment_token_final"() RETURNS trigger LANGUAGE '
+    'plpgsql AS $$ BEGIN IF COALESCE(NEW."consumed_at", NEW."revoked_at") IS NOT NULL '
+    'THEN INSERT INTO "finality" ("kind", "subject_id", "final_at", "reason") SELECT '
+    '\'enrollment_token\', NEW."enrollment_id", COALESCE(NEW."consumed_at", '
+    'NEW."revoked_at"), CASE WHEN NEW."consumed_at" IS NOT NULL THEN \'used\' ELSE '
+    '\'revoked\' END WHERE NOT EXISTS (SELECT 1 FROM "finality" AS f WHERE f."kind" = '
+    '\'enrollment_token\' AND f."subject_id" = NEW."enrollment_id"); END IF; RETURN NULL; '
+    "END $$",
+    'DROP TRIGGER IF EXISTS "enrollment_token_final" ON "enrollment_token"',
+    'CREATE TRIGGER "enrollment_token_final" AFTER UPDATE OF "consumed_at", "revoked_at" '
+    'ON "enrollment_token" FOR EACH ROW EXECUTE FUNCTION "enrollment_token_final"()',
+    'CREATE OR REPLACE FUNCTION "node_final"() RETURNS trigger LANGUAGE plpgsql AS $$ '
+    'BEGIN IF NEW."decommissioned_at" IS NOT NULL THEN INSERT INTO "finality" ("kind", '
+    '"subject_id", "final_at", "reason") SELECT \'node\', NEW."node_id", '
+    'NEW."decommissioned_at", \'decommissioned\' WHERE NOT EXISTS (SELECT 1 FROM "finality" '
+    'AS f WHERE f."kind" = \'node\' AND f."subject_id" = NEW."node_id"); INSERT INTO '
+    '"finality" ("kind", "subject_id", "final_at", "reason") SELECT \'identity\', '
+    'NEW."identity_id", NEW."decommissioned_at", \'decommissioned\' WHERE NEW."identity_id" '
+    'IS NOT NULL AND NOT EXISTS (SELECT 1 FROM "finality" AS f WHERE f."kind" = '
+    '\'identity\' AND f."subject_id" = NEW."identity_id"); END IF; RETURN NULL; END $$',
+    'DROP TRIGGER IF EXISTS "node_final" ON "node"',
+    'CREATE TRIGGER "node_final" AFTER UPDATE OF "decommissioned_at" ON "node" FOR EACH '
+    'ROW EXECUTE FUNCTION "node_final"()',
+    'CREATE OR REPLACE FUNCTION "decommission_confirmation_final"() RETURNS trigger '
+    'LANGUAGE plpgsql AS $$ BEGIN IF NEW."used_at" IS NOT NULL THEN INSERT INTO '
+    '"finality" ("kind", "subject_id", "final_at", "reason") SELECT '
+    "'decommission_confirmation', NEW.\"confirmation_id\", NEW.\"used_at\", 'used' WHERE NOT "
+    'EXISTS (SELECT 1 FROM "finality" AS f WHERE f."kind" = \'decommission_confirmation\' '
+    'AND f."subject_id" = NEW."confirmation_id"); END IF; RETURN NULL; END $$',
+    'DROP TRIGGER IF EXISTS "decommission_confirmation_final" ON "decommission_confirmation"',
+    'CREATE TRIGGER "decommission_confirmation_final" AFTER UPDATE OF "used_at" ON '
+    '"decommission_confirmation" FOR EACH ROW EXECUTE FUNCTION '
+    '"decommission_confirmation_final"()',
+    'CREATE OR REPLACE FUNCTION "finality_only_grows"() RETURNS trigger LANGUAGE plpgsql '
+    "AS $$ BEGIN RAISE EXCEPTION 'the finality record only grows: its rows are never "
+    "changed or deleted'; END $$",
+    'DROP TRIGGER IF EXISTS "finality_only_grows" ON "finality"',
+    'CREATE TRIGGER "finality_only_grows" BEFORE UPDATE OR DELETE OR TRUNCATE ON '
+    '"finality" FOR EACH STATEMENT EXECUTE FUNCTION "finality_only_grows"()',
+)
+
+# 4: the console (admin password, sessions, sign-in throttling) and telemetry history.
+_CONSOLE_AND_TELEMETRY = (
+    'CREATE TABLE "admin_password" ("id" INTEGER NOT NULL PRIMARY KEY, '
+    '"password_hash" VARCHAR(100) NOT NULL, "set_at" {double} NOT NULL)',
+    'CREATE TABLE "console_session" ("session_id" VARCHAR(32) NOT NULL PRIMARY KEY, '
+    '"digest" VARCHAR(64) NOT NULL, "created_at" {double} NOT NULL, '
+    '"last_seen_at" {double} NOT NULL, "expires_at" {double} NOT NULL, "ended_at" {double})',
+    'CREATE TABLE "sign_in_throttle" ("address" VARCHAR(64) NOT NULL PRIMARY KEY, '
+    '"failures" INTEGER NOT NULL, "last_failure_at" {double} NOT NULL, '
+    '"blocked_until" {double} NOT NULL)',
+    'CREATE TABLE "gpu_sample" ("id" {bigserial} NOT NULL PRIMARY KEY, '
+    '"node_id" VARCHAR(40) NOT NULL, "gpu_uuid" VARCHAR(96) NOT NULL, '
+    '"gpu_index" INTEGER NOT NULL, "at" {double} NOT NULL, "utilization_gpu_percent" INTEGER, '
+    '"memory_used_bytes" BIGINT NOT NULL, "memory_total_bytes" BIGINT, "temperature_c" INTEGER, '
+    '"power_w" {double})',
+    'CREATE INDEX "gpu_sample_at" ON "gpu_sample" ("at")',
+    'CREATE INDEX "gpu_sample_node_id_at" ON "gpu_sample" ("node_id", "at")',
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
+    Migration(
+        3,
+        "finality record",
+        _FINALITY_RECORD,
+        sqlite=_FINALITY_SQLITE,
+        postgresql=_FINALITY_POSTGRESQL,
+    ),
+    Migration(4, "console sessions, admin password, telemetry history", _CONSOLE_AND_TELEMETRY),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

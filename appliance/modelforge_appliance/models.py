@@ -97,3 +97,68 @@ class DecommissionConfirmation(BaseModel):
     created_at = pw.DoubleField()
     expires_at = pw.DoubleField()
     used_at = pw.DoubleField(null=True)
+
+
+class Finality(BaseModel):
+    """One secret id that was revoked or spent: the record a restore carries (finality.py).
+
+    Written by the store's own triggers (migration 3), never changed or deleted.
+    """
+
+    kind = pw.CharField(max_length=32)
+    subject_id = pw.CharField(max_length=64)
+    final_at = pw.DoubleField()
+    reason = pw.CharField(max_length=120, null=True)
+
+    class Meta:
+        table_name = "finality"
+        primary_key = pw.CompositeKey("kind", "subject_id")
+
+
+# -- the console and telemetry history (migration 4) ----------------------------------
+
+
+class AdminPassword(BaseModel):
+    """The one admin password of the console, as a bcrypt hash (row id 1)."""
+
+    id = pw.IntegerField(primary_key=True)
+    password_hash = pw.CharField(max_length=100)
+    set_at = pw.DoubleField()
+
+
+class ConsoleSession(BaseModel):
+    """A signed-in browser: only the digest of its cookie is kept."""
+
+    session_id = pw.CharField(primary_key=True, max_length=32)
+    digest = pw.CharField(max_length=64)
+    created_at = pw.DoubleField()
+    last_seen_at = pw.DoubleField()
+    expires_at = pw.DoubleField()  # absolute expiry; idle expiry counts from last_seen_at
+    ended_at = pw.DoubleField(null=True)
+
+
+class SignInThrottle(BaseModel):
+    """Failed sign-ins of one client address, and until when it must wait."""
+
+    address = pw.CharField(primary_key=True, max_length=64)
+    failures = pw.IntegerField()
+    last_failure_at = pw.DoubleField()
+    blocked_until = pw.DoubleField()
+
+
+class GpuSample(BaseModel):
+    """One telemetry sample of one GPU, kept for MODELFORGE_TELEMETRY_RETENTION_SECONDS."""
+
+    id = pw.BigAutoField()
+    node_id = pw.CharField(max_length=40)
+    gpu_uuid = pw.CharField(max_length=96)
+    gpu_index = pw.IntegerField()
+    at = pw.DoubleField(index=True)
+    utilization_gpu_percent = pw.IntegerField(null=True)
+    memory_used_bytes = pw.BigIntegerField()
+    memory_total_bytes = pw.BigIntegerField(null=True)
+    temperature_c = pw.IntegerField(null=True)
+    power_w = pw.DoubleField(null=True)
+
+    class Meta:
+        indexes = ((("node_id", "at"), False),)

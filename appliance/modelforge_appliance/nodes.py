@@ -101,21 +101,12 @@ def record_inventory(store: Store, caller: Caller, inventory: dict[str, Any]) ->
         Node.update(inventory=_dump(stored), inventory_at=now).where(
             Node.node_id == caller.node_id
         ).execute()
-        _mark_used(caller, now)
+        mark_credential_used(caller, now)
     return now
 
 
-def record_telemetry(store: Store, caller: Caller, samples: list[dict]) -> float:
-    now = store.clock.now()
-    with store.write():
-        Node.update(telemetry=_dump({"samples": samples}), telemetry_at=now).where(
-            Node.node_id == caller.node_id
-        ).execute()
-        _mark_used(caller, now)
-    return now
-
-
-def _mark_used(caller: Caller, now: float) -> None:
+def mark_credential_used(caller: Caller, now: float) -> None:
+    """Move the credential's last use forward (inside the caller's transaction)."""
     Credential.update(last_used_at=now).where(
         (Credential.credential_id == caller.credential_id)
         & (Credential.last_used_at.is_null() | (Credential.last_used_at < now))

@@ -116,11 +116,12 @@ class _LogStream:
 
 
 _LOG_STREAM = _LogStream()
-_FORWARDED = frozenset({"x-forwarded-proto", "x-forwarded-host"})
+# X-Forwarded-For too: console sign-in throttling counts failures by the real client.
+_FORWARDED = frozenset({"x-forwarded-proto", "x-forwarded-host", "x-forwarded-for"})
 
 
 def forwarded_headers(app: Callable, trusted: Iterable[str]) -> Callable:
-    """Believe X-Forwarded-Proto/-Host only from the trusted proxies; drop them from anyone
+    """Believe X-Forwarded-Proto/-Host/-For only from the trusted proxies; drop them from anyone
     else. waitress's own parser reads them; a malformed one is a JSON 400."""
     trusted = frozenset(trusted)
 

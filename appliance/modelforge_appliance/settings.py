@@ -19,7 +19,14 @@ from modelforge_contract import EXIT_USAGE, INVENTORY_REFRESH_SECONDS
 
 # Prefixes that belong to other ModelForge programs (the agent, the worker,
 # compose files); the control plane leaves them alone.
-FOREIGN_PREFIXES = ("MODELFORGE_AGENT_", "MODELFORGE_NODE_AGENT_", "MODELFORGE_RUNTIME_WORKER_")
+FOREIGN_PREFIXES = (
+    "MODELFORGE_AGENT_",
+    "MODELFORGE_NODE_AGENT_",
+    "MODELFORGE_RUNTIME_WORKER_",
+    "MODELFORGE_RELEASE_",
+)
+# Variables of docker-compose.yml (not read by the control plane itself).
+FOREIGN_NAMES = frozenset({"MODELFORGE_CONTROL_PLANE_IMAGE", "MODELFORGE_CONTROL_PLANE_PUBLISH"})
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,29 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "1048576",
         "Largest request body accepted; larger bodies are refused with 413 BODY_TOO_LARGE.",
     ),
+    SettingSpec(
+        "MODELFORGE_TELEMETRY_RETENTION_SECONDS",
+        "86400",
+        "How long per-GPU telemetry samples are kept for the console's charts; older ones "
+        "are pruned in bounded batches.",
+    ),
+    SettingSpec(
+        "MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS",
+        "1800",
+        "A console session unused for this long is signed out.",
+    ),
+    SettingSpec(
+        "MODELFORGE_CONSOLE_SESSION_MAX_SECONDS",
+        "43200",
+        "A console session ends this long after sign-in, however busy. Must be at least the "
+        "idle limit.",
+    ),
+    SettingSpec(
+        "MODELFORGE_RELEASE_MANIFEST",
+        None,
+        "Path of the release manifest (modelforge-VERSION-manifest.json). When set, the Enroll "
+        "node wizard accepts only a node-agent image entry equal to that release's entry.",
+    ),
     SettingSpec("MODELFORGE_THREADS", "8", "Worker threads of the waitress server."),
     SettingSpec(
         "MODELFORGE_CONNECTION_LIMIT",
@@ -140,6 +170,10 @@ class Settings:
     connection_limit: int
     idle_timeout_seconds: int
     request_timeout_seconds: int
+    telemetry_retention_seconds: int = 86400
+    session_idle_seconds: int = 1800
+    session_max_seconds: int = 43200
+    release_manifest: Path | None = None
 
     @property
     def listen(self) -> str:
@@ -256,7 +290,7 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         env = {**read_env_file(env_file), **env}
     for name in sorted(env):
         if name.startswith("MODELFORGE_") and name not in KNOWN_NAMES:
-            if name.startswith(FOREIGN_PREFIXES):
+            if name.startswith(FOREIGN_PREFIXES) or name in FOREIGN_NAMES:
                 continue
             hint = nearest_setting(name)
             suffix = f"; did you mean {hint}?" if hint else "; see docs/configuration.md"
@@ -312,6 +346,15 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
             f"MODELFORGE_LOG_LEVEL={log_level!r} is not DEBUG, INFO, WARNING or ERROR"
         )
 
+    session_idle = _int(env, "MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS", 60, 86400)
+    session_max = _int(env, "MODELFORGE_CONSOLE_SESSION_MAX_SECONDS", 300, 30 * 86400)
+    if session_max < session_idle:
+        raise ConfigError(
+            f"MODELFORGE_CONSOLE_SESSION_MAX_SECONDS ({session_max}) must be at least "
+            f"MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS ({session_idle})"
+        )
+    manifest = env.get("MODELFORGE_RELEASE_MANIFEST") or None
+
     return Settings(
         state_dir=state_dir,
         database_url=database_url,
@@ -332,4 +375,10 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         connection_limit=_int(env, "MODELFORGE_CONNECTION_LIMIT", 10, 1_000_000),
         idle_timeout_seconds=idle_timeout,
         request_timeout_seconds=_int(env, "MODELFORGE_REQUEST_TIMEOUT_SECONDS", 1, 3600),
+        telemetry_retention_seconds=_int(
+            env, "MODELFORGE_TELEMETRY_RETENTION_SECONDS", 300, 90 * 86400
+        ),
+        session_idle_seconds=session_idle,
+        session_max_seconds=session_max,
+        release_manifest=Path(manifest).expanduser().absolute() if manifest else None,
     )

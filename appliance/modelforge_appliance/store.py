@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import peewee as pw
 
@@ -54,6 +54,11 @@ def open_database(url: str) -> pw.Database:
             connect_timeout=5,
         )
     raise ValueError(f"unsupported database URL scheme {parts.scheme!r}")
+
+
+def sqlite_url(path: Path) -> str:
+    """The sqlite:/// URL of an absolute path, escaped so #, ? and % stay part of the name."""
+    return "sqlite:///" + quote(str(path))
 
 
 class Store:

@@ -257,3 +257,9 @@ TELEMETRY_FIELDS = {
     "node_id": _ID,
     "samples": Field(list, low=1, high=64, items=Field(dict, fields=SAMPLE_FIELDS)),
 }
+
+# The Enroll node wizard's image step: a pasted manifest entry, or a registry reference.
+IMAGE_CHECK_FIELDS = {
+    "entry": Field(dict, required=False),
+    "registry_image": Field(str, required=False, low=1, high=500),
+}

@@ -147,6 +147,23 @@ HEADERS_TOO_LARGE = "HEADERS_TOO_LARGE"  # 431
 TRANSFER_ENCODING_UNSUPPORTED = "TRANSFER_ENCODING_UNSUPPORTED"  # 501: not chunked
 
 
+# -- console and telemetry history (DESIGN §7a) ----------------------------------
+# The console signs in with the admin password and then calls the same admin API with
+# its session cookie plus the CSRF token in a header; admin tokens keep working.
+
+HEADER_CSRF_TOKEN = "X-CSRF-Token"
+SESSION_COOKIE = "modelforge_session"
+PATH_ADMIN_NODE_TELEMETRY = f"{PATH_ADMIN_NODE}/telemetry"
+PATH_ADMIN_NODE_AGENT_IMAGE_CHECK = f"{API_PREFIX}/admin/node-agent-image/check"
+SESSION_EXPIRED = "SESSION_EXPIRED"
+CSRF_TOKEN_INVALID = "CSRF_TOKEN_INVALID"
+ADMIN_PASSWORD_NOT_SET = "ADMIN_PASSWORD_NOT_SET"
+PASSWORD_INCORRECT = "PASSWORD_INCORRECT"
+SIGN_IN_THROTTLED = "SIGN_IN_THROTTLED"
+IMAGE_ENTRY_REJECTED = "IMAGE_ENTRY_REJECTED"
+RELEASE_MANIFEST_UNREADABLE = "RELEASE_MANIFEST_UNREADABLE"
+
+
 # -- exit codes (DESIGN §4) ---------------------------------------------------
 
 EXIT_OK = 0
@@ -170,10 +187,11 @@ KIND_CREDENTIAL = "mfc"
 KIND_ADMIN = "mfa"
 KIND_IDENTITY = "mfi"
 KIND_DECOMMISSION = "mfd"
+KIND_SESSION = "mfs"  # a console session (cookie)
 
 # No word boundary on the left: a secret glued to other text (``Bearer%20mfc_…``,
 # ``tok_mfc_…``) is masked too; masking too much is harmless.
-_SECRET_RE = re.compile(r"(mf[ecaid])_([0-9a-f]{8,32})_([A-Za-z0-9_-]{20,})")
+_SECRET_RE = re.compile(r"(mf[ecaids])_([0-9a-f]{8,32})_([A-Za-z0-9_-]{20,})")
 
 
 def split_secret(value: str, kind: str) -> tuple[str, str] | None:

@@ -182,7 +182,15 @@ def entry_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[
 
 
 class ManifestError(ValueError):
-    """The manifest file is not a release manifest this program understands."""
+    """The manifest file is not a release manifest this program understands.
+
+    ``problems`` holds (image name, Problem) for each problem found in the image entries,
+    so a caller can report them one by one; it is empty when the top level is wrong.
+    """
+
+    def __init__(self, message: str, problems: list[tuple[str, Problem]] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or []
 
 
 def parse_manifest(text: str) -> dict[str, Any]:
@@ -202,12 +210,18 @@ def parse_manifest(text: str) -> dict[str, Any]:
     if not isinstance(images, dict) or not images:
         raise ManifestError("images must be a non-empty object")
     problems = [
-        f"images.{name}.{problem}"
+        (name, problem)
         for name, entry in images.items()
         for problem in entry_problems(name, entry, version)
     ]
     unknown = sorted(set(images) - set(IMAGE_NAMES))
-    problems += [f"images.{name}: not an image of this release" for name in unknown]
+    problems += [(name, Problem("", "not an image of this release")) for name in unknown]
     if problems:
-        raise ManifestError("; ".join(problems))
+        raise ManifestError(
+            "; ".join(
+                f"images.{name}.{problem}" if problem.field else f"images.{name}: {problem.message}"
+                for name, problem in problems
+            ),
+            problems,
+        )
     return manifest

@@ -1,18 +1,21 @@
 """The ``modelforge-release`` command line (click).
 
-Exit codes: 0 ok; 1 a file failed its check or could not be read; 2 usage, a malformed or
-unsafe SHA256SUMS line, or a template problem.
+Exit codes: 0 ok; 1 a check failed (a file, an image, a container: named on stderr) or a
+build step failed; 2 usage, a malformed or unsafe SHA256SUMS line, or a template problem.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 import click
 
 from modelforge_contract import EXIT_USAGE, __version__
+from modelforge_contract.manifest import IMAGE_NAMES, ManifestError, is_version, parse_manifest
 
 from .sums import (
     SumsError,
@@ -40,7 +43,7 @@ def _fail(message: str, code: int) -> None:
 @click.version_option(__version__, prog_name=PROG)
 @click.option("-v", "--verbose", is_flag=True, help="Log each file hashed, with its timing.")
 def main(verbose: bool) -> None:
-    """Release tooling: SHA256SUMS for a ModelForge release, and checking it."""
+    """Release tooling: build the images, bundle a release, and verify it (docs/release.md)."""
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         stream=sys.stderr,
@@ -122,4 +125,311 @@ def verify_sums(sums_path: Path, ignore_missing: bool, quiet: bool) -> None:
     except SumsError as exc:
         _fail(str(exc), EXIT_USAGE)
     if not outcome.ok:
+        sys.exit(EXIT_FAILED)
+
+
+# -- images, bundle and the image verifiers ---------------------------------------------------
+
+
+def _checkout() -> Path | None:
+    """The ModelForge checkout this program runs from, if it runs from one."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "packaging" / "images" / "debian-packages.lock").is_file() else None
+
+
+def _source_option(function):
+    return click.option(
+        "--source",
+        type=click.Path(exists=True, file_okay=False, path_type=Path),
+        default=_checkout,
+        show_default="the checkout this program runs from",
+        help="ModelForge checkout to build from.",
+    )(function)
+
+
+def _emit(as_json: bool, document: dict, lines: list[str]) -> None:
+    if as_json:
+        click.echo(json.dumps(document, indent=2, sort_keys=True))
+    else:
+        for line in lines:
+            click.echo(line)
+
+
+def _check_release_version(version: str) -> None:
+    if not is_version(version):
+        _fail(
+            f"--version {version!r} is not a release version (e.g. 1.3.0 or 1.3.0-rc.1)", EXIT_USAGE
+        )
+
+
+@main.command()
+@click.option(
+    "--version",
+    "release_version",
+    required=True,
+    help="Release version; every image is tagged <name>:VERSION.",
+)
+@_source_option
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=lambda: Path(
+        os.environ.get("MODELFORGE_RELEASE_CACHE", Path.home() / ".cache" / "modelforge-release")
+    ),
+    show_default="$MODELFORGE_RELEASE_CACHE or ~/.cache/modelforge-release",
+    help="Downloaded .deb files and wheels, each checked against its pinned SHA-256 on every use.",
+)
+@click.option(
+    "--dist",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the pyz files go [default: SOURCE/dist].",
+)
+@click.option(
+    "--revision", help="org.opencontainers.image.revision [default: the commit, -dirty if changed]."
+)
+@click.option(
+    "--source-url", help="org.opencontainers.image.source [default: the git remote 'origin']."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the images built, as JSON.")
+def images(
+    release_version: str,
+    source: Path | None,
+    cache_dir: Path,
+    dist: Path | None,
+    revision: str | None,
+    source_url: str | None,
+    as_json: bool,
+) -> None:
+    """Build the four images into the local dockerd, tagged <name>:VERSION.
+
+    Root filesystems come from the Debian packages pinned in
+    packaging/images/debian-packages.lock and the hash-locked wheels in
+    packaging/requirements-*.txt; no image is pulled. The layers are the same byte for byte
+    on every build of the same commit (mtimes from SOURCE_DATE_EPOCH, default: the commit
+    time). Also writes modelforge-x86_64.pyz, modelforge-aarch64.pyz and
+    modelforge-node-agent.pyz into --dist.
+    """
+    from .build import build_images, load_images
+    from .debian import DebianError
+    from .dockerd import DaemonError, connect
+    from .images import BuildContext, default_epoch, default_revision, default_source_url
+
+    _check_release_version(release_version)
+    if source is None:
+        _fail("not running from a ModelForge checkout: give --source", EXIT_USAGE)
+    epoch_text = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch_text is not None and not epoch_text.isdigit():
+        _fail(f"SOURCE_DATE_EPOCH={epoch_text!r} is not a number of seconds", EXIT_USAGE)
+    try:
+        client = connect()
+        ctx = BuildContext(
+            source=source,
+            version=release_version,
+            revision=revision or default_revision(source),
+            source_url=source_url or default_source_url(source),
+            epoch=int(epoch_text) if epoch_text else default_epoch(source),
+            cache_dir=cache_dir.absolute(),
+            work_dir=source / "build" / "images",
+            dist=(dist or source / "dist").absolute(),
+            progress=sys.stderr,
+        )
+        built = build_images(ctx)
+        loaded = load_images(client, ctx, built)
+    except (DebianError, DaemonError, OSError) as exc:
+        _fail(str(exc), EXIT_FAILED)
+    document = {
+        "version": release_version,
+        "images": loaded,
+        "seconds": {step: round(value, 3) for step, value in ctx.timings.items()},
+    }
+    _emit(as_json, document, [f"{item['tag']} {item['image_id']}" for item in loaded.values()])
+
+
+@main.command()
+@click.option(
+    "--version", "release_version", required=True, help="Release version of the images in dockerd."
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Release directory to write.",
+)
+@click.option(
+    "--dist",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Where modelforge-release images put the pyz files [default: the checkout's dist/].",
+)
+@click.option(
+    "--template",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="SHA256SUMS.template [default: the checkout's].",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the files and images written, as JSON."
+)
+def bundle(
+    release_version: str, out: Path, dist: Path | None, template: Path | None, as_json: bool
+) -> None:
+    """Write the release directory: the images tarball, the manifest, the pyz files and
+    SHA256SUMS (which sha256sum -c --strict accepts).
+
+    The four images must be in dockerd as <name>:VERSION (modelforge-release images).
+    """
+    from .bundle import BundleError, make_bundle
+    from .dockerd import DaemonError, connect
+
+    _check_release_version(release_version)
+    checkout = _checkout()
+    dist = dist or (checkout / "dist" if checkout else None)
+    template = template or (checkout / "SHA256SUMS.template" if checkout else None)
+    if dist is None:
+        _fail("not running from a ModelForge checkout: give --dist", EXIT_USAGE)
+    try:
+        names = (
+            read_template(template, release_version) if template and template.is_file() else None
+        )
+        client = connect()
+        result = make_bundle(
+            client, release_version, out.absolute(), dist.absolute(), names, progress=sys.stderr
+        )
+    except SumsError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    except (BundleError, DaemonError, OSError) as exc:
+        _fail(str(exc), EXIT_FAILED)
+    _emit(as_json, result.as_json(), [f"{item['name']} {item['sha256']}" for item in result.files])
+
+
+@main.command("verify-bundle")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+def verify_bundle_command(directory: Path, as_json: bool) -> None:
+    """Check a release directory without a daemon: SHA256SUMS (exactly the release's files,
+    each matching), then the images tarball against the manifest, image by image.
+
+    Reads both layouts: docker save (manifest.json, <id>/layer.tar) and OCI (index.json,
+    blobs/sha256/, gzip layers). Each problem names the file, the image and the field.
+    Exit 0 all good, 1 any problem.
+    """
+    from .verify import verify_bundle
+
+    report = verify_bundle(directory, progress=sys.stderr)
+    if as_json:
+        click.echo(json.dumps(report.as_json(), indent=2, sort_keys=True))
+    else:
+        for name, status in report.files.items():
+            click.echo(f"{name}: {status}")
+        for name, ok in report.images.items():
+            click.echo(f"images.{name}: {'OK' if ok else 'FAILED'}")
+    for finding in report.findings:
+        click.echo(f"{PROG}: {finding}", err=True)
+    if not report.ok:
+        click.echo(
+            f"{PROG}: {directory}: {len(report.findings)} problem(s); do not use this release",
+            err=True,
+        )
+        sys.exit(EXIT_FAILED)
+
+
+def _load_manifest(path: Path) -> dict:
+    try:
+        return parse_manifest(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(f"cannot read {path}: {exc}", EXIT_USAGE)
+    except ManifestError as exc:
+        parts = [
+            f"images.{image}.{problem}" if problem.field else f"images.{image}: {problem.message}"
+            for image, problem in exc.problems
+        ] or [str(exc)]
+        for part in parts:
+            click.echo(f"{PROG}: {path.name}: {part}", err=True)
+        sys.exit(EXIT_FAILED)
+    raise AssertionError("unreachable")
+
+
+@main.command("verify-image")
+@click.option(
+    "--manifest",
+    "manifest_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    required=True,
+)
+@click.option(
+    "--image",
+    "image_name",
+    type=click.Choice(IMAGE_NAMES),
+    required=True,
+    help="Which entry of the manifest to check (images.<IMAGE>).",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the outcome, with the local image id, as JSON."
+)
+def verify_image_command(manifest_path: Path, image_name: str, as_json: bool) -> None:
+    """Check a loaded image against its manifest entry, via dockerd: the exact tag, the
+    RootFS layers, architecture, os and every label. The image id is not compared
+    (docker load may rewrite it); it is printed, so a script can pin it for
+    verify-container. Exit 0 match, 1 mismatch."""
+    from .dockerd import DaemonError, connect, verify_image
+
+    manifest = _load_manifest(manifest_path)
+    entry = manifest["images"].get(image_name)
+    if entry is None:
+        _fail(f"{manifest_path.name}: images.{image_name}: not in this manifest", EXIT_FAILED)
+    try:
+        check = verify_image(connect(), image_name, entry)
+    except DaemonError as exc:
+        _fail(str(exc), EXIT_FAILED)
+    document = {
+        "ok": check.ok,
+        "image": image_name,
+        "tag": check.tag,
+        "image_id": check.image_id,
+        "problems": [{"field": p.field, "message": p.message} for p in check.problems],
+    }
+    _emit(
+        as_json,
+        document,
+        [f"{check.tag}: {'OK' if check.ok else 'FAILED'} (local image {check.image_id})"],
+    )
+    for problem in check.problems:
+        click.echo(f"{PROG}: {check.tag}: images.{image_name}.{problem}", err=True)
+    if not check.ok:
+        sys.exit(EXIT_FAILED)
+
+
+@main.command("verify-container")
+@click.argument("container")
+@click.option(
+    "--image-id",
+    required=True,
+    help="sha256:<64 hex>, captured (verify-image --json) before the container was created.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+def verify_container_command(container: str, image_id: str, as_json: bool) -> None:
+    """Check that CONTAINER (name or id) was created from exactly IMAGE_ID: a tag moved to
+    another image between the check and the start is caught. Exit 0 match, 1 mismatch."""
+    from .dockerd import DaemonError, connect, is_image_id, verify_container
+
+    if not is_image_id(image_id):
+        _fail(f"--image-id {image_id!r} is not sha256:<64 hex digits>", EXIT_USAGE)
+    try:
+        check = verify_container(connect(), container, image_id)
+    except DaemonError as exc:
+        _fail(str(exc), EXIT_FAILED)
+    document = {
+        "ok": check.ok,
+        "container": container,
+        "image_id": check.image_id,
+        "expected_image_id": image_id,
+        "created_from": check.created_from,
+        "problems": check.problems,
+    }
+    _emit(
+        as_json,
+        document,
+        [f"{container}: {'OK' if check.ok else 'FAILED'} (image {check.image_id})"],
+    )
+    for problem in check.problems:
+        click.echo(f"{PROG}: {problem}", err=True)
+    if not check.ok:
         sys.exit(EXIT_FAILED)

@@ -34,10 +34,12 @@ class Progress:
         if now < self._next_at:
             return
         self._next_at = now + PROGRESS_EVERY_SECONDS
-        line = (
-            f"{self.label}: {done >> 20} / {self.total >> 20} MiB "
-            f"({100 * done // max(self.total, 1)}%)"
-        )
+        if self.total:
+            line = (
+                f"{self.label}: {done >> 20} / {self.total >> 20} MiB ({100 * done // self.total}%)"
+            )
+        else:  # a stream of unknown length
+            line = f"{self.label}: {done >> 20} MiB"
         self._width = max(self._width, len(line))
         self.stream.write("\r" + line.ljust(self._width))
         self.stream.flush()

@@ -1,16 +1,28 @@
-"""Check the files a SHA256SUMS lists, the way ``sha256sum -c`` does, reading names relative
-to the directory that holds SHA256SUMS rather than the current directory."""
+"""The verifiers that need no daemon.
+
+``check_sums`` checks the files a SHA256SUMS lists, the way ``sha256sum -c`` does, reading
+names relative to the directory that holds SHA256SUMS rather than the current directory.
+``verify_bundle`` checks a whole release directory: SHA256SUMS, then the image tarball
+against the release manifest.
+"""
 
 from __future__ import annotations
 
 import errno
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
+
+from modelforge_contract.manifest import (
+    IMAGE_NAMES,
+    ManifestError,
+    entry_differences,
+    parse_manifest,
+)
 
 from .digest import sha256_file
-from .sums import display_name, parse_sums
+from .sums import SumsError, display_name, parse_sums
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +106,193 @@ def check_sums(
         err.write(f"{prog}: {line}\n")
     err.flush()
     return outcome
+
+
+# -- verify-bundle --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing wrong with a release directory: the file, and where known the image and
+    the field (manifest terms: ``images.<image>.<field>``)."""
+
+    file: str
+    message: str
+    image: str | None = None
+    field: str | None = None
+
+    def __str__(self) -> str:
+        where = f"images.{self.image}" if self.image else ""
+        if self.field:
+            where = f"{where}.{self.field}" if where else self.field
+        return f"{self.file}: {where}: {self.message}" if where else f"{self.file}: {self.message}"
+
+    def as_json(self) -> dict[str, str | None]:
+        return {
+            "file": self.file,
+            "image": self.image,
+            "field": self.field,
+            "message": self.message,
+        }
+
+
+@dataclass
+class BundleReport:
+    directory: Path
+    version: str | None = None
+    layout: str | None = None
+    files: dict[str, str] = field(default_factory=dict)  # name -> OK / FAILED / FAILED open or read
+    images: dict[str, bool] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings and bool(self.images) and all(self.images.values())
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "directory": str(self.directory),
+            "version": self.version,
+            "layout": self.layout,
+            "files": [{"name": name, "status": status} for name, status in self.files.items()],
+            "images": {name: {"ok": ok} for name, ok in self.images.items()},
+            "problems": [finding.as_json() for finding in self.findings],
+        }
+
+
+def _manifest_findings(path: Path, text: str) -> tuple[dict[str, Any] | None, list[Finding]]:
+    try:
+        return parse_manifest(text), []
+    except ManifestError as exc:
+        if not exc.problems:
+            return None, [Finding(path.name, str(exc))]
+        return None, [
+            Finding(path.name, problem.message, image, problem.field or None)
+            for image, problem in exc.problems
+        ]
+
+
+def verify_bundle(directory: Path, progress: TextIO | None = None) -> BundleReport:
+    """SHA256SUMS first (exactly the release's files, each matching), then the image
+    tarball against the manifest, image by image: tag, architecture, os, every label and
+    the RootFS layers, whose files must hash to them. No daemon; the tarball is read once."""
+    from .archive import ArchiveError, read_archive
+    from .names import SUMS_NAME, release_names, tarball_name
+
+    report = BundleReport(directory)
+    manifests = sorted(directory.glob("modelforge-*-manifest.json"))
+    if len(manifests) != 1:
+        report.findings.append(
+            Finding(
+                directory.name or str(directory),
+                f"expected one modelforge-<version>-manifest.json, found {len(manifests)}",
+            )
+        )
+        return report
+    manifest_path = manifests[0]
+    report.version = manifest_path.name.removeprefix("modelforge-").removesuffix("-manifest.json")
+    try:
+        manifest, findings = _manifest_findings(
+            manifest_path, manifest_path.read_text(encoding="utf-8")
+        )
+    except (OSError, UnicodeDecodeError) as exc:
+        manifest, findings = None, [Finding(manifest_path.name, f"cannot be read ({exc})")]
+    report.findings += findings
+    if manifest is not None and manifest["version"] != report.version:
+        report.findings.append(
+            Finding(
+                manifest_path.name,
+                f"says version {manifest['version']}, its name says {report.version}",
+            )
+        )
+
+    # 1. SHA256SUMS lists exactly this release's files, and each matches.
+    expected_names = release_names(report.version)
+    sums_path = directory / SUMS_NAME
+    try:
+        entries = parse_sums(sums_path.read_bytes(), SUMS_NAME)
+    except OSError as exc:
+        entries = []
+        report.findings.append(Finding(SUMS_NAME, f"cannot be read ({exc.strerror or exc})"))
+    except SumsError as exc:
+        entries = []
+        report.findings.append(Finding(SUMS_NAME, str(exc).removeprefix(f"{SUMS_NAME}: ")))
+    listed = [entry.name for entry in entries]
+    for name in listed:
+        if name not in expected_names:
+            report.findings.append(
+                Finding(SUMS_NAME, f"lists {name}, which is not a file of release {report.version}")
+            )
+    for name in expected_names:
+        if entries and name not in listed:
+            report.findings.append(Finding(SUMS_NAME, f"does not list {name}"))
+    tarball = tarball_name(report.version)
+    for entry in entries:
+        if entry.name == tarball:
+            continue  # hashed while the tarball is read below
+        try:
+            actual = sha256_file(directory / entry.name, entry.name, progress)
+        except OSError as exc:
+            report.files[entry.name] = "FAILED open or read"
+            report.findings.append(Finding(entry.name, f"cannot be read ({exc.strerror or exc})"))
+            continue
+        report.files[entry.name] = "OK" if actual == entry.digest else "FAILED"
+        if actual != entry.digest:
+            report.findings.append(
+                Finding(entry.name, f"SHA-256 is {actual}, SHA256SUMS says {entry.digest}")
+            )
+
+    # 2. The tarball against the manifest, image by image.
+    try:
+        archive = read_archive(directory / tarball, progress)
+    except OSError as exc:
+        report.files[tarball] = "FAILED open or read"
+        report.findings.append(Finding(tarball, f"cannot be read ({exc.strerror or exc})"))
+        return report
+    except ArchiveError as exc:
+        report.findings.append(Finding(tarball, str(exc)))
+        return report
+    report.layout = archive.layout
+    listed_digest = next((entry.digest for entry in entries if entry.name == tarball), None)
+    if listed_digest is not None:
+        report.files[tarball] = "OK" if archive.sha256 == listed_digest else "FAILED"
+        if archive.sha256 != listed_digest:
+            report.findings.append(
+                Finding(tarball, f"SHA-256 is {archive.sha256}, SHA256SUMS says {listed_digest}")
+            )
+    if manifest is None:
+        return report
+    matched: set[int] = set()
+    for name in IMAGE_NAMES:
+        entry = manifest["images"].get(name)
+        if entry is None:
+            report.images[name] = False
+            report.findings.append(
+                Finding(manifest_path.name, "is missing from the manifest", name)
+            )
+            continue
+        image = archive.find(entry["tag"])
+        if image is None:
+            report.images[name] = False
+            report.findings.append(
+                Finding(tarball, f"no image in the tarball is tagged {entry['tag']}", name, "tag")
+            )
+            continue
+        matched.add(id(image))
+        found = [
+            Finding(tarball, message, name, field_name) for field_name, message in image.problems
+        ]
+        found += [
+            Finding(tarball, problem.message, name, problem.field)
+            for problem in entry_differences(entry, image.entry(entry["tag"]))
+        ]
+        report.images[name] = not found
+        report.findings += found
+    for image in archive.images:
+        if id(image) not in matched:
+            tags = ", ".join(image.tags) or f"untagged, {image.source}"
+            report.findings.append(
+                Finding(tarball, f"carries an image the manifest does not list ({tags})")
+            )
+    return report

@@ -54,14 +54,16 @@ find_python() {
     return 1
 }
 
-# Run the quick part of the suite on each extra CPython: everything but the tests marked slow
+# run_other_pythons EXTRAS [PYTEST ARGS]: install the project with EXTRAS into .venv-pyX.Y and
+# run the quick part of the suite on each extra CPython: everything but the tests marked slow
 # (the main run has them), docker (image builds: dockerd does the work, not Python) or browser
 # (the console's pages are the same whatever Python serves them).
 QUICK_MARKERS="not slow and not docker and not browser"
 # Prints one summary line per version; returns non-zero when any run failed or, with
 # CI=true, when a version is missing.
 run_other_pythons() {
-    local version python venv stamp want status=0 started main versions
+    local extras="$1" version python venv stamp want status=0 started main versions
+    shift
     main=$(.venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
     versions=${MF_TEST_PYTHONS-$(for v in $SUPPORTED_PYTHONS; do [ "$v" = "$main" ] || echo "$v"; done)}
     if [ -z "$versions" ] && [ "${IN_CI:-}" = 1 ]; then
@@ -80,13 +82,13 @@ run_other_pythons() {
         fi
         venv=".venv-py$version"
         stamp="$venv/.modelforge-installed"
-        want="$(sha256sum pyproject.toml setup.cfg | sha256sum | cut -c1-16) appliance,agent,test"
+        want="$(sha256sum pyproject.toml setup.cfg | sha256sum | cut -c1-16) $extras"
         if [ ! -x "$venv/bin/python" ] || [ ! -f "$stamp" ] || ! grep -qxF "$want" "$stamp"; then
             log "making $venv with $("$python" --version 2>&1)"
             rm -rf "$venv"
             "$python" -m venv "$venv"
             "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-                -e ".[appliance,agent,test]" 2> >(grep -v '^WARNING: Location' >&2)
+                -e ".[$extras]" 2> >(grep -v '^WARNING: Location' >&2)
             echo "$want" > "$stamp"
         fi
         log "pytest on $("$venv/bin/python" --version 2>&1) (-m '$QUICK_MARKERS')"

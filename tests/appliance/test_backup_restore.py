@@ -18,19 +18,44 @@ from ..support import free_port, new_identity, wait_until_answering
 NODES = "/api/v1/admin/hardware/nodes"
 AGENT = {"X-ModelForge-Agent-Protocol": "1"}
 
+# The CLI with backup.reached_stage replaced: at the named stage it SIGKILLs itself ("kill")
+# or prints "paused at STAGE" and waits for a line on stdin ("pause"). Tests only: the
+# stage and action are this wrapper's own first two arguments, never a setting.
+_STOPPING_CLI = """
+import os, signal, sys
+from modelforge_appliance import backup
+stage, action = sys.argv[1:3]
+del sys.argv[1:3]
+def reached(name):
+    if name != stage:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    print("paused at " + name, flush=True)
+    sys.stdin.readline()
+backup.reached_stage = reached
+from modelforge_appliance.cli.main import main
+main(prog_name="modelforge")
+"""
+
 
 class Host:
     """A control-plane host: its state directory and the ``modelforge`` CLI on it."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(
+        self, tmp_path: Path, admin_token: str | None = None, database_url: str | None = None
+    ) -> None:
+        """A host on tmp_path/state, initialised there unless its admin token is given."""
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
         self.env["MODELFORGE_STATE_DIR"] = str(tmp_path / "state")
+        if database_url:
+            self.env["MODELFORGE_DATABASE_URL"] = database_url
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / "serve.log"
-        self.admin = {
-            "X-ModelForge-Admin-Token": json.loads(self.cli("init", "--json").stdout)["admin_token"]
-        }
+        if admin_token is None:
+            admin_token = json.loads(self.cli("init", "--json").stdout)["admin_token"]
+        self.admin = {"X-ModelForge-Admin-Token": admin_token}
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         result = subprocess.run(
@@ -44,6 +69,17 @@ class Host:
         if check:
             assert result.returncode == 0, result.stderr
         return result
+
+    def start_cli_stopping_at(self, stage: str, action: str, *args: str) -> subprocess.Popen:
+        """The CLI run as a child that SIGKILLs itself or pauses at a named restore stage."""
+        return subprocess.Popen(
+            [sys.executable, "-c", _STOPPING_CLI, stage, action, *args],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     @contextmanager
     def serving(self):
@@ -153,6 +189,8 @@ def test_restore_brings_back_what_existed_and_keeps_later_revocations(tmp_path):
         "admin_tokens": 1,
         "enrollment_tokens": 2,  # late (spent after the backup) and spare (revoked)
         "decommissioned_nodes": 1,
+        # Previewed and used after the backup: the backup has no row for it.
+        "decommission_confirmations": 0,
     }
 
     with host.serving():
@@ -247,5 +285,7 @@ def test_restore_over_an_unreadable_store_needs_consent_to_lose_its_revocations(
     assert "--accept-lost-revocations" in refused.stderr
     assert store.read_bytes().startswith(b"\0garbage")  # nothing was changed
     done = host.cli("restore", str(backup), "--yes", "--accept-lost-revocations", "--json")
-    assert json.loads(done.stdout)["kept_from_current_store"] == {}
+    answer = json.loads(done.stdout)
+    assert set(answer["kept_from_current_store"].values()) == {0}
+    assert answer["finality_record"]["carried_from_current_store"] == 0
     assert json.loads(host.cli("nodes", "--json").stdout) == {"nodes": []}

@@ -17,7 +17,7 @@ def test_every_route_is_documented(tmp_path):
     text = (ROOT / "docs" / "api.md").read_text()
     app = make_app(make_settings(tmp_path), store=_NoStore())
     for route in app.routes:
-        documented = re.sub(r"<(\w+)>", r"{\1}", route.rule)
+        documented = re.sub(r"<(\w+)(?::[^>]*)?>", r"{\1}", route.rule)
         assert f"`{route.method} {documented}`" in text, f"{route.method} {route.rule}"
 
 
@@ -39,3 +39,26 @@ class _NoStore:
     """make_app only keeps the store for handlers; listing routes calls none."""
 
     clock = None
+
+
+def test_readme_shows_console_screenshots_that_exist():
+    text = (ROOT / "README.md").read_text()
+    images = re.findall(r"!\[[^\]]*\]\((docs/images/[^)]+\.png)\)", text)
+    assert len(images) >= 2, images
+    for image in images:
+        data = (ROOT / image).read_bytes()
+        assert data.startswith(b"\x89PNG"), image
+    assert "docs/console.md" in text
+
+
+def test_console_settings_and_routes_are_in_the_console_doc():
+    text = (ROOT / "docs" / "console.md").read_text()
+    for name in (
+        "MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS",
+        "MODELFORGE_CONSOLE_SESSION_MAX_SECONDS",
+        "MODELFORGE_TELEMETRY_RETENTION_SECONDS",
+        "MODELFORGE_RELEASE_MANIFEST",
+        "modelforge admin-password set",
+        "--no-build --pull never",
+    ):
+        assert name in text, name

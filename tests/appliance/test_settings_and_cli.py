@@ -12,6 +12,7 @@ import pytest
 import requests
 
 from modelforge_appliance.clock import Clock
+from modelforge_appliance.migrations import MIGRATIONS
 from modelforge_appliance.settings import SETTINGS, ConfigError, load_settings
 from modelforge_appliance.store import SCHEMA_VERSION, Store
 
@@ -203,6 +204,6 @@ def test_a_store_from_a_newer_program_is_refused(state_env):
 
 def test_migrations_apply_once(tmp_path):
     store = Store(f"sqlite:///{tmp_path}/m.sqlite3", Clock())
-    assert store.migrate() == list(range(1, SCHEMA_VERSION + 1))
+    assert store.migrate() == [m.version for m in MIGRATIONS]
     assert store.migrate() == []
     assert store.current_version() == SCHEMA_VERSION

@@ -93,3 +93,19 @@ def test_a_whole_manifest_parses_or_names_the_image_and_field():
         parse_manifest(json.dumps(manifest))
     with pytest.raises(ManifestError, match="not JSON"):
         parse_manifest("{")
+
+
+def test_a_manifest_error_lists_each_problem_with_its_image_and_field():
+    entry = agent_entry()
+    entry["os"] = "plan9"
+    del entry["labels"][LABEL_VERSION]
+    manifest = {"schema": 1, "version": VERSION, "images": {NODE_AGENT_IMAGE: entry, "other": {}}}
+    with pytest.raises(ManifestError) as caught:
+        parse_manifest(json.dumps(manifest))
+    found = {(image, problem.field) for image, problem in caught.value.problems}
+    assert (NODE_AGENT_IMAGE, "os") in found
+    assert (NODE_AGENT_IMAGE, f"labels.{LABEL_VERSION}") in found
+    assert ("other", "") in found  # not an image of a release
+    with pytest.raises(ManifestError) as caught:
+        parse_manifest("[]")
+    assert caught.value.problems == []

@@ -166,3 +166,28 @@ def test_agent_pyz_enrolls_in_cpu_mode_and_comes_online(served_appliance, agent_
         installed.parent.chmod(0o755)
     # The token never reaches the log.
     assert minted.json()["token"] not in log_path.read_text()
+
+
+def test_appliance_pyz_serves_the_console_pages_and_static_files(served_appliance):
+    """Templates, scripts and vendored files are package data inside the archive."""
+    import hashlib
+
+    page = requests.get(served_appliance.url + "/console/sign-in", timeout=10)
+    assert page.status_code == 200
+    assert "Content-Security-Policy" in page.headers
+    assert 'data-testid="login-password"' in page.text or "admin-password set" in page.text
+    vendored = json.loads(
+        (
+            Path(__file__).resolve().parents[2]
+            / "appliance/modelforge_appliance/console/static/vendor/VENDORED.json"
+        ).read_text()
+    )
+    for library in vendored["libraries"]:
+        for name, record in library["files"].items():
+            served = requests.get(
+                f"{served_appliance.url}/console/static/vendor/{name}", timeout=10
+            )
+            assert served.status_code == 200, name
+            assert hashlib.sha256(served.content).hexdigest() == record["sha256"]
+    for script in ("console.js", "hardware.js", "wizard.js", "node.js", "sign_in.js"):
+        assert requests.get(f"{served_appliance.url}/console/static/{script}", timeout=10).ok

@@ -9,12 +9,14 @@ from __future__ import annotations
 import bottle
 
 from ..audit import RefusalLog
+from ..console import routes as console_routes
 from ..heartbeats import HeartbeatBuffer
 from ..metrics import Metrics
 from ..settings import Settings
 from ..store import Store
+from ..telemetry import TelemetryHistory
 from . import admin, agent
-from .http import ApiContext, answering, framework_error
+from .http import ApiContext, answering, framework_error, security_headers
 
 
 def make_app(settings: Settings, store: Store) -> bottle.Bottle:
@@ -28,12 +30,19 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     metrics = app.metrics = Metrics(store, settings)
     app.default_error_handler = framework_error
     app.install(answering(metrics))
+    app.add_hook("after_request", security_headers)
     refusals = app.refusals = RefusalLog(store)
     context = ApiContext(
-        settings=settings, store=store, heartbeats=heartbeats, metrics=metrics, refusals=refusals
+        settings=settings,
+        store=store,
+        heartbeats=heartbeats,
+        metrics=metrics,
+        telemetry=TelemetryHistory(store, settings),
+        refusals=refusals,
     )
     admin.add_routes(app, context)
     agent.add_routes(app, context)
+    console_routes.add_routes(app, context)  # the console: a room of its own
     return app
 
 

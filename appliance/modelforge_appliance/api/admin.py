@@ -9,39 +9,70 @@ import bottle
 
 from modelforge_contract import (
     HEADER_ADMIN_TOKEN,
+    HEADER_CSRF_TOKEN,
     HOST_INVALID,
     PATH_ADMIN_ALERTS,
     PATH_ADMIN_AUDIT,
     PATH_ADMIN_ENROLLMENT,
     PATH_ADMIN_ENROLLMENTS,
     PATH_ADMIN_NODE,
+    PATH_ADMIN_NODE_AGENT_IMAGE_CHECK,
     PATH_ADMIN_NODE_CORDON,
     PATH_ADMIN_NODE_CREDENTIAL,
     PATH_ADMIN_NODE_CREDENTIALS,
     PATH_ADMIN_NODE_DECOMMISSION_EXECUTE,
     PATH_ADMIN_NODE_DECOMMISSION_PREVIEW,
     PATH_ADMIN_NODE_READINESS,
+    PATH_ADMIN_NODE_TELEMETRY,
     PATH_ADMIN_NODE_UNCORDON,
     PATH_ADMIN_NODES,
     PATH_HEALTHZ,
     PATH_METRICS,
+    SESSION_COOKIE,
 )
 
-from .. import admin_tokens, alerts, audit, credentials, decommission, enrollment, nodes, readiness
+from .. import (
+    admin_tokens,
+    alerts,
+    audit,
+    credentials,
+    decommission,
+    enrollment,
+    node_agent_image,
+    nodes,
+    readiness,
+    telemetry,
+)
+from ..clock import isoformat
+from ..console import sessions
 from ..errors import Invalid, StoreUnavailable
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ..validation import EXECUTE_FIELDS, MINT_FIELDS
+from ..validation import EXECUTE_FIELDS, IMAGE_CHECK_FIELDS, MINT_FIELDS
 from .http import ApiContext, json_response, query_int, request_header, request_origin
+
+STATE_CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
 def admin_actor(context: ApiContext) -> str:
     """Authenticate the admin, then flush heartbeats so the answer sees the acknowledged ones.
 
-    In that order: a request without a valid token causes no write at all.
+    In that order: a request without a valid credential causes no write at all. An admin
+    token (automation) wins; otherwise a console session cookie, which must carry its CSRF
+    token in ``X-CSRF-Token`` on every state-changing call (403, nothing changed).
     """
-    token = admin_tokens.authenticate_admin(context.store, request_header(HEADER_ADMIN_TOKEN))
+    request = bottle.request
+    header = request_header(HEADER_ADMIN_TOKEN)
+    cookie = request.get_cookie(SESSION_COOKIE)
+    if header or not cookie:
+        token = admin_tokens.authenticate_admin(context.store, header)
+        actor = audit.admin_actor(token.token_id)
+    else:
+        session = sessions.session_for(context.store, context.settings, cookie)
+        if request.method in STATE_CHANGING_METHODS:
+            sessions.check_csrf(session, request_header(HEADER_CSRF_TOKEN))
+        actor = session.actor
     context.heartbeats.flush()
-    return audit.admin_actor(token.token_id)
+    return actor
 
 
 def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
@@ -107,7 +138,9 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     @app.get(PATH_ADMIN_NODES)
     def fleet():
         admin()
-        return json_response({"nodes": nodes.list_nodes(store, settings)})
+        listed = nodes.list_nodes(store, settings)
+        # server_time lets the console show ages on the control plane's clock, not the browser's.
+        return json_response({"nodes": listed, "server_time": isoformat(clock.now())})
 
     @app.get(PATH_ADMIN_NODE)
     def one_node(node_id: str):
@@ -119,6 +152,21 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     def node_readiness(node_id: str):
         admin()
         return json_response(readiness.readiness_of(store, settings, node_id))
+
+    @app.get(PATH_ADMIN_NODE_TELEMETRY)
+    def node_telemetry(node_id: str):
+        admin()
+        nodes.get_node(store, node_id)  # 404 for an unknown node
+        now = clock.now()
+        since = query_int("since", None, 0, 2**40)
+        start = now - telemetry.DEFAULT_WINDOW_SECONDS if since is None else since
+        return json_response(telemetry.history(store, node_id, start))
+
+    @app.post(PATH_ADMIN_NODE_AGENT_IMAGE_CHECK)
+    def check_node_agent_image():
+        admin()
+        fields = context.body(IMAGE_CHECK_FIELDS)
+        return json_response(node_agent_image.check(settings, fields))
 
     @app.get(PATH_ADMIN_NODE_CREDENTIALS)
     def node_credentials(node_id: str):

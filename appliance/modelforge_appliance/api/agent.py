@@ -123,5 +123,5 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         agent_protocol()
         fields = context.body(TELEMETRY_FIELDS)
         caller = agent_caller(context, fields["node_id"])
-        at = nodes.record_telemetry(store, caller, fields["samples"])
+        at = context.telemetry.record(caller, fields["samples"])
         return json_response({"server_time": isoformat(at), "compatibility": COMPATIBLE})

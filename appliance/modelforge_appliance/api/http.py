@@ -31,6 +31,7 @@ from ..heartbeats import HeartbeatBuffer
 from ..metrics import Metrics
 from ..settings import Settings, normalize_origin
 from ..store import Store
+from ..telemetry import TelemetryHistory
 from ..validation import Field, parse_body
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class ApiContext:
     heartbeats: HeartbeatBuffer
     metrics: Metrics
     refusals: RefusalLog
+    telemetry: TelemetryHistory
 
     def body(self, fields: dict[str, Field]) -> dict[str, Any]:
         return parse_body(bottle.request.environ, self.settings.max_body_bytes, fields)
@@ -63,6 +65,27 @@ def request_header(name: str) -> str | None:
     if raw is None:
         return None
     return raw.encode("latin-1", "replace").decode("utf-8", "replace")
+
+
+# Every answer, page or JSON: scripts and styles only from this origin, no inline code, no
+# framing, no referrer, no guessing of content types.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+    "Cross-Origin-Opener-Policy": "same-origin",
+}
+
+
+def security_headers() -> None:
+    """An ``after_request`` hook: runs for routes, error pages and 404s alike."""
+    for name, value in SECURITY_HEADERS.items():
+        bottle.response.set_header(name, value)
 
 
 def json_response(body: dict[str, Any], status: int = 200) -> bottle.HTTPResponse:

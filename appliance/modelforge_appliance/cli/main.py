@@ -13,9 +13,10 @@ import click
 from modelforge_contract import PROTOCOL_VERSION, __version__
 
 from .. import admin_tokens, audit
-from ..backup import RestoreRefused, state_lock
+from ..backup import RestoreRefused
 from ..doctor import doctor
 from ..settings import ConfigError, parse_listen
+from ..statelock import StateBusy
 from ..store import StoreVersionError
 from .support import Context, emit, fail
 
@@ -28,7 +29,7 @@ class Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (ConfigError, StoreVersionError, RestoreRefused) as exc:
+        except (ConfigError, StoreVersionError, RestoreRefused, StateBusy) as exc:
             fail(str(exc))
 
 
@@ -50,6 +51,7 @@ def main(ctx: click.Context, env_file: Path | None) -> None:
     # Everything this program writes (store, WAL, backups, lock) is for its own user only.
     os.umask(0o077)
     ctx.obj = Context(env_file)
+    ctx.call_on_close(ctx.obj.close)  # the state lock is held until the command ends
 
 
 @main.command()
@@ -90,7 +92,7 @@ def serve(obj: Context, listen: str | None) -> None:
     host, port = (
         parse_listen(listen, "--listen") if listen else (settings.listen_host, settings.listen_port)
     )
-    store = obj.store()
+    store = obj.store()  # takes the state lock before it migrates; held until we stop
     if not admin_tokens.has_admin_tokens(store):
         click.echo("modelforge: no admin token exists yet; run `modelforge init` first.", err=True)
     try:
@@ -110,23 +112,31 @@ def serve(obj: Context, listen: str | None) -> None:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    with state_lock(settings, exclusive=False):  # `modelforge restore` waits for us to stop
-        run_until(server, stop)
+    run_until(server, stop)
     logging.getLogger("modelforge").info("stopped")
 
 
+from .admin_password import admin_password  # noqa: E402
 from .admin_tokens import admin_token  # noqa: E402
 from .enrollments import enroll  # noqa: E402
 from .nodes import alerts_command, nodes_group  # noqa: E402
-from .store import backup_command, restore_command  # noqa: E402
+from .store import (  # noqa: E402
+    backup_command,
+    restore_command,
+    restore_finality_command,
+    save_finality_command,
+)
 
 for command in (
+    admin_password,
     admin_token,
     enroll,
     nodes_group,
     alerts_command,
     backup_command,
     restore_command,
+    save_finality_command,
+    restore_finality_command,
     doctor,
 ):
     main.add_command(command)

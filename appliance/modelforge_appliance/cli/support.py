@@ -12,6 +12,7 @@ import click
 from modelforge_contract import EXIT_USAGE
 from modelforge_contract.logs import configure_logging
 
+from .. import statelock
 from ..settings import Settings, load_settings
 from ..store import Store
 
@@ -23,6 +24,7 @@ class Context:
         self.env_file = env_file
         self._settings: Settings | None = None
         self._store: Store | None = None
+        self._lock: statelock.StateLock | None = None
 
     @property
     def settings(self) -> Settings:
@@ -34,12 +36,28 @@ class Context:
         return self._settings
 
     def store(self) -> Store:
-        """The one store of this command, opened and migrated on first use."""
+        """The one store of this command, opened and migrated on first use.
+
+        The state lock comes first and is held until the command ends: while a restore
+        runs, the command is refused (exit 2) before it reads, migrates or writes anything.
+        """
+        from ..backup import clear_interrupted_restore
         from ..server import open_store
 
         if self._store is None:
+            if self._lock is None:
+                self._lock = statelock.acquire(self.settings, exclusive=False)
+                clear_interrupted_restore(self.settings)
             self._store = open_store(self.settings)
         return self._store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:

@@ -1,0 +1,159 @@
+"""The console's routes: pages, sign-in and sign-out, and its static files.
+
+Pages are server-rendered shells; their data comes from the same ``/api/v1/admin``
+endpoints automation uses, called by the page's JavaScript with the session cookie and
+the ``X-CSRF-Token`` header. Every response carries the strict security headers
+(``api.http.SECURITY_HEADERS``); no page has inline script or style.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import bottle
+
+from modelforge_contract import HEADER_CSRF_TOKEN, SESSION_COOKIE, __version__
+
+from .. import node_agent_image, nodes
+from ..api.http import ApiContext, json_response, request_header, request_origin
+from ..errors import ApiError, NotFound
+from ..validation import Field
+from . import sessions
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+TEMPLATES = str(HERE / "templates")
+STATIC = str(HERE / "static")
+CONSOLE = "/console/"
+SIGN_IN = "/console/sign-in"
+PAGE_HEADERS = {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"}
+SIGN_IN_FIELDS = {"password": Field(str, low=1, high=1024)}
+EXPIRY_CHOICES = ((300, "5 minutes"), (900, "15 minutes"), (3600, "1 hour"), (86400, "24 hours"))
+
+
+def page(name: str, status: int = 200, **values: Any) -> bottle.HTTPResponse:
+    body = bottle.template(name, template_lookup=[TEMPLATES], version=__version__, **values)
+    return bottle.HTTPResponse(body, status=status, headers=PAGE_HEADERS)
+
+
+def redirect(location: str) -> bottle.HTTPResponse:
+    return bottle.HTTPResponse(
+        status=303, headers={"Location": location, "Cache-Control": "no-store"}
+    )
+
+
+def client_address() -> str:
+    """The client's address as waitress saw it (the proxy's client behind a trusted proxy).
+
+    Not bottle's ``remote_addr``: that believes any X-Forwarded-For a client sends.
+    """
+    return (bottle.request.environ.get("REMOTE_ADDR") or "unknown")[:64]
+
+
+def is_https() -> bool:
+    return bottle.request.environ.get("wsgi.url_scheme") == "https"
+
+
+def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
+    settings, store = context.settings, context.store
+
+    def current_session() -> sessions.Session | None:
+        try:
+            return sessions.session_for(store, settings, bottle.request.get_cookie(SESSION_COOKIE))
+        except ApiError:
+            return None
+
+    @app.get("/")
+    def root():
+        return redirect(CONSOLE)
+
+    @app.get("/favicon.ico")
+    def favicon():
+        return bottle.HTTPResponse(status=204, headers={"Cache-Control": "max-age=86400"})
+
+    @app.get("/console")
+    def console_without_slash():
+        return redirect(CONSOLE)
+
+    @app.get(SIGN_IN)
+    def sign_in_page():
+        if current_session() is not None:
+            return redirect(CONSOLE)
+        return page(
+            "sign_in",
+            password_set=sessions.has_admin_password(store),
+            command=sessions.SET_PASSWORD_COMMAND,
+            session=None,
+        )
+
+    @app.post(SIGN_IN)
+    def sign_in():
+        password = context.body(SIGN_IN_FIELDS)["password"]
+        address = client_address()
+        try:
+            cookie, _ = sessions.sign_in(store, settings, password, address)
+        except ApiError as refusal:
+            log.info("console sign-in refused for %s: %s", address, refusal.code)
+            response = json_response(refusal.body(), refusal.status)
+            if "retry_after_seconds" in refusal.extra:
+                response.set_header("Retry-After", str(refusal.extra["retry_after_seconds"]))
+            return response
+        response = json_response({"signed_in": True, "next": CONSOLE})
+        response.set_cookie(
+            SESSION_COOKIE,
+            cookie,
+            path="/",
+            httponly=True,
+            samesite="strict",
+            secure=is_https(),
+            max_age=settings.session_max_seconds,
+        )
+        return response
+
+    @app.post("/console/sign-out")
+    def sign_out():
+        session = sessions.session_for(store, settings, bottle.request.get_cookie(SESSION_COOKIE))
+        sessions.check_csrf(session, request_header(HEADER_CSRF_TOKEN))
+        sessions.sign_out(store, session)
+        response = json_response({"signed_out": True, "next": SIGN_IN})
+        response.delete_cookie(
+            SESSION_COOKIE, path="/", httponly=True, samesite="strict", secure=is_https()
+        )
+        return response
+
+    @app.get(CONSOLE)
+    def hardware_page():
+        session = current_session()
+        if session is None:
+            return redirect(SIGN_IN)
+        origin = settings.public_api_origin or request_origin(bottle.request.environ)
+        return page(
+            "hardware",
+            session=session,
+            api_origin=origin,
+            expiry_choices=EXPIRY_CHOICES,
+            bundle_steps=node_agent_image.bundle_steps(settings),
+            image_version=node_agent_image.release_version(settings),
+            recreate_command=node_agent_image.RECREATE_COMMAND,
+        )
+
+    @app.get("/console/nodes/<node_id>")
+    def node_page(node_id: str):
+        session = current_session()
+        if session is None:
+            return redirect(SIGN_IN)
+        try:
+            node = nodes.get_node(store, node_id)
+        except NotFound:
+            return page("not_found", status=404, session=session, what=f"node {node_id}")
+        return page("node", session=session, node_id=node.node_id, display_name=node.display_name)
+
+    @app.get("/console/static/<path:path>")
+    def static(path: str):
+        response = bottle.static_file(path, root=STATIC)
+        if response.status_code == 200:
+            response.set_header("Cache-Control", "no-cache")
+        return response

@@ -1,0 +1,210 @@
+"""The Bash start command the mint answer (and the wizard) gives, run by real bash.
+
+A stand-in ``modelforge-node-agent`` on PATH records the environment and arguments it
+was started with. The command runs on a real pseudo-terminal, as an operator pastes it:
+the token must not echo, the temporary env file must be mode 0600 while it exists and
+gone after success, a failing agent, Ctrl-C (SIGINT) and SIGTERM; caller-side tracing
+(``set -x``) must print no token.
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from modelforge_appliance.enrollment import START_COMMAND, agent_env_file
+
+TOKEN = "mfe_0123456789abcdef_" + "Tk9" * 14 + "x"
+STANDIN = """#!/bin/bash
+{ env; echo "ARGV=$*"; tr '\\0' ' ' < /proc/$$/cmdline; echo; } > "$STANDIN_RECORD"
+exit "${STANDIN_EXIT:-0}"
+"""
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A node's working directory with the generated env file and the stand-in agent."""
+    work = tmp_path / "node"
+    work.mkdir()
+    (work / "modelforge-node.env").write_text(agent_env_file("http://127.0.0.1:8000", "GPU Node"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    agent = bin_dir / "modelforge-node-agent"
+    agent.write_text(STANDIN)
+    agent.chmod(0o755)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "TMPDIR": str(temp),
+        "STANDIN_RECORD": str(tmp_path / "record"),
+        "TERM": "dumb",
+    }
+    return {"work": work, "env": env, "temp": temp, "record": tmp_path / "record"}
+
+
+class Terminal:
+    """bash running the command on a real pty, as if pasted into an interactive shell."""
+
+    def __init__(self, node: dict, command: str, **extra_env: str) -> None:
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the pty is its controlling terminal
+            os.chdir(node["work"])
+            os.execve("/bin/bash", ["bash", "-c", command], {**node["env"], **extra_env})  # noqa: S606
+        self.output = b""
+
+    def read_until(self, needle: bytes, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while needle not in self.output:
+            assert time.monotonic() < deadline, f"{needle!r} never came: {self.output!r}"
+            if not self._read(0.5):
+                break
+        assert needle in self.output, self.output
+
+    def _read(self, wait: float) -> bool:
+        ready, _, _ = select.select([self.fd], [], [], wait)
+        if not ready:
+            return True
+        try:
+            chunk = os.read(self.fd, 4096)
+        except OSError:
+            return False
+        self.output += chunk
+        return bool(chunk)
+
+    def type(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def finish(self, timeout: float = 30) -> int:
+        deadline = time.monotonic() + timeout
+        while self._read(0.2):
+            assert time.monotonic() < deadline, f"bash did not end: {self.output!r}"
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self._drain()
+                return os.waitstatus_to_exitcode(status)
+        _, status = os.waitpid(self.pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+    def interrupt(self, send, timeout: float = 30) -> int:
+        """Send a signal until bash ends; return its exit status.
+
+        Bash has a tiny window between arming its traps for ``read`` and blocking in it;
+        a signal landing there is handled only at the next one, as when an operator
+        presses Ctrl-C twice. Resending cannot hide the failure this test looks for (a
+        trap that cleans up and then carries on reading never exits).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            send()
+            finish_by = time.monotonic() + 1
+            while time.monotonic() < finish_by:
+                self._read(0.1)
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self._drain()
+                    return os.waitstatus_to_exitcode(status)
+            assert time.monotonic() < deadline, f"bash did not end: {self.output!r}"
+
+    def _drain(self) -> None:
+        while self._read(0.1):
+            pass
+        os.close(self.fd)
+
+
+def temp_files(node) -> list[Path]:
+    return sorted(node["temp"].iterdir())
+
+
+def test_success_starts_the_agent_with_the_token_and_removes_the_file(node):
+    terminal = Terminal(node, START_COMMAND)
+    terminal.read_until(b"Enrollment token: ")
+    [token_file] = temp_files(node)  # created before the prompt, for the operator's own user
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    terminal.type(TOKEN + "\r")
+    assert terminal.finish() == 0
+    assert TOKEN.encode() not in terminal.output  # not echoed
+    record = node["record"].read_text()
+    assert f"MODELFORGE_AGENT_ENROLLMENT_TOKEN={TOKEN}\n" in record
+    assert "MODELFORGE_AGENT_CONTROL_PLANE_URL=http://127.0.0.1:8000\n" in record
+    assert "MODELFORGE_AGENT_HOSTNAME=gpu-node\n" in record
+    argv_lines = [line for line in record.splitlines() if line.startswith(("ARGV=", "/bin/bash"))]
+    assert argv_lines and not any(TOKEN in line for line in argv_lines)
+    assert "tok=" not in record and "tok_file=" not in record  # no helper variables leak
+    assert temp_files(node) == []
+
+
+def test_a_failing_agent_leaves_no_token_file(node):
+    terminal = Terminal(node, START_COMMAND, STANDIN_EXIT="3")
+    terminal.read_until(b"Enrollment token: ")
+    terminal.type(TOKEN + "\r")
+    assert terminal.finish() == 3
+    assert temp_files(node) == []
+    assert TOKEN.encode() not in terminal.output
+
+
+def test_ctrl_c_at_the_prompt_removes_the_file_and_starts_nothing(node):
+    terminal = Terminal(node, START_COMMAND)
+    terminal.read_until(b"Enrollment token: ")
+    assert len(temp_files(node)) == 1
+    # The terminal turns Ctrl-C into SIGINT for its foreground process group.
+    assert terminal.interrupt(lambda: terminal.type("\x03")) == 130
+    assert temp_files(node) == []
+    assert not node["record"].exists()
+
+
+def test_sigterm_removes_the_file_and_starts_nothing(node):
+    terminal = Terminal(node, START_COMMAND)
+    terminal.read_until(b"Enrollment token: ")
+    assert len(temp_files(node)) == 1
+    status = terminal.interrupt(lambda: os.killpg(terminal.pid, signal.SIGTERM))
+    assert status in (143, -signal.SIGTERM)
+    assert temp_files(node) == []
+    assert not node["record"].exists()
+
+
+def test_something_that_is_not_a_token_is_refused_and_never_sourced(node):
+    marker = node["work"] / "pwned"
+    terminal = Terminal(node, START_COMMAND)
+    terminal.read_until(b"Enrollment token: ")
+    terminal.type(f"$(touch {marker})\r")
+    assert terminal.finish() == 2
+    assert b"not an enrollment token" in terminal.output
+    assert not marker.exists() and temp_files(node) == [] and not node["record"].exists()
+
+
+def test_without_the_env_file_it_stops_before_asking(node):
+    (node["work"] / "modelforge-node.env").unlink()
+    terminal = Terminal(node, START_COMMAND)
+    assert terminal.finish() == 2
+    assert b"modelforge-node.env" in terminal.output and b"Enrollment token" not in terminal.output
+    assert temp_files(node) == []
+
+
+@pytest.mark.parametrize(
+    "caller", ["set -x; ", "set -x; export SHELLOPTS; ", "set -o xtrace; export SHELLOPTS; "]
+)
+def test_tracing_in_the_callers_shell_prints_no_token(node, caller):
+    result = subprocess.run(
+        ["bash", "-c", caller + START_COMMAND],
+        input=TOKEN + "\n",
+        cwd=node["work"],
+        env=node["env"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "+ " in result.stderr  # the caller really was tracing
+    assert TOKEN not in result.stdout + result.stderr
+    assert f"MODELFORGE_AGENT_ENROLLMENT_TOKEN={TOKEN}" in node["record"].read_text()
+    assert temp_files(node) == []

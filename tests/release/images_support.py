@@ -1,0 +1,325 @@
+"""The real images, bundles and tarball rewrites the image and bundle tests share.
+
+Everything a test creates in the shared dockerd carries a unique name (a release version
+``0.1.0-test.<hex>``, ``mf-test-<hex>`` tags, containers and compose projects) and is
+removed by the test that made it; nothing is pruned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from modelforge_contract.manifest import IMAGE_NAMES
+
+from .support import RELEASE
+
+ROOT = Path(__file__).resolve().parents[2]
+# Any fixed value: builds of the same tree with the same epoch must match.
+SOURCE_DATE_EPOCH = "1767225600"
+
+
+def cache_dir() -> Path:
+    """Downloads kept between runs (.deb files, wheels): /var/cache when writable."""
+    preferred = Path("/var/cache/modelforge-test")
+    try:
+        preferred.mkdir(parents=True, exist_ok=True)
+        if os.access(preferred, os.W_OK):
+            return preferred / "release"
+    except OSError:
+        pass
+    return ROOT / "build" / "test-cache" / "release"
+
+
+def unique(prefix: str = "mf-test") -> str:
+    return f"{prefix}-{secrets.token_hex(4)}"
+
+
+def release_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+    return {
+        **env,
+        "SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH,
+        "MODELFORGE_RELEASE_CACHE": str(cache_dir()),
+        **extra,
+    }
+
+
+def run_release(*args: Any, timeout: int = 900, **kwargs: Any) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(RELEASE), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=kwargs.pop("env", release_env()),
+        **kwargs,
+    )
+
+
+def run_copy_release(copy: Path, *args: Any, timeout: int = 900) -> subprocess.CompletedProcess:
+    """The release tool of a copy of the tree, run from that copy's own code."""
+    env = release_env(PYTHONPATH=f"{copy / 'release'}:{copy / 'contract'}")
+    return subprocess.run(
+        [sys.executable, "-m", "modelforge_release", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=copy,
+    )
+
+
+def copy_tree(target: Path) -> Path:
+    """The checkout's sources, without what builds and tests leave behind."""
+    ignore = shutil.ignore_patterns(
+        ".venv", "build", "dist", ".git", "__pycache__", ".pytest_cache", ".ruff_cache", "var"
+    )
+    shutil.copytree(ROOT, target, ignore=ignore)
+    return target
+
+
+def tags(version: str) -> list[str]:
+    return [f"{name}:{version}" for name in IMAGE_NAMES]
+
+
+def remove_tags(client: Any, names: list[str]) -> None:
+    """Untag what a test created; an image goes only when no other tag holds it. A tag a
+    container still uses is an error: the test that made that container leaked it."""
+    import docker.errors
+
+    for name in names:
+        with contextlib.suppress(docker.errors.ImageNotFound):
+            client.images.remove(name, noprune=False)
+
+
+def files_of(client: Any, image: str) -> dict[str, tarfile.TarInfo]:
+    """Every path in the image's filesystem, as a container created from it sees it."""
+    container = client.containers.create(image, name=unique())
+    try:
+        stream = io.BufferedReader(_Chunks(container.export()), buffer_size=1 << 20)
+        with tarfile.open(fileobj=stream, mode="r|") as tar:
+            return {info.name.rstrip("/"): info for info in tar}
+    finally:
+        container.remove(force=True)
+
+
+class _Chunks(io.RawIOBase):
+    def __init__(self, chunks: Any) -> None:
+        self.chunks = iter(chunks)
+        self.pending = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self.pending:
+            try:
+                self.pending = next(self.chunks)
+            except StopIteration:
+                return 0
+        size = min(len(buffer), len(self.pending))
+        buffer[:size] = self.pending[:size]
+        self.pending = self.pending[size:]
+        return size
+
+
+def wait_for_healthz(container: Any, url: str, timeout: float = 60) -> Any:
+    """Poll a control plane in a container until /healthz answers 200; fail with its log
+    if the container stops or the deadline passes."""
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while True:
+        container.reload()
+        assert container.status == "running", container.logs().decode()
+        try:
+            response = requests.get(url, timeout=2)
+            if response.status_code == 200:
+                return response
+        except requests.ConnectionError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not answer:\n{container.logs().decode()}"
+        time.sleep(0.2)
+
+
+# -- release directories and their mutations -------------------------------------------------
+
+
+def bundle_files(directory: Path) -> dict[str, Path]:
+    manifest = next(directory.glob("modelforge-*-manifest.json"))
+    version = manifest.name.removeprefix("modelforge-").removesuffix("-manifest.json")
+    return {
+        "version": version,  # type: ignore[dict-item]
+        "manifest": manifest,
+        "tarball": directory / f"modelforge-{version}-images.tar",
+        "sums": directory / "SHA256SUMS",
+    }
+
+
+def clone_bundle(source: Path, target: Path, copy_tarball: bool = False) -> Path:
+    """A release directory to mutate; the big tarball is hard-linked unless it will change."""
+    target.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.name.endswith("-images.tar") and not copy_tarball:
+            os.link(path, target / path.name)
+        else:
+            shutil.copyfile(path, target / path.name)
+    return target
+
+
+def resum(directory: Path) -> None:
+    """Write SHA256SUMS again, so a mutation is caught by the check meant for it."""
+    files = bundle_files(directory)
+    version = files["version"]
+    names = [
+        f"modelforge-{version}-images.tar",
+        f"modelforge-{version}-manifest.json",
+        "modelforge-x86_64.pyz",
+        "modelforge-aarch64.pyz",
+        "modelforge-node-agent.pyz",
+    ]
+    result = run_release(
+        "sums",
+        "--template",
+        ROOT / "SHA256SUMS.template",
+        "--version",
+        version,
+        "--output",
+        directory / "SHA256SUMS",
+        *[directory / name for name in names],
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def edit_manifest(directory: Path, change: Callable[[dict], None]) -> None:
+    path = bundle_files(directory)["manifest"]
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest, indent=2))
+
+
+def rewrite_tar(
+    source: Path, target: Path, change: Callable[[str, bytes], bytes | tuple[str, bytes] | None]
+) -> None:
+    """Copy a tarball member by member. For small files ``change(name, data)`` returns None
+    (keep), new bytes, ``(new name, new bytes)``, or b"" (drop the file)."""
+    with (
+        tarfile.open(source) as tar_in,
+        tarfile.open(target, "w", format=tarfile.PAX_FORMAT) as out,
+    ):
+        for info in tar_in.getmembers():
+            if info.isfile() and info.size < (4 << 20):
+                data = tar_in.extractfile(info).read()  # type: ignore[union-attr]
+                new = change(info.name.removeprefix("./"), data)
+                if new == b"":
+                    continue
+                if isinstance(new, tuple):
+                    info.name, data = new
+                elif new is not None:
+                    data = new
+                info.size = len(data)
+                out.addfile(info, io.BytesIO(data))
+            elif info.isfile():
+                out.addfile(info, tar_in.extractfile(info))
+            else:
+                out.addfile(info)
+
+
+def layer_offset(tarball: Path, image: str, index: int) -> tuple[str, int, int]:
+    """(member name, data offset, size) of one layer file of one image in either layout."""
+    with tarfile.open(tarball) as tar:
+        names = {info.name.removeprefix("./"): info for info in tar.getmembers()}
+
+        def read(name: str) -> Any:
+            return json.loads(tar.extractfile(names[name]).read())  # type: ignore[union-attr]
+
+        if "manifest.json" in names:
+            entry = next(
+                e
+                for e in read("manifest.json")
+                if any(t.startswith(image + ":") for t in e["RepoTags"])
+            )
+            name = entry["Layers"][index]
+            info = names[name]
+            while info.issym():
+                name = os.path.normpath(os.path.join(os.path.dirname(name), info.linkname))
+                info = names[name]
+        else:
+            descriptor = next(
+                d
+                for d in read("index.json")["manifests"]
+                if d["annotations"]["org.opencontainers.image.ref.name"].startswith(image + ":")
+            )
+            manifest = read("blobs/" + descriptor["digest"].replace(":", "/"))
+            name = "blobs/" + manifest["layers"][index]["digest"].replace(":", "/")
+            info = names[name]
+        return name, info.offset_data, info.size
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with path.open("r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def rewrite_config_docker(source: Path, target: Path, image: str) -> str:
+    """The docker-save tarball with one image's configuration changed in a way that changes
+    its id but none of what the manifest records (a history comment). Returns the new id."""
+    with tarfile.open(source) as tar:
+        manifest = json.loads(tar.extractfile("manifest.json").read())  # type: ignore[union-attr]
+        entry = next(e for e in manifest if any(t.startswith(image + ":") for t in e["RepoTags"]))
+        config = json.loads(tar.extractfile(entry["Config"]).read())  # type: ignore[union-attr]
+    config["history"][-1]["comment"] = "rebuilt by another tool; same files, same labels"
+    new_config = json.dumps(config, sort_keys=True).encode()
+    new_id = hashlib.sha256(new_config).hexdigest()
+    old_name = entry["Config"]
+    entry["Config"] = f"{new_id}.json"
+
+    def change(name: str, data: bytes) -> bytes | tuple[str, bytes] | None:
+        if name == "manifest.json":
+            return json.dumps(manifest).encode()
+        if name == old_name:
+            return f"{new_id}.json", new_config
+        return None
+
+    rewrite_tar(source, target, change)
+    return "sha256:" + new_id
+
+
+def skopeo_oci_tarball(docker_archive: Path, version: str, work: Path, target: Path) -> None:
+    """The four images of a docker-save tarball as an OCI layout, written by skopeo (gzip
+    layers), tarred as a release tarball."""
+    layout = work / "oci-layout"
+    for name in IMAGE_NAMES:
+        tag = f"{name}:{version}"
+        result = subprocess.run(
+            [
+                "skopeo",
+                "copy",
+                "--quiet",
+                f"docker-archive:{docker_archive}:{tag}",
+                f"oci:{layout}:{tag}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr
+    with tarfile.open(target, "w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(layout.rglob("*")):
+            tar.add(path, arcname=path.relative_to(layout).as_posix(), recursive=False)
+    shutil.rmtree(layout)

@@ -1,0 +1,241 @@
+"""One host, the release images and the compose files as an operator uses them.
+
+The control plane from docker-compose.yml serves; an agent from docker-compose.node-agent.yml
+(with the env file and the token the API returned) enrolls and shows online; its identity
+survives ``down``/``up`` with the same state volume; the recovery compose file enrolls a
+disposable identity and, after its credential is revoked, re-enrolls it under the same node
+id. Compose v1 (Debian's docker-compose) runs the files; the test talks to the control plane
+on 127.0.0.1 only, the containers reach it on their compose network.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import requests
+
+from modelforge_contract import HEADER_ADMIN_TOKEN
+from tests.support import free_port
+
+from .images_support import ROOT, release_env, run_release, unique, wait_for_healthz
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+CONTROL_PLANE = ["docker-compose.yml"]
+AGENT = ["docker-compose.yml", "docker-compose.node-agent.yml"]
+RECOVERY = ["docker-compose.node-recovery.yml"]
+ORIGIN = "http://control-plane:8000"  # how the agents reach it on the compose network
+
+
+class Deployment:
+    def __init__(self, project: str, port: int, env: dict[str, str]) -> None:
+        self.project, self.port, self.env = project, port, env
+        self.url = f"http://127.0.0.1:{port}"
+        self.admin_token = ""
+
+    def compose(self, files: list[str], *args: str, **extra: str) -> subprocess.CompletedProcess:
+        argv = ["docker-compose", "-p", self.project]
+        for name in files:
+            argv += ["-f", str(ROOT / name)]
+        result = subprocess.run(
+            [*argv, *args],
+            cwd=ROOT,
+            env={**self.env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, f"docker-compose {' '.join(args)}:\n{result.stderr[-3000:]}"
+        return result
+
+    def container(self, client: Any, service: str) -> Any:
+        found = client.containers.list(
+            all=True,
+            filters={
+                "label": [
+                    f"com.docker.compose.project={self.project}",
+                    f"com.docker.compose.service={service}",
+                ]
+            },
+        )
+        assert len(found) == 1, f"{service}: {found}"
+        return found[0]
+
+    def admin(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+        headers = {HEADER_ADMIN_TOKEN: self.admin_token}
+        return requests.request(method, self.url + path, headers=headers, timeout=30, **kwargs)
+
+    def mint(self, name: str) -> dict[str, Any]:
+        response = self.admin(
+            "POST",
+            "/api/v1/admin/node-enrollments",
+            json={"display_name": name, "expires_in_seconds": 900},
+        )
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    def nodes(self) -> list[dict[str, Any]]:
+        response = self.admin("GET", "/api/v1/admin/hardware/nodes")
+        assert response.status_code == 200, response.text
+        return response.json()["nodes"]
+
+
+def wait_for(
+    what: str, check: Callable[[], Any], logs: Callable[[], str], timeout: float = 90
+) -> Any:
+    """Poll until ``check`` returns something true; the deadline only bounds a failure."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{logs()}"
+        time.sleep(0.25)
+
+
+@pytest.fixture
+def deployment(docker_client, built_images, release_version, tmp_path):
+    project = unique("mfe2e")
+    port = free_port()
+    env = release_env(
+        MODELFORGE_CONTROL_PLANE_IMAGE=f"modelforge-control-plane:{release_version}",
+        MODELFORGE_NODE_AGENT_IMAGE=f"modelforge-node-agent:{release_version}",
+        MODELFORGE_CONTROL_PLANE_PUBLISH=f"127.0.0.1:{port}",
+        MODELFORGE_PUBLIC_API_ORIGIN=ORIGIN,
+        MODELFORGE_HEARTBEAT_INTERVAL_SECONDS="1",
+        MODELFORGE_NODE_STALE_AFTER_SECONDS="5",
+        MODELFORGE_NODE_OFFLINE_AFTER_SECONDS="10",
+    )
+    plane = Deployment(project, port, env)
+    try:
+        yield plane
+    finally:
+        # Everything of this project only: its containers, network and volumes.
+        empty = tmp_path / "empty.env"
+        empty.touch()
+        result = subprocess.run(
+            ["docker-compose", "-p", project]
+            + [arg for name in AGENT + RECOVERY for arg in ("-f", str(ROOT / name))]
+            + ["down", "-v", "--remove-orphans"],
+            cwd=ROOT,
+            env={
+                **env,
+                "MODELFORGE_AGENT_CONTROL_PLANE_URL": ORIGIN,
+                "MODELFORGE_NODE_AGENT_ENV_FILE": str(empty),
+            },
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, f"cleaning up {project} failed:\n{result.stderr}"
+
+
+def test_control_plane_and_agent_from_the_compose_files(
+    deployment, docker_client, release_bundle, tmp_path
+):
+    # The control plane, and its first admin token.
+    deployment.compose(CONTROL_PLANE, "up", "-d", "--no-build", "control-plane")
+    control_plane = deployment.container(docker_client, "control-plane")
+    wait_for_healthz(control_plane, deployment.url + "/healthz")
+    code, output = control_plane.exec_run(["modelforge", "init", "--json"])
+    assert code == 0, output.decode()
+    deployment.admin_token = json.loads(output)["admin_token"]
+
+    # The operator's steps: mint, save the env file, capture the image id, start the agent.
+    minted = deployment.mint("GPU Node")
+    assert minted["api_origin"] == ORIGIN
+    env_file = tmp_path / minted["env_file_name"]
+    env_file.write_text(
+        minted["env_file"].replace("ACCELERATOR_MODE=nvidia", "ACCELERATOR_MODE=cpu")
+    )
+    manifest = next(release_bundle.glob("*-manifest.json"))
+    checked = run_release(
+        "verify-image", "--manifest", manifest, "--image", "modelforge-node-agent", "--json"
+    )
+    assert checked.returncode == 0, checked.stderr
+    image_id = json.loads(checked.stdout)["image_id"]
+    deployment.env["MODELFORGE_NODE_AGENT_ENV_FILE"] = str(env_file)
+    deployment.compose(
+        AGENT,
+        "up",
+        "-d",
+        "--no-build",
+        "node-agent",
+        MODELFORGE_AGENT_ENROLLMENT_TOKEN=minted["token"],
+    )
+    agent = deployment.container(docker_client, "node-agent")
+    assert run_release("verify-container", agent.id, "--image-id", image_id).returncode == 0
+
+    def agent_logs() -> str:
+        return deployment.container(docker_client, "node-agent").logs().decode()
+
+    def online(count: int, after: str = "") -> Callable[[], Any]:
+        def check() -> Any:
+            nodes = deployment.nodes()
+            ready = [
+                n
+                for n in nodes
+                if n["liveness"] == "online" and (n["last_heartbeat_at"] or "") > after
+            ]
+            return nodes if len(nodes) == count and len(ready) == count else None
+
+        return check
+
+    (node,) = wait_for("the agent to enroll and heartbeat", online(1), agent_logs)
+    assert node["hostname"] == "gpu-node"
+    assert minted["token"] not in agent_logs()
+
+    # down/up without the token: the same node, from the identity in the state volume.
+    deployment.compose(AGENT, "down")
+    deployment.compose(AGENT, "up", "-d", "--no-build")
+    wait_for_healthz(
+        deployment.container(docker_client, "control-plane"), deployment.url + "/healthz"
+    )
+    (again,) = wait_for(
+        "the agent to come back", online(1, after=node["last_heartbeat_at"]), agent_logs
+    )
+    assert again["node_id"] == node["node_id"]
+    credentials = deployment.admin(
+        "GET", f"/api/v1/admin/hardware/nodes/{node['node_id']}/credentials"
+    ).json()
+    assert credentials["active"] == 1 and credentials["revoked"] == 0
+
+    # The recovery rehearsal: a disposable identity, its credential revoked, re-enrolled.
+    first = deployment.mint("recovery rehearsal")
+    deployment.env["MODELFORGE_AGENT_CONTROL_PLANE_URL"] = ORIGIN
+
+    def rehearsal_logs() -> str:
+        return deployment.container(docker_client, "node-agent-rehearsal").logs().decode()
+
+    deployment.compose(
+        RECOVERY, "up", "-d", "--no-build", MODELFORGE_AGENT_ENROLLMENT_TOKEN=first["token"]
+    )
+    nodes = wait_for("the rehearsal agent to enroll", online(2), rehearsal_logs)
+    (rehearsal,) = [n for n in nodes if n["hostname"] == "recovery-rehearsal"]
+    revoked = deployment.admin(
+        "DELETE", f"/api/v1/admin/hardware/nodes/{rehearsal['node_id']}/credential"
+    )
+    assert revoked.status_code == 200, revoked.text
+
+    def exited() -> Any:
+        container = deployment.container(docker_client, "node-agent-rehearsal")
+        return container.status == "exited" and container.attrs["State"]["ExitCode"]
+
+    assert wait_for("the revoked agent to stop", exited, rehearsal_logs) == 6  # credential refused
+    second = deployment.mint("recovery rehearsal")
+    deployment.compose(
+        RECOVERY, "up", "-d", "--no-build", MODELFORGE_AGENT_ENROLLMENT_TOKEN=second["token"]
+    )
+    nodes = wait_for(
+        "the re-enrolled agent", online(2, after=rehearsal["last_heartbeat_at"]), rehearsal_logs
+    )
+    assert {n["node_id"] for n in nodes} == {node["node_id"], rehearsal["node_id"]}
+    credentials = deployment.admin(
+        "GET", f"/api/v1/admin/hardware/nodes/{rehearsal['node_id']}/credentials"
+    ).json()
+    assert credentials["active"] == 1 and credentials["revoked"] >= 1
