@@ -219,6 +219,10 @@ class ControlPlaneClient:
         finally:
             if response is not None:
                 response.close()  # only now: the deadline can no longer touch the connection
+        if response.status_code == 204:
+            # No content (a claim that found no work): only our own headers say why.
+            ours = {k.lower(): v for k, v in response.headers.items()}
+            return {"headers": {k: v for k, v in ours.items() if k.startswith("x-modelforge-")}}
         answer = parse_answer(raw)
         if not 200 <= response.status_code < 300:
             code, compatibility = _refusal_fields(answer)

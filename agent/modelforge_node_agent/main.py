@@ -37,6 +37,7 @@ from .publisher import DEFAULT_HEARTBEAT_INTERVAL, Publisher
 from .refusals import AgentExit
 from .settings import SETTINGS, AgentSettings, ConfigError, load_settings
 from .transport import make_session
+from .work import WorkerWatch, WorkLoop
 
 log = logging.getLogger("modelforge_node_agent")
 
@@ -153,6 +154,9 @@ def run_agent(settings: AgentSettings, stop: threading.Event) -> int:
         if enrolled is None:
             return EXIT_OK
         client.credential = enrolled.state.credential
+        # The work plane (issue 13): watch the local runtime worker, claim while it can run.
+        worker = WorkerWatch(settings, preflight.mode, stop)
+        worker.refresh()  # the first heartbeat already tells the truth about it
         publisher = Publisher(
             settings,
             enrolled.state,
@@ -160,7 +164,10 @@ def run_agent(settings: AgentSettings, stop: threading.Event) -> int:
             preflight,
             stop,
             heartbeat_interval=enrolled.heartbeat_interval or DEFAULT_HEARTBEAT_INTERVAL,
+            worker=worker,
         )
+        worker.start()
+        WorkLoop(settings, enrolled.state.node_id, client, worker, stop, publisher.refuse).start()
         outcome = publisher.run()
         if outcome is None:
             return EXIT_OK

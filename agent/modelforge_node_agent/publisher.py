@@ -43,6 +43,7 @@ from .identity import NodeState
 from .nvidia import PreflightFailure, PreflightResult
 from .refusals import AgentExit, credential_refused
 from .settings import AgentSettings
+from .work import WorkerWatch
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +89,12 @@ def call_with_backoff(
 class Health:
     """What the heartbeat says about the agent and its GPU probe (thread-safe)."""
 
-    def __init__(self, gpu_expected: bool) -> None:
+    def __init__(self, gpu_expected: bool, worker: WorkerWatch | None = None) -> None:
         self._lock = threading.Lock()
         self.gpu_expected = gpu_expected
         self.failure: PreflightFailure | None = None
         self.started = time.monotonic()
+        self.worker = worker  # the runtime worker beside the agent (issue 13)
 
     def gpu_ok(self) -> None:
         with self._lock:
@@ -113,13 +115,21 @@ class Health:
             probe, preflight = "not_applicable", "not_applicable"
         else:
             probe, preflight = ("failed" if failure else "ok"), "passed"
-        return {
+        body = {
             "status": "degraded" if failure else "ok",
             "gpu_probe": probe,
             "preflight": preflight,
             "message": str(failure)[:500] if failure else None,
             "uptime_seconds": round(time.monotonic() - self.started, 1),
         }
+        if self.worker is not None:
+            worker = self.worker.current()
+            body["worker"] = worker.health()
+            if not worker.usable:
+                # A node that cannot run work says so rather than looking healthy.
+                body["status"] = "degraded"
+                body["message"] = (body["message"] or worker.problem or "")[:500]
+        return body
 
 
 def host_facts() -> dict[str, Any]:
@@ -162,12 +172,13 @@ class Publisher:
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         steps: Sequence[float] = BACKOFF_STEPS,
         wait: Wait | None = None,
+        worker: WorkerWatch | None = None,
     ) -> None:
         self.settings, self.state, self.client = settings, state, client
         self.preflight, self.stop, self.steps = preflight, stop, steps
         self.wait: Wait = wait or stop.wait
         self.heartbeat_interval = checked_interval(heartbeat_interval) or DEFAULT_HEARTBEAT_INTERVAL
-        self.health = Health(preflight.nvml is not None)
+        self.health = Health(preflight.nvml is not None, worker)
         self.accelerators = list(preflight.accelerators)
         self._outcome: AgentExit | None = None
         self.refused_code: str | None = None
@@ -197,13 +208,16 @@ class Publisher:
                 retry_refusal=lambda r: not (r.credential_refused or r.protocol_incompatible),
             )
         except Refused as refusal:
-            log.error("%s", refusal.describe())
-            if refusal.protocol_incompatible:
-                outcome = AgentExit(EXIT_PROTOCOL_INCOMPATIBLE, incompatible_message(refusal))
-                self._finish(outcome)
-            else:
-                self._finish(credential_refused(refusal.code), refusal.code or "HTTP_REFUSED")
+            self.refuse(refusal)
             return None
+
+    def refuse(self, refusal: Refused) -> None:
+        """A refused credential (401/403) or protocol (426) stops every publication."""
+        log.error("%s", refusal.describe())
+        if refusal.protocol_incompatible:
+            self._finish(AgentExit(EXIT_PROTOCOL_INCOMPATIBLE, incompatible_message(refusal)))
+        else:
+            self._finish(credential_refused(refusal.code), refusal.code or "HTTP_REFUSED")
 
     # -- the three publications ----------------------------------------------------
 
@@ -255,13 +269,16 @@ class Publisher:
             )
         except OSError as exc:
             log.warning("cannot measure the state volume: %s", exc.strerror)
-        return {
+        inventory = {
             "node_id": self.state.node_id,
             "agent_version": __version__,
             "host": host_facts(),
             "accelerators": accelerators,
             "storage_roots": roots,
         }
+        if self.health.worker is not None:
+            inventory["worker_version"] = self.health.worker.current().version
+        return inventory
 
     def inventory_loop(self) -> None:
         published, published_at = None, float("-inf")

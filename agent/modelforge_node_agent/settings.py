@@ -22,6 +22,7 @@ PREFIX = "MODELFORGE_AGENT_"
 # from the docs without being edited, and would only ever log DNS failures.
 PLACEHOLDER_HOST = "modelforge.example.internal"
 DEFAULT_STATE_VOLUME = "/var/lib/modelforge-node-agent"
+DEFAULT_WORKER_SOCKET = "/run/modelforge/worker.sock"
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,27 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "/dev",
         "Where auto mode looks for nvidia* device nodes.",
     ),
+    SettingSpec(
+        "MODELFORGE_AGENT_WORKER_SOCKET",
+        DEFAULT_WORKER_SOCKET,
+        "Unix socket of the runtime worker beside the agent (its MODELFORGE_WORKER_SOCKET). "
+        "The agent claims work only while the worker there answers compatibly.",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_WORK_SLOTS",
+        "1",
+        "How many work items this node runs at once.",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_WORK_POLL_SECONDS",
+        "5",
+        "How long a free slot waits before asking again after a claim found nothing.",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_WORKER_CHECK_SECONDS",
+        "10",
+        "How often the agent asks its worker for /v1/info (and reports it in the heartbeat).",
+    ),
     SettingSpec("MODELFORGE_AGENT_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
 )
 KNOWN_NAMES = frozenset(spec.name for spec in SETTINGS)
@@ -129,6 +151,10 @@ class AgentSettings:
     inventory_interval_seconds: int
     device_dir: Path
     log_level: str
+    worker_socket: Path = Path(DEFAULT_WORKER_SOCKET)
+    work_slots: int = 1
+    work_poll_seconds: float = 5.0
+    worker_check_seconds: float = 10.0
     # Observed, not ours: the NVIDIA container toolkit sets it when GPUs are requested.
     nvidia_visible_devices: str | None = None
 
@@ -182,6 +208,17 @@ def _int(env: Mapping[str, str], name: str, minimum: int, maximum: int) -> int:
         raise ConfigError(f"{name}={raw!r} is not a whole number") from None
     if not minimum <= value <= maximum:
         raise ConfigError(f"{name}={value} is outside {minimum}..{maximum}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, minimum: float, maximum: float) -> float:
+    raw = _value(env, name) or ""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if not minimum <= value <= maximum:
+        raise ConfigError(f"{name}={value:g} is outside {minimum:g}..{maximum:g}")
     return value
 
 
@@ -317,5 +354,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> AgentSettings:
         ),
         device_dir=Path(_value(env, "MODELFORGE_AGENT_DEVICE_DIR") or "/dev"),
         log_level=log_level,
+        worker_socket=Path(_value(env, "MODELFORGE_AGENT_WORKER_SOCKET") or DEFAULT_WORKER_SOCKET),
+        work_slots=_int(env, "MODELFORGE_AGENT_WORK_SLOTS", 1, 64),
+        work_poll_seconds=_float(env, "MODELFORGE_AGENT_WORK_POLL_SECONDS", 0.01, 3600),
+        worker_check_seconds=_float(env, "MODELFORGE_AGENT_WORKER_CHECK_SECONDS", 0.1, 3600),
         nvidia_visible_devices=env.get("NVIDIA_VISIBLE_DEVICES"),
     )

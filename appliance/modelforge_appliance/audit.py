@@ -18,16 +18,23 @@ def admin_actor(token_id: str) -> str:
     return f"admin:{token_id}"
 
 
+# One prepared statement: the work plane appends an event per claim and completion.
+_INSERT_SQL = "INSERT INTO audit_event (at, actor, action, node_id, detail) VALUES (?, ?, ?, ?, ?)"
+
+
 def record(
     store: Store, actor: str, action: str, *, node_id: str | None = None, **detail: Any
 ) -> None:
     """Append one event. Call inside the transaction whose change it describes."""
-    AuditEvent.create(
-        at=store.clock.now(),
-        actor=actor,
-        action=action,
-        node_id=node_id,
-        detail=json.dumps(detail, sort_keys=True, separators=(",", ":")),
+    store.db.execute_sql(
+        _INSERT_SQL.replace("?", store.db.param),
+        (
+            store.clock.now(),
+            actor,
+            action,
+            node_id,
+            json.dumps(detail, sort_keys=True, separators=(",", ":")),
+        ),
     )
 
 

@@ -161,7 +161,12 @@ def credentials_of(store: Store, node: Node) -> dict:
     }
 
 
-def revoke_node_credential(store: Store, node: Node, actor: str) -> list[str]:
-    """Revoke the node's active credential(s) permanently (invariant 5)."""
+def revoke_node_credential(store: Store, node: Node, actor: str) -> dict[str, list[str]]:
+    """Revoke the node's active credential(s) permanently (invariant 5), and give its leased
+    work back to the queue: without a credential the node can neither renew nor complete it."""
+    from .leases import return_node_leases
+
     with store.write():
-        return revoke_active_credentials(store, node, actor, "revoked by an administrator")
+        revoked = revoke_active_credentials(store, node, actor, "revoked by an administrator")
+        returned = return_node_leases(store, node, actor, "credential revoked")
+    return {"revoked": revoked, "leases_returned": returned}

@@ -18,7 +18,7 @@ from modelforge_contract import (
     NODE_DECOMMISSIONED,
 )
 
-from . import audit, credentials, tokens
+from . import audit, credentials, leases, tokens
 from .clock import isoformat
 from .errors import Conflict, Invalid
 from .models import Credential, DecommissionConfirmation, Node
@@ -37,8 +37,8 @@ def planned_effects(node: Node) -> dict[str, Any]:
     ]
     return {
         "credentials_revoked": active,
-        # Work leasing is not built yet: no node can hold a lease to return.
-        "leases_returned": [],
+        # Work items leased to the node go back to the queue (their attempt does not count).
+        "leases_returned": leases.leased_work_ids(node),
         "identity_retired": node.identity_id,
         "hostname_freed": node.hostname,
     }
@@ -152,6 +152,7 @@ def execute(store: Store, node_id: str, confirmation: str, actor: str) -> dict[s
                 next_step="Run the decommission preview again.",
             )
         credentials.revoke_active_credentials(store, node, actor, "decommissioned")
+        leases.return_node_leases(store, node, actor, "decommissioned")
         Node.update(decommissioned_at=now, cordoned=True).where(Node.node_id == node_id).execute()
         audit.record(
             store,

@@ -97,6 +97,12 @@ class HeartbeatBuffer:
             if oldest is None or oldest > at - self.interval:
                 return
 
+    def pending(self, node_id: str) -> tuple[float, str] | None:
+        """The node's accepted heartbeat not yet written: (time, health JSON), or None."""
+        with self._lock:
+            beat = self._pending.get(node_id)
+        return (beat.at, beat.health) if beat is not None else None
+
     def flush(self) -> int:
         """Write every pending heartbeat in one transaction; return how many."""
         with self._flush_lock:

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from modelforge_contract import LIVENESS_STATES
 
+from . import work
 from .models import Node
 from .nodes import liveness_of
 from .settings import Settings
@@ -45,6 +46,26 @@ class _NodesByLiveness(Collector):
         family = self._family()
         for state in LIVENESS_STATES:
             family.add_metric([state], tally.get(state, 0))
+        yield family
+
+
+class _WorkByState(Collector):
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "modelforge_work_items", "Work items by state (queue depth).", labels=["state"]
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        for state, count in work.counts_by_state(self.store).items():
+            family.add_metric([state], count)
         yield family
 
 
@@ -89,7 +110,26 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.work_claims = Counter(
+            "modelforge_work_claims",
+            "Claims by agents: 'leased', or the reason nothing was leased.",
+            ["result"],
+            registry=self.registry,
+        )
+        self.lease_expiries = Counter(
+            "modelforge_work_lease_expiries",
+            "Leases that expired without a completion.",
+            registry=self.registry,
+        )
+        self.work_completion = Histogram(
+            "modelforge_work_completion_seconds",
+            "Time from submission to completion of a work item, by outcome.",
+            ["outcome"],
+            registry=self.registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600),
+        )
         self.registry.register(_NodesByLiveness(store, settings))
+        self.registry.register(_WorkByState(store))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

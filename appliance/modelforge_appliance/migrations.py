@@ -13,12 +13,19 @@ import peewee as pw
 
 # Column types that differ between the two stores.
 _TYPES = {
-    "sqlite": {"double": "REAL", "bool": "INTEGER", "serial": "INTEGER", "bigserial": "INTEGER"},
+    "sqlite": {
+        "double": "REAL",
+        "bool": "INTEGER",
+        "serial": "INTEGER",
+        "bigserial": "INTEGER",
+        "bigint": "INTEGER",
+    },
     "postgresql": {
         "double": "DOUBLE PRECISION",
         "bool": "BOOLEAN",
         "serial": "SERIAL",
         "bigserial": "BIGSERIAL",
+        "bigint": "BIGINT",
     },
 }
 
@@ -245,6 +252,32 @@ _CONSOLE_AND_TELEMETRY = (
     'CREATE INDEX "gpu_sample_node_id_at" ON "gpu_sample" ("node_id", "at")',
 )
 
+# 5: the work plane: queued work, and every lease granted on it.
+_WORK = (
+    'CREATE TABLE "work_item" ("work_id" VARCHAR(40) NOT NULL PRIMARY KEY, '
+    '"capability" VARCHAR(64) NOT NULL, "input" TEXT NOT NULL, "constraints" TEXT NOT NULL, '
+    '"gpu_count" INTEGER NOT NULL, "min_gpu_memory_bytes" {bigint}, '
+    '"gpu_name" VARCHAR(120), "node_ids" TEXT, "timeout_seconds" INTEGER NOT NULL, '
+    '"max_attempts" INTEGER NOT NULL, "idempotency_key" VARCHAR(200), '
+    '"state" VARCHAR(16) NOT NULL, "attempts" INTEGER NOT NULL, "node_id" VARCHAR(40), '
+    '"lease_id" VARCHAR(40), "lease_expires_at" {double}, "created_by" VARCHAR(120) NOT NULL, '
+    '"created_at" {double} NOT NULL, "started_at" {double}, "finished_at" {double}, '
+    '"result" TEXT, "error" TEXT, "log_tail" TEXT, '
+    'FOREIGN KEY ("node_id") REFERENCES "node" ("node_id") ON DELETE RESTRICT)',
+    'CREATE UNIQUE INDEX "work_item_idempotency_key" ON "work_item" ("idempotency_key")',
+    'CREATE INDEX "work_item_node_id" ON "work_item" ("node_id")',
+    'CREATE INDEX "work_item_state_created_at" ON "work_item" ("state", "created_at")',
+    'CREATE INDEX "work_item_state_lease_expires_at" ON "work_item" ("state", "lease_expires_at")',
+    'CREATE TABLE "work_lease" ("lease_id" VARCHAR(40) NOT NULL PRIMARY KEY, '
+    '"work_id" VARCHAR(40) NOT NULL, "node_id" VARCHAR(40) NOT NULL, '
+    '"attempt" INTEGER NOT NULL, "granted_at" {double} NOT NULL, '
+    '"expires_at" {double} NOT NULL, "ended_at" {double}, "end_reason" VARCHAR(32), '
+    'FOREIGN KEY ("work_id") REFERENCES "work_item" ("work_id") ON DELETE RESTRICT, '
+    'FOREIGN KEY ("node_id") REFERENCES "node" ("node_id") ON DELETE RESTRICT)',
+    'CREATE INDEX "work_lease_work_id" ON "work_lease" ("work_id")',
+    'CREATE INDEX "work_lease_node_id" ON "work_lease" ("node_id")',
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
@@ -256,5 +289,6 @@ MIGRATIONS: tuple[Migration, ...] = (
         postgresql=_FINALITY_POSTGRESQL,
     ),
     Migration(4, "console sessions, admin password, telemetry history", _CONSOLE_AND_TELEMETRY),
+    Migration(5, "work items and leases", _WORK),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

@@ -162,3 +162,54 @@ class GpuSample(BaseModel):
 
     class Meta:
         indexes = ((("node_id", "at"), False),)
+
+
+class WorkItem(BaseModel):
+    """One unit of work: queued until a node claims it, then leased, then finished.
+
+    The placement constraints are kept twice: as submitted (``constraints``, JSON) and as
+    columns the claim query can filter on before the exact check in Python.
+    """
+
+    work_id = pw.CharField(primary_key=True, max_length=40)
+    capability = pw.CharField(max_length=64)
+    input = pw.TextField()  # JSON object
+    constraints = pw.TextField()  # JSON object, as submitted (normalised)
+    gpu_count = pw.IntegerField()
+    min_gpu_memory_bytes = pw.BigIntegerField(null=True)
+    gpu_name = pw.CharField(max_length=120, null=True)
+    node_ids = pw.TextField(null=True)  # JSON array of node ids
+    timeout_seconds = pw.IntegerField()
+    max_attempts = pw.IntegerField()
+    idempotency_key = pw.CharField(max_length=200, null=True, unique=True)
+    state = pw.CharField(max_length=16)
+    attempts = pw.IntegerField()
+    node = pw.ForeignKeyField(Node, null=True, backref="work_items", on_delete="RESTRICT")
+    lease_id = pw.CharField(max_length=40, null=True)
+    lease_expires_at = pw.DoubleField(null=True)
+    created_by = pw.CharField(max_length=120)
+    created_at = pw.DoubleField()
+    started_at = pw.DoubleField(null=True)
+    finished_at = pw.DoubleField(null=True)
+    result = pw.TextField(null=True)  # JSON
+    error = pw.TextField(null=True)  # JSON {code, message}
+    log_tail = pw.TextField(null=True)
+
+    class Meta:
+        indexes = (
+            (("state", "created_at"), False),
+            (("state", "lease_expires_at"), False),
+        )
+
+
+class WorkLease(BaseModel):
+    """Every lease ever granted: who held which item, until when, and how it ended."""
+
+    lease_id = pw.CharField(primary_key=True, max_length=40)
+    work = pw.ForeignKeyField(WorkItem, backref="leases", on_delete="RESTRICT")
+    node = pw.ForeignKeyField(Node, backref="work_leases", on_delete="RESTRICT")
+    attempt = pw.IntegerField()
+    granted_at = pw.DoubleField()
+    expires_at = pw.DoubleField()
+    ended_at = pw.DoubleField(null=True)
+    end_reason = pw.CharField(max_length=32, null=True)

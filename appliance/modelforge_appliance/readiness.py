@@ -11,13 +11,16 @@ from typing import Any
 
 from modelforge_contract import (
     ACCEPTED_PROTOCOL_VERSIONS,
+    COMPATIBLE,
     ONLINE,
     READINESS_CHECKS,
+    WORKER_COMPATIBILITY_NEXT_STEPS,
     compatibility_of,
 )
 
 from .models import Credential, Node
 from .nodes import get_node, liveness_of
+from .placement import worker_answer
 from .settings import Settings
 from .store import Store
 
@@ -141,6 +144,32 @@ def _telemetry(node: Node, now: float, settings: Settings) -> Check:
     return Check("telemetry_age", True, f"telemetry {age:.0f}s old")
 
 
+def _worker(node: Node) -> Check:
+    """The runtime worker beside the agent, as the agent last reported it (issue 13)."""
+    answer, worker = worker_answer(json.loads(node.health) if node.health else None)
+    if answer == "UNREPORTED":
+        return Check(
+            "worker",
+            False,
+            "the agent has not reported a runtime worker (UNKNOWN)",
+            WORKER_COMPATIBILITY_NEXT_STEPS["UNKNOWN"],
+        )
+    if answer == "UNREACHABLE":
+        return Check(
+            "worker",
+            False,
+            "the runtime worker does not answer on its socket (UNKNOWN)",
+            "Start modelforge-runtime-worker on the node and check that "
+            "MODELFORGE_AGENT_WORKER_SOCKET and MODELFORGE_WORKER_SOCKET name the same path.",
+        )
+    version = worker.get("version") or "unknown version"
+    detail = f"worker {version}, protocol {worker.get('protocol')} is {answer}"
+    if answer != COMPATIBLE:
+        return Check("worker", False, detail, WORKER_COMPATIBILITY_NEXT_STEPS[answer])
+    capabilities = ", ".join(worker.get("capabilities") or []) or "none"
+    return Check("worker", True, f"{detail}; capabilities: {capabilities}")
+
+
 def readiness_of(store: Store, settings: Settings, node_id: str) -> dict[str, Any]:
     """The readiness answer for exactly this node id (DESIGN §3)."""
     node = get_node(store, node_id)
@@ -161,6 +190,7 @@ def readiness_of(store: Store, settings: Settings, node_id: str) -> dict[str, An
             _protocol(node),
             _agent_health(node),
             _telemetry(node, now, settings),
+            _worker(node),
         ]
     return {
         "node_id": node.node_id,

@@ -24,6 +24,7 @@ FOREIGN_PREFIXES = (
     "MODELFORGE_NODE_AGENT_",
     "MODELFORGE_RUNTIME_WORKER_",
     "MODELFORGE_RELEASE_",
+    "MODELFORGE_WORKER_",
 )
 # Variables of docker-compose.yml (not read by the control plane itself).
 FOREIGN_NAMES = frozenset({"MODELFORGE_CONTROL_PLANE_IMAGE", "MODELFORGE_CONTROL_PLANE_PUBLISH"})
@@ -118,6 +119,17 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "Path of the release manifest (modelforge-VERSION-manifest.json). When set, the Enroll "
         "node wizard accepts only a node-agent image entry equal to that release's entry.",
     ),
+    SettingSpec(
+        "MODELFORGE_WORK_LEASE_SECONDS",
+        "60",
+        "How long a claimed work item stays leased to its node without a renewal; agents "
+        "renew at a third of it. An expired lease returns the item to the queue.",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORK_INPUT_MAX_BYTES",
+        "65536",
+        "Largest work item input accepted, measured as compact JSON.",
+    ),
     SettingSpec("MODELFORGE_THREADS", "8", "Worker threads of the waitress server."),
     SettingSpec(
         "MODELFORGE_CONNECTION_LIMIT",
@@ -165,6 +177,8 @@ class Settings:
     inventory_max_age_seconds: int
     telemetry_max_age_seconds: int
     max_body_bytes: int
+    work_lease_seconds: int
+    work_input_max_bytes: int
     threads: int
     log_level: str
     connection_limit: int
@@ -370,6 +384,8 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         ),
         telemetry_max_age_seconds=_int(env, "MODELFORGE_TELEMETRY_MAX_AGE_SECONDS", 10, 86400),
         max_body_bytes=_int(env, "MODELFORGE_MAX_BODY_BYTES", 1024, 64 * 1024 * 1024),
+        work_lease_seconds=_int(env, "MODELFORGE_WORK_LEASE_SECONDS", 5, 3600),
+        work_input_max_bytes=_int(env, "MODELFORGE_WORK_INPUT_MAX_BYTES", 256, 1024 * 1024),
         threads=_int(env, "MODELFORGE_THREADS", 1, 256),
         log_level=log_level,
         connection_limit=_int(env, "MODELFORGE_CONNECTION_LIMIT", 10, 1_000_000),

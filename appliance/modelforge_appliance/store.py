@@ -9,8 +9,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import quote, unquote, urlsplit
 
 import peewee as pw
@@ -29,6 +32,20 @@ SQLITE_PRAGMAS = {
     # Heartbeats are batched (heartbeats.py), so this costs one fsync a second for them.
     "synchronous": "full",
 }
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Job:
+    """One change waiting for a group commit, and what became of it."""
+
+    change: Callable[[], Any]
+    order: str
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
 
 
 class StoreVersionError(Exception):
@@ -69,18 +86,92 @@ class Store:
         self.clock = clock
         self.db = open_database(url)
         self.is_sqlite = isinstance(self.db, pw.SqliteDatabase)
+        self._write_lock = threading.RLock()  # reentrant: a nested write is a savepoint
+        self._group: list[_Job] = []
+        self._group_lock = threading.Lock()
         models.database.initialize(self.db)
 
     @property
     def sqlite_path(self) -> str | None:
         return self.db.database if self.is_sqlite else None
 
-    def write(self) -> contextlib.AbstractContextManager:
-        """A write transaction; IMMEDIATE on SQLite so writers queue instead of deadlocking."""
+    def write(self, *, flushed: bool = True) -> contextlib.AbstractContextManager:
+        """A write transaction; IMMEDIATE on SQLite so writers queue instead of deadlocking.
+
+        ``flushed=False`` commits without waiting for the disk (SQLite ``synchronous=NORMAL``,
+        PostgreSQL ``synchronous_commit=off``): a crash of the process keeps it, a power loss
+        may undo it. Only for changes that are safe to lose that way (a work claim, renewal
+        or expiry: the item runs again); the next flushed commit makes it durable too.
+        """
         self.db.connect(reuse_if_open=True)
         if self.is_sqlite:
-            return self.db.atomic("IMMEDIATE")
-        return self.db.atomic()
+            return self._sqlite_write(flushed)
+        return self._postgres_write(flushed)
+
+    @contextlib.contextmanager
+    def _sqlite_write(self, flushed: bool) -> Iterator[None]:
+        # SQLite has one writer at a time. Threads of this process take turns on a lock
+        # that hands over at once, instead of meeting in SQLite's busy handler, which
+        # sleeps up to 100 ms per try (other processes, such as the CLI, still do).
+        with self._write_lock:
+            relaxed = not flushed and not self.db.in_transaction()
+            if relaxed:
+                self.db.execute_sql("PRAGMA synchronous = NORMAL")
+            try:
+                with self.db.atomic("IMMEDIATE"):
+                    yield
+            finally:
+                if relaxed:
+                    self.db.execute_sql(f"PRAGMA synchronous = {SQLITE_PRAGMAS['synchronous']}")
+
+    @contextlib.contextmanager
+    def _postgres_write(self, flushed: bool) -> Iterator[None]:
+        with self.db.atomic():
+            if not flushed:
+                self.db.execute_sql("SET LOCAL synchronous_commit TO OFF")
+            yield
+
+    def grouped(self, change: Callable[[], T], order: str = "") -> T:
+        """Run ``change`` in a flushed write transaction shared with the changes other threads
+        are waiting to commit: one disk flush answers them all (group commit).
+
+        Each change runs in its own savepoint on the committing thread's connection, so one
+        that raises leaves the others standing; the caller gets its own result or exception,
+        and nothing before the whole transaction is on disk. Changes run sorted by ``order``
+        (the key of the row they change), so two groups never take rows in opposite orders.
+        """
+        job = _Job(change, order)
+        with self._group_lock:
+            self._group.append(job)
+        while not job.done.is_set():
+            with self._write_lock:  # whoever holds it commits for everyone waiting
+                if job.done.is_set():
+                    break
+                with self._group_lock:
+                    batch, self._group = self._group, []
+                if batch:
+                    self._commit_group(batch)
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _commit_group(self, batch: list[_Job]) -> None:
+        try:
+            with self.write():
+                for job in sorted(batch, key=lambda job: job.order):
+                    try:
+                        with self.db.atomic():
+                            job.result = job.change()
+                    except (pw.OperationalError, pw.InterfaceError):
+                        raise  # the store itself failed: the whole group does
+                    except Exception as exc:  # this change only; its savepoint is undone
+                        job.error = exc
+        except Exception as exc:
+            for job in batch:
+                job.result, job.error = None, exc
+        finally:
+            for job in batch:
+                job.done.set()
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[None]:

@@ -14,6 +14,7 @@ from typing import Any
 from modelforge_contract import (
     ACCELERATOR_MODES,
     BODY_NOT_JSON,
+    CAPABILITIES,
     FIELD_CHOICE,
     FIELD_RANGE,
     FIELD_REQUIRED,
@@ -21,6 +22,9 @@ from modelforge_contract import (
     FIELD_UNKNOWN,
     HEALTH_STATUSES,
     UNSUPPORTED_MEDIA_TYPE,
+    WORK_ERROR_MAX_CHARS,
+    WORK_OUTCOMES,
+    WORK_TIMEOUT_MAX_SECONDS,
 )
 
 from .errors import ApiError, Invalid, TooLarge
@@ -28,8 +32,11 @@ from .errors import ApiError, Invalid, TooLarge
 # Refused in every string field: C0 controls but tab, DEL and the C1 controls
 # (U+007F-U+009F), and the invisible bidirectional marks, embeddings, overrides and
 # isolates that make a value display as something else (a host name that reads
-# backwards in the console, a forged line in a log).
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+# backwards in the console, a forged line in a log). Multi-line fields (a log tail)
+# also allow \n and \r.
+_BIDI = "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+_CONTROL = re.compile(f"[\\x00-\\x08\\x0a-\\x1f\\x7f-\\x9f{_BIDI}]")
+_CONTROL_MULTILINE = re.compile(f"[\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f\\x7f-\\x9f{_BIDI}]")
 _TYPE_NAMES = {
     str: "a string",
     int: "an integer",
@@ -52,6 +59,7 @@ class Field:
     high: float | None = None
     fields: dict[str, Field] | None = None  # for objects: the closed set of keys
     items: Field | None = None  # for arrays
+    multiline: bool = False  # for strings: allow newlines (log text)
 
 
 def _fail(code: str, path: str, message: str) -> Invalid:
@@ -83,7 +91,7 @@ def check_value(value: Any, spec: Field, path: str) -> Any:
         raise _fail(FIELD_TYPE, path, "must not be null")
     _check_type(value, spec, path)
     if isinstance(value, str):
-        if _CONTROL.search(value):
+        if (_CONTROL_MULTILINE if spec.multiline else _CONTROL).search(value):
             raise _fail(
                 FIELD_TYPE, path, "must not contain control characters or bidirectional marks"
             )
@@ -182,12 +190,22 @@ ENROLL_FIELDS = {
     ),
 }
 
+# What the agent says about its runtime worker (issue 13); older agents leave it out.
+WORKER_HEALTH_FIELDS = {
+    "reachable": Field(bool),
+    "protocol": Field(int, required=False, nullable=True, low=0, high=10**9),
+    "version": Field(str, required=False, nullable=True, high=64),
+    "capabilities": Field(list, required=False, high=32, items=Field(str, low=1, high=64)),
+    "accelerator_mode": Field(str, required=False, nullable=True, high=16),
+    "message": Field(str, required=False, nullable=True, high=500),
+}
 HEALTH_FIELDS = {
     "status": Field(str, choices=HEALTH_STATUSES),
     "gpu_probe": Field(str, choices=("ok", "failed", "not_applicable")),
     "preflight": Field(str, required=False, high=64),
     "message": Field(str, required=False, nullable=True, high=500),
     "uptime_seconds": Field(float, required=False, low=0, high=10**10),
+    "worker": Field(dict, required=False, nullable=True, fields=WORKER_HEALTH_FIELDS),
 }
 
 HEARTBEAT_FIELDS = {
@@ -262,4 +280,64 @@ TELEMETRY_FIELDS = {
 IMAGE_CHECK_FIELDS = {
     "entry": Field(dict, required=False),
     "registry_image": Field(str, required=False, low=1, high=500),
+}
+
+# -- the work plane (DESIGN §5) ------------------------------------------------
+
+_WORK_ID = Field(str, low=1, high=40)
+
+WORK_CONSTRAINT_FIELDS = {
+    "gpu_count": Field(int, required=False, low=0, high=64),
+    "min_gpu_memory_bytes": Field(int, required=False, nullable=True, low=1, high=2**62),
+    "gpu_name": Field(str, required=False, nullable=True, low=1, high=120),
+    "node_ids": Field(list, required=False, nullable=True, low=1, high=100, items=_ID),
+}
+
+SUBMIT_WORK_FIELDS = {
+    "capability": Field(str, choices=CAPABILITIES),
+    "input": Field(dict, required=False, nullable=True),
+    "constraints": Field(dict, required=False, nullable=True, fields=WORK_CONSTRAINT_FIELDS),
+    "timeout_seconds": Field(int, required=False, low=1, high=WORK_TIMEOUT_MAX_SECONDS),
+    "max_attempts": Field(int, required=False, low=1, high=20),
+    "idempotency_key": Field(str, required=False, nullable=True, low=1, high=200),
+}
+
+# What each capability takes as input; the worker checks the same again.
+CAPABILITY_INPUT_FIELDS = {
+    "smoke": {"matrix_size": Field(int, required=False, low=2, high=512)},
+    "container": {
+        "image": Field(str, low=1, high=255),
+        "image_id": Field(str, low=71, high=71),
+        "command": Field(list, required=False, high=256, items=Field(str, high=4096)),
+        "env": Field(dict, required=False),
+        "network": Field(bool, required=False),
+        "memory_bytes": Field(int, required=False, low=4 * 2**20, high=2**40),
+        "gpus": Field(int, required=False, nullable=True, low=0, high=64),
+    },
+}
+
+CLAIM_FIELDS = {
+    "node_id": _ID,
+    "capabilities": Field(list, high=32, items=Field(str, low=1, high=64)),
+}
+
+RENEW_FIELDS = {"node_id": _ID, "lease_id": _WORK_ID}
+
+COMPLETE_FIELDS = {
+    "node_id": _ID,
+    "lease_id": _WORK_ID,
+    "outcome": Field(str, choices=WORK_OUTCOMES),
+    "result": Field(dict, required=False, nullable=True),
+    # Trimmed to its last WORK_LOG_TAIL_MAX_CHARS characters rather than refused: a long log
+    # must never cost the outcome.
+    "log_tail": Field(str, required=False, nullable=True, multiline=True),
+    "error": Field(
+        dict,
+        required=False,
+        nullable=True,
+        fields={
+            "code": Field(str, low=1, high=64),
+            "message": Field(str, high=WORK_ERROR_MAX_CHARS, multiline=True),
+        },
+    ),
 }

@@ -35,15 +35,19 @@ COMPATIBILITY_NEXT_STEPS = {
 
 def compatibility_of(header_value: str | None) -> str:
     """Answer COMPATIBLE, TOO_OLD, TOO_NEW or UNKNOWN for a protocol header value."""
-    if header_value is None:
+    return _compatibility_in(header_value, ACCEPTED_PROTOCOL_VERSIONS)
+
+
+def _compatibility_in(value: str | None, accepted: frozenset[int]) -> str:
+    if value is None:
         return UNKNOWN
-    text = header_value.strip()
+    text = value.strip()
     if not re.fullmatch(r"[0-9]{1,9}", text):
         return UNKNOWN
     version = int(text)
-    if version in ACCEPTED_PROTOCOL_VERSIONS:
+    if version in accepted:
         return COMPATIBLE
-    if version < min(ACCEPTED_PROTOCOL_VERSIONS):
+    if version < min(accepted):
         return TOO_OLD
     return TOO_NEW
 
@@ -87,7 +91,14 @@ LIVENESS_STATES = (PENDING, ONLINE, STALE, OFFLINE, DECOMMISSIONED)
 
 ACCELERATOR_MODES = ("nvidia", "cpu", "auto")
 
-READINESS_CHECKS = ("connection", "inventory_age", "protocol", "agent_health", "telemetry_age")
+READINESS_CHECKS = (
+    "connection",
+    "inventory_age",
+    "protocol",
+    "agent_health",
+    "telemetry_age",
+    "worker",
+)
 ALERT_NODE_OFFLINE = "node_offline"
 ALERT_NODE_STALE = "node_stale"
 ALERT_HOSTNAME_CONFLICT = "hostname_conflict"
@@ -138,6 +149,19 @@ FIELD_RANGE = "FIELD_RANGE"
 FIELD_CHOICE = "FIELD_CHOICE"
 FIELD_FORMAT = "FIELD_FORMAT"
 QUERY_INVALID = "QUERY_INVALID"
+# work plane (issue 13)
+LEASE_LOST = "LEASE_LOST"
+WORK_FINISHED = "WORK_FINISHED"
+WORK_INPUT_INVALID = "WORK_INPUT_INVALID"
+WORKER_PROTOCOL_INCOMPATIBLE = "WORKER_PROTOCOL_INCOMPATIBLE"
+CAPABILITY_UNKNOWN = "CAPABILITY_UNKNOWN"
+IMAGE_NOT_FOUND = "IMAGE_NOT_FOUND"
+IMAGE_ID_MISMATCH = "IMAGE_ID_MISMATCH"
+WORK_TIMED_OUT = "WORK_TIMED_OUT"
+SMOKE_FAILED = "SMOKE_FAILED"
+CONTAINER_FAILED = "CONTAINER_FAILED"
+LEASE_EXPIRED = "LEASE_EXPIRED"
+WORKER_ERROR = "WORKER_ERROR"
 HOST_INVALID = "HOST_INVALID"
 
 # -- refusals the HTTP server gives before any route runs (issue 14) -----------
@@ -162,6 +186,79 @@ PASSWORD_INCORRECT = "PASSWORD_INCORRECT"
 SIGN_IN_THROTTLED = "SIGN_IN_THROTTLED"
 IMAGE_ENTRY_REJECTED = "IMAGE_ENTRY_REJECTED"
 RELEASE_MANIFEST_UNREADABLE = "RELEASE_MANIFEST_UNREADABLE"
+
+
+# -- work plane (DESIGN §5; issue 13) ------------------------------------------
+# Additive: agents that predate the work plane keep heartbeating and publishing; they
+# simply never claim, and readiness shows their worker check as not reported.
+
+PATH_ADMIN_WORK = f"{API_PREFIX}/admin/work"
+PATH_ADMIN_WORK_ITEM = f"{API_PREFIX}/admin/work/<work_id>"
+PATH_ADMIN_WORK_CANCEL = f"{PATH_ADMIN_WORK_ITEM}/cancel"
+PATH_AGENT_WORK_CLAIM = f"{API_PREFIX}/agent/work/claim"
+PATH_AGENT_WORK_RENEW = f"{API_PREFIX}/agent/work/<work_id>/renew"
+PATH_AGENT_WORK_COMPLETE = f"{API_PREFIX}/agent/work/<work_id>/complete"
+
+WORK_QUEUED = "queued"
+WORK_LEASED = "leased"
+WORK_SUCCEEDED = "succeeded"
+WORK_FAILED = "failed"
+WORK_CANCELLED = "cancelled"
+WORK_STATES = (WORK_QUEUED, WORK_LEASED, WORK_SUCCEEDED, WORK_FAILED, WORK_CANCELLED)
+WORK_OUTCOMES = (WORK_SUCCEEDED, WORK_FAILED)
+
+CAPABILITY_SMOKE = "smoke"
+CAPABILITY_CONTAINER = "container"
+CAPABILITIES = (CAPABILITY_SMOKE, CAPABILITY_CONTAINER)
+
+# Bounds both sides apply: the worker trims, the control plane refuses or trims.
+WORK_LOG_TAIL_MAX_CHARS = 16384
+WORK_RESULT_MAX_BYTES = 65536
+WORK_ERROR_MAX_CHARS = 1000
+WORK_TIMEOUT_MAX_SECONDS = 86400
+
+# A 204 answer to a claim says why nothing was leased in this header (one word).
+HEADER_CLAIM_REASON = "X-ModelForge-Claim-Reason"
+CLAIM_REASONS = (
+    "no_fitting_item",
+    "not_online",
+    "cordoned",
+    "protocol",
+    "agent_health",
+    "worker",
+    "inventory_age",
+)
+
+
+def work_path(template: str, work_id: str) -> str:
+    """A work path template with its ``<work_id>`` filled in."""
+    return template.replace("<work_id>", work_id)
+
+
+# -- runtime worker protocol (agent <-> worker over a unix socket) ------------
+
+WORKER_PROTOCOL_VERSION = 1
+ACCEPTED_WORKER_PROTOCOL_VERSIONS = frozenset({1})
+HEADER_WORKER_PROTOCOL = "X-ModelForge-Worker-Protocol"
+WORKER_PATH_INFO = "/v1/info"
+WORKER_PATH_RUN = "/v1/run"
+
+WORKER_COMPATIBILITY_NEXT_STEPS = {
+    COMPATIBLE: "Nothing to do.",
+    TOO_OLD: "Upgrade the runtime worker to a release that speaks worker protocol "
+    f"{WORKER_PROTOCOL_VERSION}.",
+    TOO_NEW: "Upgrade the node agent (and the control plane), or run a runtime worker release "
+    f"that speaks worker protocol {WORKER_PROTOCOL_VERSION}.",
+    UNKNOWN: "Start modelforge-runtime-worker beside the agent on the socket named by "
+    "MODELFORGE_AGENT_WORKER_SOCKET, and run a node agent release that reports its worker.",
+}
+
+
+def worker_compatibility_of(protocol: object) -> str:
+    """COMPATIBLE, TOO_OLD, TOO_NEW or UNKNOWN for a worker protocol version."""
+    if isinstance(protocol, bool) or not isinstance(protocol, int | str):
+        return UNKNOWN
+    return _compatibility_in(str(protocol), ACCEPTED_WORKER_PROTOCOL_VERSIONS)
 
 
 # -- exit codes (DESIGN §4) ---------------------------------------------------

@@ -9,31 +9,24 @@ import pytest
 
 from tests.support import make_settings, unavailable
 
-from .nvml import NVML_SOURCE
+from .nvml import CUDA_SOURCE, NVML_SOURCE
 from .processes import RestartableControlPlane
 
 
 @pytest.fixture(scope="session")
 def fake_nvml_dir(tmp_path_factory):
-    """A directory holding libnvidia-ml.so.1 built from tests/nvml/fake_nvml.c."""
+    """A directory holding libnvidia-ml.so.1 and libcuda.so.1 built from tests/nvml/*.c."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         unavailable("no C compiler: scripts/test installs gcc")
     out = tmp_path_factory.mktemp("nvml")
-    subprocess.run(
-        [
-            compiler,
-            "-shared",
-            "-fPIC",
-            "-O1",
-            "-Wall",
-            "-Werror",
-            "-o",
-            str(out / "libnvidia-ml.so.1"),
-            str(NVML_SOURCE),
-        ],
-        check=True,
-    )
+    # The CUDA driver twin (issue 13) serves the worker's GPU computation in the smoke.
+    for library, source in (("libnvidia-ml.so.1", NVML_SOURCE), ("libcuda.so.1", CUDA_SOURCE)):
+        subprocess.run(
+            [compiler, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", str(out / library),
+             str(source)],
+            check=True,
+        )  # fmt: skip
     return out
 
 

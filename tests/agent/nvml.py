@@ -16,6 +16,7 @@ import pynvml
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NVML_SOURCE = Path(__file__).parents[1] / "nvml" / "fake_nvml.c"
+CUDA_SOURCE = Path(__file__).parents[1] / "nvml" / "fake_cuda.c"
 
 
 def load_host(name: str) -> dict[str, Any]:
@@ -91,6 +92,10 @@ def nvml_config_lines(host: dict[str, Any]) -> list[str]:
         lines += [
             f"fail {call} {_error_code(err)}" for call, err in gpu.get("failures", {}).items()
         ]
+        # The CUDA driver twin (tests/nvml/fake_cuda.c): raw CUresult codes, and a wrong sum.
+        lines += [f"fail {call} {code}" for call, code in gpu.get("cuda_failures", {}).items()]
+        if gpu.get("cuda_miscompute"):
+            lines.append("cuda_miscompute 1")
     return lines
 
 

@@ -142,7 +142,11 @@ class Host:
             body = {
                 "node_id": node["node_id"],
                 "agent_version": "0.1.0",
-                "health": {"status": "ok", "gpu_probe": "not_applicable"},
+                "health": {
+                    "status": "ok",
+                    "gpu_probe": "not_applicable",
+                    "worker": {"reachable": True, "protocol": 1},  # a runtime worker beside it
+                },
             }
             return requests.post(
                 f"{self.url}/api/v1/agent/heartbeat", json=body, headers=headers, timeout=10

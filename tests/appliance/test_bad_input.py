@@ -8,7 +8,14 @@ import re
 import pytest
 import requests
 
-from modelforge_appliance.models import AdminToken, Credential, EnrollmentToken, Node
+from modelforge_appliance.models import (
+    AdminToken,
+    Credential,
+    EnrollmentToken,
+    Node,
+    WorkItem,
+    WorkLease,
+)
 
 from ..support import new_identity
 from .test_agent_auth import enroll_node
@@ -36,7 +43,7 @@ def snapshot(store) -> dict:
                 repr({k: v for k, v in row.items() if k != "last_used_at"})
                 for row in model.select().dicts()
             )
-            for model in (AdminToken, Node, EnrollmentToken, Credential)
+            for model in (AdminToken, Node, EnrollmentToken, Credential, WorkItem, WorkLease)
         }
 
 
@@ -99,11 +106,31 @@ def endpoints(cp, node, token):
             agent,
             {"node_id": node["node_id"], "samples": [sample]},
         ),
+        ("POST", "/api/v1/admin/work", admin, {"capability": "smoke"}),
+        (
+            "POST",
+            "/api/v1/agent/work/claim",
+            agent,
+            {"node_id": node["node_id"], "capabilities": ["smoke"]},
+        ),
+        (
+            "POST",
+            "/api/v1/agent/work/no-such-item/renew",
+            agent,
+            {"node_id": node["node_id"], "lease_id": "0" * 32},
+        ),
+        (
+            "POST",
+            "/api/v1/agent/work/no-such-item/complete",
+            agent,
+            {"node_id": node["node_id"], "lease_id": "0" * 32, "outcome": "succeeded"},
+        ),
     ]
 
 
-# Values that are right for these fields: no identity, and a cpu node with no accelerators.
-ACCEPTABLE = {("identity", None), ("accelerators", ())}
+# Values that are right for these fields: no identity, a cpu node with no accelerators, and a
+# claim offering no capability (answered 204).
+ACCEPTABLE = {("identity", None), ("accelerators", ()), ("capabilities", ())}
 OPTIONAL = {"identity"}  # DESIGN §3: enroll optionally carries an identity
 WRONG_VALUES = [None, True, 7, -1, 1.5, "", "x" * 5000, [], {}, "\u0000"]
 

@@ -34,12 +34,20 @@ ROUTES = [
     "/api/v1/admin/hardware/nodes/{node}/decommission/execute",
     "/api/v1/admin/hardware/nodes/{node}/cordon",
     "/api/v1/admin/hardware/nodes/{node}/uncordon",
+    "/api/v1/admin/hardware/nodes/{node}/telemetry",
+    "/api/v1/admin/node-agent-image/check",
     "/api/v1/admin/alerts",
     "/api/v1/admin/audit-events",
     "/api/v1/agent/enroll",
     "/api/v1/agent/heartbeat",
     "/api/v1/agent/inventory",
     "/api/v1/agent/telemetry",
+    "/api/v1/admin/work",
+    "/api/v1/admin/work/{work}",
+    "/api/v1/admin/work/{work}/cancel",
+    "/api/v1/agent/work/claim",
+    "/api/v1/agent/work/{work}/renew",
+    "/api/v1/agent/work/{work}/complete",
 ]
 HEADER_TEXT = st.text(alphabet=string.printable.strip() + " ", max_size=120)
 JSON_LEAVES = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
@@ -79,6 +87,9 @@ def bodies(node: dict, minted: dict):
         {"node_id": node["node_id"], "agent_version": "1", "accelerators": []},
         {"node_id": node["node_id"], "samples": [{"uuid": "GPU-1", "index": 0}]},
         {"confirmation": "mfd_0000000000000000_" + "x" * 43},
+        {"capability": "smoke", "input": {"matrix_size": 8}, "constraints": {"gpu_count": 0}},
+        {"node_id": node["node_id"], "capabilities": ["smoke"]},
+        {"node_id": node["node_id"], "lease_id": "0" * 32, "outcome": "failed", "log_tail": "x"},
     ]
     mutated = st.tuples(st.sampled_from(shaped), st.text(max_size=20), JSON_VALUES).map(
         lambda t: json.dumps({**t[0], t[1]: t[2]}).encode()
@@ -98,7 +109,7 @@ def requests_(draw, node: dict, minted: dict):
     filler = st.sampled_from([node["node_id"], minted["enrollment_id"]]) | st.text(
         alphabet=string.ascii_letters + string.digits + "-_.~%", min_size=1, max_size=40
     )
-    path = route.format(node=draw(filler), enrollment=draw(filler))
+    path = route.format(node=draw(filler), enrollment=draw(filler), work=draw(filler))
     if draw(st.booleans()):
         path += "?" + draw(st.text(alphabet=string.ascii_letters + "=&%0123456789-", max_size=40))
     headers = {}
@@ -173,7 +184,9 @@ HEADER_VALUES = st.sampled_from([b"ADMIN", b"Bearer CRED", b"1", b"application/j
 @st.composite
 def raw_requests(draw, node: dict, minted: dict, cp) -> bytes:
     route = draw(st.sampled_from(ROUTES))
-    path = route.format(node=node["node_id"], enrollment=minted["enrollment_id"]).encode()
+    path = route.format(
+        node=node["node_id"], enrollment=minted["enrollment_id"], work="no-such-work"
+    ).encode()
     method = draw(st.sampled_from([b"GET", b"POST", b"PUT", b"DELETE"]))
     swap = {b"ADMIN": cp.admin_token.encode(), b"CRED": node["credential"].encode()}
     lines = [method + b" " + path + b" HTTP/1.1", b"Host: 127.0.0.1", b"Connection: close"]
@@ -221,3 +234,20 @@ def test_no_header_bytes_get_a_5xx_a_hang_or_a_change_when_refused(world, data):
             assert set(error) == {"code", "message", "next_step"}
             assert CODE.match(error["code"])
         assert snapshot(cp.store) == before, (request[:200], status)
+
+
+def test_every_api_route_is_fuzzed(tmp_path):
+    """A new JSON route joins ROUTES above, so both fuzz tests reach it."""
+    from modelforge_appliance.api import make_app
+
+    class NoStore:
+        clock = None
+
+    app = make_app(make_settings(tmp_path), store=NoStore())
+    names = {"node_id": "node", "enrollment_id": "enrollment", "work_id": "work"}
+    served = {
+        re.sub(r"<(\w+)(?::[^>]*)?>", lambda m: "{" + names[m.group(1)] + "}", route.rule)
+        for route in app.routes
+        if route.rule.startswith("/api/") or route.rule in ("/healthz", "/metrics")
+    }
+    assert sorted(served - set(ROUTES)) == []

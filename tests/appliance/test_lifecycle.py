@@ -37,6 +37,9 @@ SAMPLE = {
 }
 
 
+WORKER = {"reachable": True, "protocol": 1, "version": "0.1.0", "capabilities": ["smoke"]}
+
+
 class Agent:
     """What a node agent sends, driven step by step by the test."""
 
@@ -61,7 +64,8 @@ class Agent:
         body = {
             "node_id": self.node_id,
             "agent_version": "0.1.0",
-            "health": {"status": status, "gpu_probe": gpu_probe},
+            # A compatible runtime worker beside the agent (issue 13), as the agent reports it.
+            "health": {"status": status, "gpu_probe": gpu_probe, "worker": WORKER},
         }
         return self.cp.agent(
             "POST", "/api/v1/agent/heartbeat", credential or self.credential, json=body
@@ -102,6 +106,7 @@ def test_a_connected_node_is_not_ready_until_every_check_passes(clocked_control_
         "inventory_age",
         "agent_health",
         "telemetry_age",
+        "worker",
     }
     assert agent.heartbeat().status_code == 200
     assert failing(readiness(cp, agent.node_id)) == {"inventory_age", "telemetry_age"}
@@ -114,6 +119,7 @@ def test_a_connected_node_is_not_ready_until_every_check_passes(clocked_control_
         "protocol",
         "agent_health",
         "telemetry_age",
+        "worker",
     ]
 
 

@@ -21,6 +21,8 @@ MODELS = [
     models.ConsoleSession,
     models.SignInThrottle,
     models.GpuSample,
+    models.WorkItem,
+    models.WorkLease,
 ]
 
 

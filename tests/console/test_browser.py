@@ -420,7 +420,9 @@ def test_a_node_page_shows_charts_and_runs_its_actions(browser, tmp_path):
         page.wait_for_url(f"{cp.url}/console/nodes/{node_id}")
         expect(page.get_by_test_id("node-charts")).to_have_attribute("data-charted-gpus", "4")
         assert page.locator("#charts canvas").count() == 16  # 4 GPUs × 4 metrics
-        assert page.get_by_test_id("node-readiness").locator("[data-check]").count() == 5
+        assert page.get_by_test_id("node-readiness").locator("[data-check]").count() == len(
+            READINESS_CHECKS
+        )
         browser.screenshot(page, "node-page")
         page.get_by_test_id("node-charts").locator(".gpu").first.scroll_into_view_if_needed()
         browser.screenshot(page, "node-page-charts")

@@ -1,4 +1,5 @@
-"""The JSON API of the control plane, split by caller: ``admin`` and ``agent`` routes.
+"""The JSON API of the control plane, split by caller: ``admin`` and ``agent`` routes
+(with the work plane's routes beside each, in ``admin_work`` and ``agent_work``).
 
 ``make_app(settings, store)`` builds the one WSGI application; the console (when present)
 mounts its own routes on the same app and calls the same service functions.
@@ -15,7 +16,7 @@ from ..metrics import Metrics
 from ..settings import Settings
 from ..store import Store
 from ..telemetry import TelemetryHistory
-from . import admin, agent
+from . import admin, admin_work, agent, agent_work
 from .http import ApiContext, answering, framework_error, security_headers
 
 
@@ -41,7 +42,9 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
         refusals=refusals,
     )
     admin.add_routes(app, context)
+    admin_work.add_routes(app, context)
     agent.add_routes(app, context)
+    agent_work.add_routes(app, context)
     console_routes.add_routes(app, context)  # the console: a room of its own
     return app
 

@@ -177,8 +177,8 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     def revoke_node_credential(node_id: str):
         actor = admin()
         node = nodes.get_node(store, node_id)
-        revoked = credentials.revoke_node_credential(store, node, actor)
-        return json_response({"node_id": node_id, "revoked": revoked})
+        revocation = credentials.revoke_node_credential(store, node, actor)
+        return json_response({"node_id": node_id, **revocation})
 
     @app.post(PATH_ADMIN_NODE_DECOMMISSION_PREVIEW)
     def decommission_preview(node_id: str):

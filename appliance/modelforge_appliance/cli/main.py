@@ -126,6 +126,7 @@ from .store import (  # noqa: E402
     restore_finality_command,
     save_finality_command,
 )
+from .work import work_group  # noqa: E402
 
 for command in (
     admin_password,
@@ -138,6 +139,7 @@ for command in (
     save_finality_command,
     restore_finality_command,
     doctor,
+    work_group,
 ):
     main.add_command(command)
 

@@ -88,11 +88,14 @@ def credentials_command(obj: Context, node_id: str, as_json: bool) -> None:
 @click.pass_obj
 def revoke(obj: Context, node_id: str, as_json: bool) -> None:
     """Revoke a node's credential permanently (re-enroll the agent afterwards)."""
-    revoked = credentials.revoke_node_credential(obj.store(), _node(obj, node_id), audit.CLI_ACTOR)
+    revocation = credentials.revoke_node_credential(
+        obj.store(), _node(obj, node_id), audit.CLI_ACTOR
+    )
     emit(
         as_json,
-        {"node_id": node_id, "revoked": revoked},
-        f"Revoked {len(revoked)} credential(s) of node {node_id}.",
+        {"node_id": node_id, **revocation},
+        f"Revoked {len(revocation['revoked'])} credential(s) of node {node_id}; returned "
+        f"{len(revocation['leases_returned'])} leased work item(s) to the queue.",
     )
 
 

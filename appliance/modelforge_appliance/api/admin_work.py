@@ -1,0 +1,52 @@
+"""Admin work routes: submit, list, show, cancel (DESIGN §5)."""
+
+from __future__ import annotations
+
+import bottle
+
+from modelforge_contract import PATH_ADMIN_WORK, PATH_ADMIN_WORK_CANCEL, PATH_ADMIN_WORK_ITEM
+
+from .. import work
+from ..validation import SUBMIT_WORK_FIELDS
+from .admin import admin_actor
+from .agent_work import expire_leases
+from .http import ApiContext, json_response, query_int
+
+
+def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
+    settings, store = context.settings, context.store
+
+    @app.post(PATH_ADMIN_WORK)
+    def submit():
+        actor = admin_actor(context)
+        submission = work.submission_from(
+            context.body(SUBMIT_WORK_FIELDS), settings.work_input_max_bytes
+        )
+        submitted = work.submit_work(store, submission, actor)
+        return json_response(work.work_view(submitted.item), 201 if submitted.created else 200)
+
+    @app.get(PATH_ADMIN_WORK)
+    def list_work():
+        admin_actor(context)
+        expire_leases(context)
+        query = bottle.request.query
+        return json_response(
+            work.list_work(
+                store,
+                state=query.get("state") or None,
+                limit=query_int("limit", 50, 1, 500),
+                before=query.get("before") or None,
+            )
+        )
+
+    @app.get(PATH_ADMIN_WORK_ITEM)
+    def show(work_id: str):
+        admin_actor(context)
+        expire_leases(context)
+        return json_response(work.work_view(work.get_work(store, work_id)))
+
+    @app.post(PATH_ADMIN_WORK_CANCEL)
+    def cancel(work_id: str):
+        actor = admin_actor(context)
+        expire_leases(context)
+        return json_response(work.work_view(work.cancel_work(store, work_id, actor)))

@@ -1,0 +1,129 @@
+"""Runtime Worker settings: the only worker module that reads ``os.environ``.
+
+Every variable is declared once in ``SETTINGS``; ``--help`` prints them and
+docs/work.md lists each. A bad value raises ``ConfigError``; the command exits 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import grp
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from modelforge_contract import ACCELERATOR_MODES, EXIT_USAGE
+
+PREFIX = "MODELFORGE_WORKER_"
+DEFAULT_SOCKET = "/run/modelforge/worker.sock"
+
+
+@dataclass(frozen=True)
+class SettingSpec:
+    name: str
+    default: str | None
+    meaning: str
+
+
+SETTINGS: tuple[SettingSpec, ...] = (
+    SettingSpec(
+        "MODELFORGE_WORKER_SOCKET",
+        DEFAULT_SOCKET,
+        "Path of the unix socket the worker creates (mode 0660) and listens on; the agent's "
+        "MODELFORGE_AGENT_WORKER_SOCKET must name the same path. Never a network port.",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORKER_SOCKET_GROUP",
+        None,
+        "Group (name or number) given the socket, so an agent running as another user in "
+        "that group can connect. Unset: the worker's own group.",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORKER_ACCELERATOR_MODE",
+        "nvidia",
+        "nvidia: the smoke checks every GPU through NVML and runs a computation on each; "
+        "cpu: a CPU-only node; auto: nvidia when /dev/nvidia* or NVIDIA_VISIBLE_DEVICES is "
+        "seen. Should match the agent's MODELFORGE_AGENT_ACCELERATOR_MODE.",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORKER_DEVICE_DIR", "/dev", "Where auto mode looks for nvidia* device nodes."
+    ),
+    SettingSpec("MODELFORGE_WORKER_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
+)
+KNOWN_NAMES = frozenset(spec.name for spec in SETTINGS)
+_DEFAULTS = {spec.name: spec.default for spec in SETTINGS}
+_NO_VISIBLE_DEVICES = ("", "void", "none")
+
+
+class ConfigError(Exception):
+    """A setting is wrong; the command prints the one-line message and exits 2."""
+
+    exit_code = EXIT_USAGE
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    socket_path: Path
+    socket_group: int | None
+    accelerator_mode: str  # the effective mode: nvidia or cpu
+    log_level: str
+
+
+def _value(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name)
+    return _DEFAULTS[name] if raw is None or not raw.strip() else raw.strip()
+
+
+def _group(raw: str | None) -> int | None:
+    if raw is None:
+        return None
+    if raw.isdigit():
+        return int(raw)
+    try:
+        return grp.getgrnam(raw).gr_gid
+    except KeyError:
+        raise ConfigError(f"MODELFORGE_WORKER_SOCKET_GROUP={raw!r} is not a known group") from None
+
+
+def _mode(env: Mapping[str, str]) -> str:
+    mode = (_value(env, "MODELFORGE_WORKER_ACCELERATOR_MODE") or "").lower()
+    if mode not in ACCELERATOR_MODES:
+        raise ConfigError(
+            f"MODELFORGE_WORKER_ACCELERATOR_MODE={mode!r} is not one of "
+            f"{', '.join(ACCELERATOR_MODES)}"
+        )
+    if mode != "auto":
+        return mode
+    device_dir = Path(_value(env, "MODELFORGE_WORKER_DEVICE_DIR") or "/dev")
+    if any(device_dir.glob("nvidia*")):
+        return "nvidia"
+    visible = (env.get("NVIDIA_VISIBLE_DEVICES") or "").strip().lower()
+    return "nvidia" if visible not in _NO_VISIBLE_DEVICES else "cpu"
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> WorkerSettings:
+    """Parse and validate every MODELFORGE_WORKER_* variable once; raise ConfigError."""
+    env = dict(os.environ if env is None else env)
+    for name in sorted(env):
+        if name.startswith(PREFIX) and name not in KNOWN_NAMES:
+            matches = difflib.get_close_matches(name, sorted(KNOWN_NAMES), n=1, cutoff=0.6)
+            hint = f"; did you mean {matches[0]}?" if matches else "; see --help"
+            raise ConfigError(f"unknown setting {name}{hint}")
+    socket_raw = _value(env, "MODELFORGE_WORKER_SOCKET") or DEFAULT_SOCKET
+    socket_path = Path(socket_raw).expanduser()
+    if not socket_path.is_absolute():
+        raise ConfigError(f"MODELFORGE_WORKER_SOCKET={socket_raw!r} must be an absolute path")
+    if len(os.fsencode(socket_path)) > 107:
+        raise ConfigError(f"MODELFORGE_WORKER_SOCKET={socket_raw!r} is too long for a socket")
+    log_level = (_value(env, "MODELFORGE_WORKER_LOG_LEVEL") or "").upper()
+    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(
+            f"MODELFORGE_WORKER_LOG_LEVEL={log_level!r} is not DEBUG, INFO, WARNING or ERROR"
+        )
+    return WorkerSettings(
+        socket_path=socket_path,
+        socket_group=_group(_value(env, "MODELFORGE_WORKER_SOCKET_GROUP")),
+        accelerator_mode=_mode(env),
+        log_level=log_level,
+    )
