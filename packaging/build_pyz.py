@@ -1,13 +1,26 @@
 #!/usr/bin/env python3
-"""Build dist/modelforge.pyz and dist/modelforge-node-agent.pyz with shiv.
+"""Build the ModelForge archives with shiv: one control-plane archive per machine
+architecture (dist/modelforge-x86_64.pyz, dist/modelforge-aarch64.pyz) and one
+architecture-free agent archive (dist/modelforge-node-agent.pyz).
 
-    python3 packaging/build_pyz.py                 # both
-    python3 packaging/build_pyz.py appliance       # or: agent
+    python3 packaging/build_pyz.py                     # all three
+    python3 packaging/build_pyz.py appliance           # both control-plane archives
+    python3 packaging/build_pyz.py appliance-aarch64   # or: appliance-x86_64, agent
 
-Standard library only, so it runs before any virtualenv exists. Each pyz is made
-from exactly one hash-locked requirement set (packaging/requirements-*.txt,
-installed with --require-hashes) plus the first-party import packages it needs,
-so the dependency split is decided here and checked before the archive is written.
+Standard library only, so it runs before any virtualenv exists, on any supported
+CPython of any architecture: wheels are chosen by explicit interpreter and platform
+tags, never by the build host. Each pyz is made from exactly one hash-locked
+requirement set (packaging/requirements-*.txt, installed with --require-hashes)
+plus the first-party import packages it needs, so the dependency split is decided
+here and checked before the archive is written.
+
+One control-plane archive runs on every supported CPython: its compiled modules
+carry the interpreter in their file name (``_psycopg.cpython-312-x86_64-linux-gnu.so``),
+so the wheels for CPython 3.10 to 3.13 are installed one after the other and their
+compiled modules put side by side. Every other file of those wheels must be
+byte-identical to the one already staged, or the build stops. The agent archive is
+installed from implementation-independent wheels only (``py3-none-any``), so it
+holds no compiled module at all.
 
 Reproducible: the same commit and SOURCE_DATE_EPOCH give byte-identical files.
 SOURCE_DATE_EPOCH defaults to the commit time of HEAD. The staging tree is
@@ -31,13 +44,28 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# A sibling module: this folder is on sys.path when the script runs (and for the tests).
+from wheel_merge import (
+    COMPILED,
+    BuildError,
+    add_interpreter,
+    compiled_problems,
+    elf_machine,
+    files_of,
+)
+
 log = logging.getLogger("build_pyz")
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGING = ROOT / "packaging"
-# Shebang of both archives: the wheels inside (psycopg2-binary, charset-normalizer)
-# are built for CPython 3.11, so the archive names that interpreter.
-SHEBANG = "/usr/bin/env python3.11"
+# Shebang of every archive: whichever python3 the system has; the launcher
+# (packaging/pyz_launcher.py) refuses one the archive cannot run on, in one line.
+SHEBANG = "/usr/bin/env python3"
+# The CPython versions whose compiled modules the control-plane archives carry
+# (pyproject.toml requires-python and doctor.SUPPORTED_PYTHONS say the same; a test checks).
+PYTHONS = ("3.10", "3.11", "3.12", "3.13")
+LAUNCHER = PACKAGING / "pyz_launcher.py"
+LAUNCHER_MODULE = "modelforge_launcher"
 # Published as an sdist only; built from its hash-checked sdist with the locked
 # setuptools. NO_SQLITE=1 keeps it pure Python (its optional C extension would
 # embed build paths and is not used by ModelForge).
@@ -51,6 +79,26 @@ SOURCE_DIRS = {
 
 
 @dataclass(frozen=True)
+class Machine:
+    """A CPU architecture the control plane ships for, as `uname -m` names it."""
+
+    name: str
+    # The manylinux tag wheels are chosen by: the oldest glibc they load on, and so the
+    # oldest system the archive runs on. psycopg2-binary publishes x86_64 wheels for
+    # glibc 2.17 and aarch64 wheels for glibc 2.28.
+    wheel_platform: str
+    glibc: str
+    # ELF e_machine of its code (62 = x86-64, 183 = AArch64).
+    elf_machine: int
+
+
+MACHINES = {
+    "x86_64": Machine("x86_64", "manylinux_2_17_x86_64", "2.17", 62),
+    "aarch64": Machine("aarch64", "manylinux_2_28_aarch64", "2.28", 183),
+}
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
     output: str
@@ -59,17 +107,30 @@ class Target:
     packages: tuple[str, ...]
     # Top-level names that must not be in the archive (DESIGN §1: the split).
     forbidden: tuple[str, ...]
+    # None: implementation-independent wheels only, no compiled module anywhere.
+    machine: Machine | None = None
+
+
+APPLIANCE_FORBIDDEN = ("pynvml", "docker", "requests", "modelforge_node_agent", "modelforge_worker")
+
+
+def appliance_output(machine: str) -> str:
+    return f"modelforge-{machine}.pyz"
 
 
 TARGETS = {
-    "appliance": Target(
-        name="appliance",
-        output="modelforge.pyz",
-        entry_point="modelforge_appliance.cli.main:main",
-        requirements="requirements-appliance.txt",
-        packages=("modelforge_contract", "modelforge_appliance"),
-        forbidden=("pynvml", "docker", "requests", "modelforge_node_agent", "modelforge_worker"),
-    ),
+    **{
+        f"appliance-{machine.name}": Target(
+            name=f"appliance-{machine.name}",
+            output=appliance_output(machine.name),
+            entry_point="modelforge_appliance.cli.main:main",
+            requirements="requirements-appliance.txt",
+            packages=("modelforge_contract", "modelforge_appliance"),
+            forbidden=APPLIANCE_FORBIDDEN,
+            machine=machine,
+        )
+        for machine in MACHINES.values()
+    },
     "agent": Target(
         name="agent",
         output="modelforge-node-agent.pyz",
@@ -88,10 +149,8 @@ TARGETS = {
         ),
     ),
 }
-
-
-class BuildError(Exception):
-    """The build cannot go on; the message says why and what to do."""
+# Names that stand for several targets.
+GROUPS = {"appliance": tuple(f"appliance-{machine}" for machine in MACHINES)}
 
 
 def run(argv: list[str], **kwargs) -> None:
@@ -186,11 +245,49 @@ def check_entry_point(target: Target) -> None:
         )
 
 
+def wheel_tags(target: Target, python: str) -> list[str]:
+    """pip options that pick wheels for ``python`` on the target's platform, whatever runs pip."""
+    if target.machine is None:
+        # Implementation-independent wheels only: pip refuses anything compiled.
+        return ["--implementation", "py", "--abi", "none", "--platform", "any",
+                "--python-version", python]  # fmt: skip
+    abi = "cp" + python.replace(".", "")
+    return ["--implementation", "cp", "--abi", abi, "--platform", target.machine.wheel_platform,
+            "--python-version", python]  # fmt: skip
+
+
+def locked_blocks(requirements: Path) -> dict[str, str]:
+    """name -> its requirement line with every --hash continuation, from a pip-compile lock."""
+    blocks: dict[str, str] = {}
+    text = requirements.read_text(encoding="utf-8").replace("\\\n", " ")
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name = re.split(r"[=<>!~ ;\[]", line, maxsplit=1)[0].lower().replace("_", "-")
+            blocks[name] = line
+    return blocks
+
+
 def install_dependencies(
-    python: Path, target: Target, staging: Path, index_url: str | None, pip_cache: Path
+    python: Path,
+    target: Target,
+    staging: Path,
+    index_url: str | None,
+    pip_cache: Path,
+    for_python: str,
+    without: tuple[str, ...] = (),
 ) -> None:
+    """pip install the target's lock (less ``without``) for CPython ``for_python`` into staging."""
     env = {**os.environ, "NO_SQLITE": "1", "PYTHONHASHSEED": "0"}
     env.pop("PIP_REQUIRE_VIRTUALENV", None)
+    requirements = PACKAGING / target.requirements
+    if without:
+        blocks = locked_blocks(requirements)
+        filtered = staging.parent / f"{staging.name}.requirements.txt"
+        filtered.write_text("".join(f"{line}\n" for name, line in sorted(blocks.items())
+                                    if name not in without))  # fmt: skip
+        requirements = filtered
+    sdists = [name for name in SDIST_ONLY if name in locked_blocks(requirements)]
     argv = [
         str(python),
         *pip_args(index_url, pip_cache),
@@ -198,21 +295,66 @@ def install_dependencies(
         "--no-compile",
         "--no-build-isolation",
         "--no-warn-script-location",
+        *wheel_tags(target, for_python),
         "--only-binary",
         ":all:",
-        *[arg for name in SDIST_ONLY for arg in ("--no-binary", name)],
+        *[arg for name in sdists for arg in ("--no-binary", name)],
         "--target",
         str(staging),
         "-r",
-        str(PACKAGING / target.requirements),
+        str(requirements),
     ]
     run(argv, env=env)
+
+
+def stage_dependencies(
+    python: Path, target: Target, staging: Path, work: Path, index_url: str | None, pip_cache: Path
+) -> None:
+    """The locked wheels for the first supported CPython, then the compiled modules of the rest."""
+    install_dependencies(python, target, staging, index_url, pip_cache, PYTHONS[0])
+    if target.machine is None:
+        return
+    for version in PYTHONS[1:]:
+        other = work / f"cp{version.replace('.', '')}"
+        shutil.rmtree(other, ignore_errors=True)
+        other.mkdir(parents=True)
+        # Source-only packages are pure Python (they are built once, above).
+        install_dependencies(
+            python, target, other, index_url, pip_cache, version, without=SDIST_ONLY
+        )
+        added = add_interpreter(staging, other, version, files_of(staging, SDIST_ONLY))
+        log.info("%s: %d compiled module(s) for CPython %s", target.output, added, version)
+        shutil.rmtree(other)
 
 
 def copy_first_party(target: Target, staging: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo", "*~", ".*.swp")
     for package in target.packages:
         shutil.copytree(SOURCE_DIRS[package], staging / package, ignore=ignore)
+
+
+def launcher_settings(target: Target) -> dict[str, object]:
+    """What packaging/pyz_launcher.py checks before the real entry point runs."""
+    return {
+        "name": target.output,
+        "entry": target.entry_point,
+        "pythons": list(PYTHONS) if target.machine else None,
+        "min_python": PYTHONS[0],
+        "machine": target.machine.name if target.machine else None,
+        "glibc": target.machine.glibc if target.machine else None,
+        "siblings": {name: appliance_output(name) for name in MACHINES} if target.machine else {},
+    }
+
+
+def write_launcher(target: Target, staging: Path) -> None:
+    source = LAUNCHER.read_text(encoding="utf-8")
+    # A Python literal (None, not null), keys in a fixed order for reproducibility.
+    filled = repr(dict(sorted(launcher_settings(target).items())))
+    if source.count("\nARCHIVE = {}\n") != 1:
+        raise BuildError(f"{LAUNCHER.relative_to(ROOT)} lost its `ARCHIVE = {{}}` line")
+    (staging / f"{LAUNCHER_MODULE}.py").write_text(
+        source.replace("\nARCHIVE = {}\n", f"\nARCHIVE = {filled}\n"), encoding="utf-8"
+    )
 
 
 def normalise(staging: Path) -> None:
@@ -243,8 +385,18 @@ def check_staging(target: Target, staging: Path, build_dirs: tuple[Path, ...]) -
         raise BuildError(
             f"{target.output} would carry {', '.join(leaked)}; fix the requirement set"
         )
+    machine = target.machine
+    problems = compiled_problems(
+        machine.name if machine else None,
+        machine.elf_machine if machine else None,
+        PYTHONS,
+        sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file()),
+        read_elf=lambda name: elf_machine(staging / name),
+    )
+    if problems:
+        raise BuildError(f"{target.output} would not run everywhere it claims: {problems[0]}")
     for path in staging.rglob("*"):
-        if path.is_file() and path.suffix != ".so":
+        if path.is_file() and not COMPILED.search(path.name):
             data = path.read_bytes()
             for build_dir in build_dirs:
                 if str(build_dir).encode() in data:
@@ -273,8 +425,9 @@ def build(
     staging = work_dir / target.name / "site-packages"
     shutil.rmtree(staging.parent, ignore_errors=True)
     staging.mkdir(parents=True)
-    install_dependencies(python, target, staging, index_url, pip_cache)
+    stage_dependencies(python, target, staging, staging.parent, index_url, pip_cache)
     copy_first_party(target, staging)
+    write_launcher(target, staging)
     normalise(staging)
     check_staging(target, staging, (work_dir.resolve(), ROOT, pip_cache.resolve()))
 
@@ -291,7 +444,7 @@ def build(
         "--site-packages",
         str(staging),
         "--entry-point",
-        target.entry_point,
+        f"{LAUNCHER_MODULE}:main",
         "--output-file",
         str(partial),
         "--python",
@@ -320,7 +473,11 @@ def build(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("targets", nargs="*", help="appliance, agent (default: both)")
+    parser.add_argument(
+        "targets",
+        nargs="*",
+        help=f"{', '.join([*GROUPS, *TARGETS])} (default: every archive)",
+    )
     parser.add_argument("--dist", type=Path, default=ROOT / "dist", help="output directory")
     parser.add_argument(
         "--work-dir", type=Path, default=ROOT / "build" / "pyz", help="staging and tools"
@@ -338,22 +495,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.targets) - set(TARGETS))
+    unknown = sorted(set(args.targets) - set(TARGETS) - set(GROUPS))
     if unknown:
-        parser.error(f"unknown target {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
+        parser.error(
+            f"unknown target {', '.join(unknown)}; choose from {', '.join([*GROUPS, *TARGETS])}"
+        )
+    names = [
+        name for wanted in args.targets or list(TARGETS) for name in GROUPS.get(wanted, (wanted,))
+    ]
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="build_pyz: %(message)s"
     )
     # Modes of staged and tool files feed the archive; fix them regardless of the caller.
     os.umask(0o022)
-    if sys.version_info[:2] != (3, 11):
-        log.error("run this with Python 3.11 (the pyz files target CPython 3.11)")
+    if sys.version_info[:2] < (3, 10):  # noqa: UP036 (said plainly, not as a SyntaxError)
+        log.error("run this with Python 3.10 or newer")
         return 2
     work_dir = args.work_dir.absolute()
     pip_cache = (args.pip_cache or work_dir / "pip-cache").absolute()
     epoch = source_date_epoch()
     try:
-        for name in args.targets or list(TARGETS):
+        for name in dict.fromkeys(names):
             build(TARGETS[name], args.dist.absolute(), work_dir, args.index_url, pip_cache, epoch)
     except BuildError as exc:
         log.error("%s", exc)

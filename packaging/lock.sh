@@ -10,7 +10,7 @@ tools=$(mktemp -d /tmp/modelforge-lock.XXXXXX)
 trap 'rm -rf "$tools"' EXIT
 export PIP_CONFIG_FILE=/dev/null
 unset PIP_FIND_LINKS PIP_EXTRA_INDEX_URL PIP_INDEX_URL PIP_CONSTRAINT
-python3.11 -m venv "$tools"
+python3 -m venv "$tools"
 "$tools/bin/pip" install --quiet pip-tools==7.6.2
 export CUSTOM_COMPILE_COMMAND="packaging/lock.sh"
 for name in appliance agent build worker worker-cuda; do

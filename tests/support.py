@@ -7,6 +7,7 @@ import os
 import secrets
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +26,12 @@ from modelforge_appliance.server import create_server, run_until
 from modelforge_appliance.settings import Settings, load_settings
 from modelforge_appliance.store import Store
 from modelforge_contract import HEADER_ADMIN_TOKEN, HEADER_AGENT_PROTOCOL, PROTOCOL_VERSION
+
+# Re-exported for the tests that read pyproject.toml.
+if sys.version_info >= (3, 11):
+    import tomllib  # noqa: F401
+else:  # CPython 3.10: the same parser, from PyPI (pyproject.toml's test extra)
+    import tomli as tomllib  # noqa: F401
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 POSTGRES_ENV = "MF_TEST_POSTGRES_URL"

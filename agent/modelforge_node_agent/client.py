@@ -38,6 +38,7 @@ from .transport import (
     Deadline,
     exception_name,
     read_answer,
+    tls_cause,
 )
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,13 @@ class CallFailed(Exception):
 class TransportFailure(CallFailed):
     """No HTTP answer: connection refused, DNS, TLS, timeout, or a garbled response."""
 
-    def __init__(self, name: str, method: str, path: str) -> None:
+    def __init__(self, name: str, method: str, path: str, hint: str | None = None) -> None:
         super().__init__(name)
-        self.name, self.method, self.path = name, method, path
+        self.name, self.method, self.path, self.hint = name, method, path, hint
 
     def describe(self) -> str:
-        return f"{self.name} on {self.method} {self.path}"
+        head = f"{self.name} on {self.method} {self.path}"
+        return f"{head}: {self.hint}" if self.hint else head
 
 
 class Refused(CallFailed):
@@ -232,7 +234,7 @@ class ControlPlaneClient:
             raise TransportFailure("AnswerTooLarge", method, path) from None
         except _READ_ERRORS as exc:
             name = "DeadlineExceeded" if deadline.expired else exception_name(exc)
-            raise TransportFailure(name, method, path) from None
+            raise TransportFailure(name, method, path, tls_cause(exc)) from None
         finally:
             if response is not None:
                 response.close()  # only now: the deadline can no longer touch the connection

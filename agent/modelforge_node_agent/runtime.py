@@ -58,7 +58,7 @@ def agent_command() -> str:
     if current() == CONTAINER or not program:
         return "python3 -m modelforge_node_agent.main"
     if program.endswith(".pyz"):
-        return f"python3.11 {program or AGENT_PYZ_PATH}"
+        return f"python3 {program or AGENT_PYZ_PATH}"
     if os.path.basename(program) == "modelforge-node-agent":
         return program
     return "python3 -m modelforge_node_agent.main"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 from types import TracebackType
 from typing import Any
@@ -27,6 +28,8 @@ import urllib3
 from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+from modelforge_contract.tls import strict_x509_cause
 
 from .settings import AgentSettings
 
@@ -233,3 +236,16 @@ def exception_name(exc: BaseException) -> str:
                 break
         return "ConnectError"
     return type(exc).__name__
+
+
+def tls_cause(exc: BaseException) -> str | None:
+    """For a certificate refused only by strict X.509 checks (Python 3.13+), what to fix."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return strict_x509_cause(cause.verify_message)
+        nested = cause.args[0] if cause.args and isinstance(cause.args[0], BaseException) else None
+        cause = cause.__cause__ or cause.__context__ or nested
+    return None

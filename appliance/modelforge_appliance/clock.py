@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 
 
 class Clock:
@@ -34,5 +34,5 @@ def isoformat(epoch: float | None) -> str | None:
     """RFC 3339 UTC with milliseconds, or None."""
     if epoch is None:
         return None
-    stamp = datetime.fromtimestamp(epoch, tz=UTC)
+    stamp = datetime.fromtimestamp(epoch, tz=timezone.utc)
     return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -11,6 +11,7 @@ import errno
 import json
 import logging
 import os
+import platform
 import pwd
 import re
 import socket
@@ -18,7 +19,7 @@ import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -28,14 +29,25 @@ import peewee as pw
 
 from . import models
 from .clock import Clock, isoformat
+from .doctor_tls import verify_origin
 from .serving import wildcard_warning
 from .settings import ConfigError, Settings, load_settings, parse_listen
 from .store import SCHEMA_VERSION, Store, redact_url
 
 log = logging.getLogger(__name__)
 
-# pyproject.toml: requires-python = ">=3.11,<3.12"; the pyz carries CPython 3.11 wheels.
-SUPPORTED_PYTHON = (3, 11)
+# pyproject.toml: requires-python = ">=3.10,<3.14"; the pyz carries the compiled modules
+# of each of these CPython versions (packaging/build_pyz.py).
+SUPPORTED_PYTHONS = ((3, 10), (3, 11), (3, 12), (3, 13))
+# The python3 each system ships, keyed by os-release (ID, VERSION_ID), with its name.
+SYSTEM_PYTHONS = {
+    ("debian", "11"): ("Debian 11", (3, 9)),
+    ("debian", "12"): ("Debian 12 / Proxmox VE 8", (3, 11)),
+    ("debian", "13"): ("Debian 13 / Proxmox VE 9", (3, 13)),
+    ("ubuntu", "20.04"): ("Ubuntu 20.04", (3, 8)),
+    ("ubuntu", "22.04"): ("Ubuntu 22.04", (3, 10)),
+    ("ubuntu", "24.04"): ("Ubuntu 24.04", (3, 12)),
+}
 # The clock may not be earlier than this year (a board without RTC battery boots in 1970)...
 EARLIEST_SANE_YEAR = 2024
 # ...nor behind the newest time the store recorded (liveness would be computed backwards)...
@@ -62,17 +74,54 @@ def user_name(uid: int) -> str:
         return f"uid {uid}"
 
 
-def check_python(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> Check:
+def supported_range() -> str:
+    first, last = SUPPORTED_PYTHONS[0], SUPPORTED_PYTHONS[-1]
+    return f"{first[0]}.{first[1]}–{last[0]}.{last[1]}"
+
+
+def os_release() -> dict[str, str]:
+    try:
+        return platform.freedesktop_os_release()
+    except OSError:
+        return {}
+
+
+def python_install_hint(release: Mapping[str, str]) -> str:
+    """How to get a supported python3 on this distribution (os-release fields)."""
+    key = (release.get("ID", ""), release.get("VERSION_ID", ""))
+    known = SYSTEM_PYTHONS.get(key)
+    if known is not None:
+        name, (major, minor) = known
+        if (major, minor) in SUPPORTED_PYTHONS:
+            return (
+                f"{name} ships Python {major}.{minor} as python3: `apt install python3` and run "
+                "the archive with /usr/bin/python3 (./modelforge.pyz does that through its "
+                "shebang)"
+            )
+        return (
+            f"{name} ships Python {major}.{minor}, which is too old: upgrade the system "
+            "(docs/install-systemd.md lists the supported ones) or run ModelForge in its "
+            "container image"
+        )
+    pretty = release.get("PRETTY_NAME") or "this system"
+    return (
+        f"install CPython {supported_range()} from {pretty}'s packages (usually `python3`) "
+        "and run the archive with it: python3 modelforge.pyz …"
+    )
+
+
+def check_python(
+    version: tuple[int, ...] = tuple(sys.version_info[:3]),
+    release: Mapping[str, str] | None = None,
+) -> Check:
     running = ".".join(str(part) for part in version)
-    wanted = ".".join(str(part) for part in SUPPORTED_PYTHON)
-    if tuple(version[:2]) == SUPPORTED_PYTHON:
-        return Check("python", True, f"Python {running}")
+    if tuple(version[:2]) in SUPPORTED_PYTHONS:
+        return Check("python", True, f"Python {running} (supported: {supported_range()})")
     return Check(
         "python",
         False,
-        f"Python {running} is running; ModelForge needs Python {wanted}",
-        f"install Python {wanted} (Debian 12 and Proxmox VE 8 ship it as python3.11) and "
-        f"run the pyz with it: python{wanted} modelforge.pyz …",
+        f"Python {running} is running; ModelForge needs CPython {supported_range()}",
+        python_install_hint(os_release() if release is None else release),
     )
 
 
@@ -299,7 +348,7 @@ def check_store(settings: Settings, clock: Clock) -> tuple[Check, float | None]:
 
 def check_clock(now: float, newest_in_store: float | None) -> Check:
     shown = isoformat(now)
-    year = datetime.fromtimestamp(now, tz=UTC).year
+    year = datetime.fromtimestamp(now, tz=timezone.utc).year
     sync = "enable time synchronisation (timedatectl set-ntp true, or chrony) and check the RTC"
     if year < EARLIEST_SANE_YEAR:
         return Check("clock", False, f"the system clock says {shown}", sync)
@@ -328,6 +377,7 @@ def run_checks(
     env_file: Path | None = None,
     listen: str | None = None,
     clock: Clock | None = None,
+    ca_cert: Path | None = None,
 ) -> list[Check]:
     """Every check, in the order an operator fixes things."""
     clock = clock or Clock()
@@ -349,6 +399,8 @@ def run_checks(
         store_check, newest = check_store(settings, clock)
         checks.append(store_check)
     checks.append(check_clock(clock.now(), newest))
+    if ca_cert is not None and settings is not None:
+        checks.append(Check("tls", *verify_origin(settings.public_api_origin, ca_cert)))
     return checks
 
 
@@ -387,14 +439,21 @@ def report(checks: list[Check]) -> dict[str, Any]:
 
 @click.command()
 @click.option("--listen", help="HOST:PORT to check instead of MODELFORGE_LISTEN.")
+@click.option(
+    "--ca-cert",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="The private CA (PEM) agents trust (MODELFORGE_AGENT_CA_CERT_PATH): check that the "
+    "https:// MODELFORGE_PUBLIC_API_ORIGIN verifies against it as agents on Python 3.13+ do.",
+)
 @click.option("--json", "as_json", is_flag=True, help='Print {"ok": …, "checks": […]} as JSON.')
 @click.pass_obj
-def doctor(obj: Any, listen: str | None, as_json: bool) -> None:
-    """Check this host before starting: Python, state directory, port, store, clock, settings.
+def doctor(obj: Any, listen: str | None, ca_cert: Path | None, as_json: bool) -> None:
+    """Check this host before starting: Python, state directory, port, store, clock, settings,
+    and with --ca-cert the TLS certificate agents will see.
 
     Exits 0 when every check passes and 1 when any fails; each failure says what to fix.
     """
-    checks = run_checks(env_file=getattr(obj, "env_file", None), listen=listen)
+    checks = run_checks(env_file=getattr(obj, "env_file", None), listen=listen, ca_cert=ca_cert)
     for check in checks:
         if not check.ok:
             log.info("doctor: %s failed: %s", check.name, check.detail)

@@ -1,10 +1,18 @@
 """Heartbeats are accepted in memory and written to the store together, once a second.
 
-A heartbeat only moves timestamps, so batching it is safe: a crash loses at most one
-flush interval of liveness (far below the heartbeat interval), never an identity or a
-credential — enrollment and credential changes are still written in their own
-transactions before they are answered. Readers of liveness flush first, so an answer
-never lags behind a heartbeat that was acknowledged.
+A heartbeat only moves timestamps, so batching it is safe: a crash loses at most the
+heartbeats accepted within one flush interval before the newest acknowledged one (far
+below the heartbeat interval), never an identity or a credential — enrollment and
+credential changes are still written in their own transactions before they are answered.
+Readers of liveness flush first, so an answer never lags behind a heartbeat that was
+acknowledged.
+
+The bound is kept by a deadline, not by the flusher thread's luck: a heartbeat is not
+acknowledged while an older one, accepted more than one interval before it, is still
+unwritten — the request that finds one overdue writes the batch itself before it
+answers. So a starved or stalled flusher thread (a busy 2-core host, a long GC pause)
+makes heartbeat answers slower, never the promise weaker. The thread only keeps the
+store fresh while heartbeats are quiet.
 """
 
 from __future__ import annotations
@@ -50,24 +58,44 @@ class HeartbeatBuffer:
         self.store = store
         self.interval = interval
         self._pending: dict[str, Heartbeat] = {}
+        # The oldest acceptance time not yet known to be in the store: pending, or taken
+        # by a flush that has not committed. None when everything accepted is written.
+        self._oldest_unwritten: float | None = None
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def record(self, caller: Caller, *, agent_version: str, protocol: int, health: dict) -> float:
-        """Accept a heartbeat at the control plane's time; return that time."""
-        at = self.store.clock.now()
-        beat = Heartbeat(
-            caller.credential_id,
-            at,
-            agent_version,
-            protocol,
-            json.dumps(health, sort_keys=True, separators=(",", ":")),
-        )
+        """Accept a heartbeat at the control plane's time; return that time.
+
+        Returns only once every heartbeat accepted more than ``interval`` before this one
+        is in the store (flushing here if the flusher thread has not): the deadline that
+        bounds what a crash can lose. A store that does not answer raises, so the
+        heartbeat is not acknowledged.
+        """
+        health_json = json.dumps(health, sort_keys=True, separators=(",", ":"))
         with self._lock:
-            self._pending[caller.node_id] = beat
+            # Taken under the lock, so acceptance times rise in the order beats are held.
+            at = self.store.clock.now()
+            self._pending[caller.node_id] = Heartbeat(
+                caller.credential_id, at, agent_version, protocol, health_json
+            )
+            if self._oldest_unwritten is None:
+                self._oldest_unwritten = at
+            overdue = self._oldest_unwritten <= at - self.interval
+        if overdue:
+            self.flush_overdue(at)
         return at
+
+    def flush_overdue(self, at: float) -> None:
+        """Flush until nothing accepted ``interval`` or more before ``at`` is unwritten."""
+        while True:
+            self.flush()
+            with self._lock:
+                oldest = self._oldest_unwritten
+            if oldest is None or oldest > at - self.interval:
+                return
 
     def pending(self, node_id: str) -> tuple[float, str] | None:
         """The node's accepted heartbeat not yet written: (time, health JSON), or None."""
@@ -93,6 +121,11 @@ class HeartbeatBuffer:
                 log.error(
                     "dropped %d heartbeat(s) the store refused: %s", len(batch), type(exc).__name__
                 )
+            finally:
+                with self._lock:
+                    self._oldest_unwritten = min(
+                        (beat.at for beat in self._pending.values()), default=None
+                    )
             return len(batch)
 
     def _write(self, batch: dict[str, Heartbeat]) -> None:
@@ -117,8 +150,11 @@ class HeartbeatBuffer:
                 log.error("writing heartbeats failed: %s", type(exc).__name__)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="heartbeat-flush", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, name="heartbeat-flush", daemon=True)
+        thread.start()
+        # Set once running, so a stop() racing with start() never joins an unstarted thread
+        # (a flusher started after stop() sees the stop event and ends at once).
+        self._thread = thread
 
     def stop(self) -> None:
         """Stop the flusher and write what is pending."""

@@ -20,7 +20,7 @@ from modelforge_contract import (
 
 # The interpreter systemd/modelforge-node-agent.service runs the agent pyz with (a test
 # keeps the two equal).
-AGENT_PYZ_INTERPRETER = "/usr/bin/python3.11"
+AGENT_PYZ_INTERPRETER = "/usr/bin/python3"
 AGENT_IMAGE = f"modelforge-node-agent:{__version__}"
 # The user the release images run as (release/modelforge_release/images.py SERVICE_UID; a
 # test keeps the two equal): the host's state directory must be its.

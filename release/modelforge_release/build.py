@@ -44,7 +44,7 @@ from .images import (
     ImageSpec,
 )
 from .layers import LAYER_BUILDERS, LAYER_DESCRIPTIONS, build_pyz
-from .names import CONTROL_PLANE_PYZ
+from .names import control_plane_archive
 from .rootfs import Layer, Tree, write_layer
 
 
@@ -75,7 +75,8 @@ def image_labels(ctx: BuildContext, spec: ImageSpec) -> dict[str, str]:
         LABEL_DEBIAN_LOCK: ctx.lock.digest(),
     }
     if LABEL_PYZ in spec.extra_labels:
-        labels[LABEL_PYZ] = hashlib.sha256((ctx.dist / CONTROL_PLANE_PYZ).read_bytes()).hexdigest()
+        archive = ctx.dist / control_plane_archive(ctx.lock.architecture)
+        labels[LABEL_PYZ] = hashlib.sha256(archive.read_bytes()).hexdigest()
     return labels
 
 

@@ -2,7 +2,7 @@
 
     DIR/modelforge-<version>-images.tar     one docker save of the four images
     DIR/modelforge-<version>-manifest.json  what each image is (DESIGN §7)
-    DIR/modelforge.pyz, modelforge-node-agent.pyz
+    DIR/modelforge-x86_64.pyz, modelforge-aarch64.pyz, modelforge-node-agent.pyz
     DIR/SHA256SUMS                          in SHA256SUMS.template's order
 
 The images must already be in dockerd under ``<name>:<version>``
@@ -35,8 +35,9 @@ from .dockerd import image_entry, local_image, save_images
 from .images import LABEL_PYZ
 from .names import (
     AGENT_PYZ,
-    CONTROL_PLANE_PYZ,
+    CONTROL_PLANE_ARCHIVES,
     SUMS_NAME,
+    control_plane_archive,
     manifest_name,
     release_names,
     tarball_name,
@@ -146,14 +147,16 @@ def make_bundle(
     )
     started = time.monotonic()
     manifest = release_manifest(client, version)
-    pyz_sources = {name: dist / name for name in (CONTROL_PLANE_PYZ, AGENT_PYZ)}
+    names = (*CONTROL_PLANE_ARCHIVES.values(), AGENT_PYZ)
+    pyz_sources = {name: dist / name for name in names}
     missing = [str(path) for path in pyz_sources.values() if not path.is_file()]
     if missing:
         raise BundleError(f"missing {', '.join(missing)}: modelforge-release images builds them")
-    inside = manifest["images"][CONTROL_PLANE_IMAGE]["labels"].get(LABEL_PYZ)
-    if inside != sha256_file(pyz_sources[CONTROL_PLANE_PYZ]):
+    image = manifest["images"][CONTROL_PLANE_IMAGE]
+    in_image = pyz_sources[control_plane_archive(image["architecture"])]
+    if image["labels"].get(LABEL_PYZ) != sha256_file(in_image):
         raise BundleError(
-            f"{pyz_sources[CONTROL_PLANE_PYZ]} is not the archive inside "
+            f"{in_image} is not the archive inside "
             f"{CONTROL_PLANE_IMAGE}:{version}; build both again with modelforge-release images"
         )
     out.mkdir(parents=True, exist_ok=True)

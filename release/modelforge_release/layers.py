@@ -28,7 +28,7 @@ from .images import (
     BuildError,
     glibc_version,
 )
-from .names import AGENT_PYZ, CONTROL_PLANE_PYZ
+from .names import AGENT_PYZ, CONTROL_PLANE_PYZ, control_plane_archive
 from .python_packages import ensure_pip, install_locked
 from .rootfs import Tree
 
@@ -114,7 +114,8 @@ def launcher(module: str) -> bytes:
 
 def control_plane_layer(ctx: BuildContext, tree: Tree) -> None:
     debian_layer(ctx, "control-plane", tree)
-    pyz = ctx.dist / CONTROL_PLANE_PYZ
+    # The archive for the image's architecture, installed as modelforge.pyz (as under systemd).
+    pyz = ctx.dist / control_plane_archive(ctx.lock.architecture)
     tree.add_file(f"opt/modelforge/{CONTROL_PLANE_PYZ}", pyz.read_bytes(), executable=True)
     tree.add_symlink("usr/local/bin/modelforge", f"/opt/modelforge/{CONTROL_PLANE_PYZ}")
     # What shiv would unpack on first start, unpacked now under SHIV_ROOT: the name is
@@ -183,9 +184,10 @@ LAYER_DESCRIPTIONS = {
 
 
 def build_pyz(ctx: BuildContext) -> None:
-    """Both shiv archives into ``dist`` (the control-plane image carries modelforge.pyz)."""
+    """Every shiv archive into ``dist``: the control plane's for each machine and the agent's
+    (the control-plane image carries the one for its architecture as modelforge.pyz)."""
     started = time.monotonic()
-    ctx.say(f"building {CONTROL_PLANE_PYZ} and {AGENT_PYZ} (packaging/build_pyz.py)")
+    ctx.say(f"building the control-plane archives and {AGENT_PYZ} (packaging/build_pyz.py)")
     result = subprocess.run(
         [
             sys.executable,

@@ -3,7 +3,11 @@ import them without the build machinery."""
 
 from __future__ import annotations
 
+# The control plane's archive as installed: /opt/modelforge/modelforge.pyz, in the image as
+# under systemd. A release carries one per machine (packaging/build_pyz.py), named for
+# `uname -m`; an image carries the one for its architecture under this name.
 CONTROL_PLANE_PYZ = "modelforge.pyz"
+CONTROL_PLANE_ARCHIVES = {"amd64": "modelforge-x86_64.pyz", "arm64": "modelforge-aarch64.pyz"}
 AGENT_PYZ = "modelforge-node-agent.pyz"
 SUMS_NAME = "SHA256SUMS"
 # SHA256SUMS.template, as the verifier needs it when no checkout is at hand (a test keeps
@@ -11,9 +15,14 @@ SUMS_NAME = "SHA256SUMS"
 TEMPLATE_NAMES = (
     "modelforge-{version}-images.tar",
     "modelforge-{version}-manifest.json",
-    CONTROL_PLANE_PYZ,
+    *CONTROL_PLANE_ARCHIVES.values(),
     AGENT_PYZ,
 )
+
+
+def control_plane_archive(architecture: str) -> str:
+    """The release file of the control-plane archive for a Debian architecture (amd64)."""
+    return CONTROL_PLANE_ARCHIVES[architecture]
 
 
 def release_names(version: str) -> list[str]:

@@ -67,8 +67,11 @@ def format_line(digest: str, name: str) -> bytes:
 
 
 def display_name(name: str) -> str:
-    """The name as ``sha256sum -c`` prints it: escaped (with a leading ``\\``) only for newlines."""
-    if "\n" in name:
+    """The name as ``sha256sum -c`` of current coreutils (9.7, in Debian 13) prints it:
+    escaped, with a leading ``\\``, when it holds a backslash, newline or carriage return —
+    the same form as in SHA256SUMS. (coreutils 9.1, in Debian 12, escaped only names with a
+    newline and printed a carriage return raw, which can garble a terminal line.)"""
+    if any(char in name for char in _ESCAPES):
         return "\\" + "".join(_ESCAPES.get(char, char) for char in name)
     return name
 

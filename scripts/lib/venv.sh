@@ -4,9 +4,9 @@
 # as it is: scripts/run after scripts/test installs nothing.
 ensure_venv() {
     local extras="$1" py stamp hash
-    py=$(command -v python3.11 || command -v python3)
-    if ! "$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
-        echo "modelforge: Python 3.11 is required (found $("$py" --version 2>&1))" >&2
+    py=${MODELFORGE_PYTHON:-$(command -v python3)}
+    if ! "$py" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 13))'; then
+        echo "modelforge: CPython 3.10 to 3.13 is required (found $("$py" --version 2>&1))" >&2
         return 2
     fi
     if [ ! -x .venv/bin/python ]; then

@@ -6,6 +6,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from modelforge_contract import (
     EXIT_CREDENTIAL_REFUSED,
     EXIT_ENROLLMENT_REFUSED,
@@ -123,6 +125,7 @@ def test_enroll_publish_restart_and_new_identity(
     assert sorted(node["node_id"] for node in cp.nodes()) == sorted([node_id, new_id])
 
 
+@pytest.mark.slow
 def test_control_plane_restart_backoff_liveness_and_recovery(restartable_control_plane, tmp_path):
     cp = restartable_control_plane
     env = cpu_agent_env(cp, tmp_path, cp.plane.mint()["token"])

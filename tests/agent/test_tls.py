@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 import ssl
-import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +14,7 @@ from modelforge_node_agent.client import ControlPlaneClient, TransportFailure
 from modelforge_node_agent.settings import load_settings
 from modelforge_node_agent.transport import make_session
 
+from ..pki import CA_EXTENSIONS, SERVER_EXTENSIONS, issue_server_cert, make_ca
 from ..support import free_port
 from .processes import AgentProcess, agent_env
 from .servers import answer_json
@@ -23,60 +24,15 @@ NAME = "cp.modelforge.test"
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    """A private CA and two server certificates it signed: one for NAME, one for another name."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to mint test certificates")
+    """A private CA made as docs/node-agent.md says, two server certificates it signed (one
+    for NAME, one for another name), and a CA made with OpenSSL's defaults that signed a
+    certificate for NAME."""
     d = tmp_path_factory.mktemp("pki")
-
-    def openssl(*args):
-        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
-
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=ModelForge Test CA",
-    )
-    for stem, host in (("server", NAME), ("other", "other.modelforge.test")):
-        (d / f"{stem}.ext").write_text(f"subjectAltName=DNS:{host}\n")
-        openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            f"{stem}.key",
-            "-out",
-            f"{stem}.csr",
-            "-subj",
-            f"/CN={host}",
-        )
-        openssl(
-            "x509",
-            "-req",
-            "-in",
-            f"{stem}.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            f"{stem}.pem",
-            "-days",
-            "2",
-            "-extfile",
-            f"{stem}.ext",
-        )
+    make_ca(d, "ca")
+    issue_server_cert(d, "ca", "server", [NAME])
+    issue_server_cert(d, "ca", "other", ["other.modelforge.test"])
+    make_ca(d, "defaults-ca", careful=False)
+    issue_server_cert(d, "defaults-ca", "defaults", [NAME])
     return d
 
 
@@ -176,3 +132,26 @@ def test_tls_verify_false_works_and_warns_on_every_start(tls_server, tmp_path):
             agent.wait_for_log("ConnectError on POST /api/v1/agent/enroll")
             agent.terminate()
             assert "WARNING MODELFORGE_AGENT_TLS_VERIFY=false" in agent.log()
+
+
+def test_a_ca_made_with_openssl_defaults_is_named_as_the_cause_on_python_3_13(pki, tls_server):
+    """Python 3.13 verifies in strict X.509 mode: a CA without keyUsage is refused, and the
+    failure line says so; older Pythons accept it (the same CA works on Debian 12)."""
+    server = tls_server("defaults")
+    ca = str(pki / "defaults-ca.pem")
+    if sys.version_info < (3, 13):
+        assert call(server, MODELFORGE_AGENT_CA_CERT_PATH=ca) == {"compatibility": "COMPATIBLE"}
+        return
+    with pytest.raises(TransportFailure) as failure:
+        call(server, MODELFORGE_AGENT_CA_CERT_PATH=ca)
+    line = failure.value.describe()
+    assert line.startswith("TLSError on POST /api/v1/agent/heartbeat: the CA certificate has no ")
+    assert "keyUsage=critical,keyCertSign,cRLSign" in line
+    assert "docs/node-agent.md" in line
+
+
+def test_the_documented_ca_is_the_one_these_tests_make():
+    """docs/node-agent.md shows the extensions and openssl options tests/pki.py uses."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "node-agent.md").read_text()
+    for extension in (*CA_EXTENSIONS, *SERVER_EXTENSIONS):
+        assert extension in docs, extension

@@ -10,6 +10,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import requests
 
 from ..support import free_port, new_identity, wait_until_answering
@@ -159,6 +160,7 @@ class Host:
         return requests.get(self.url + path, headers=self.admin, timeout=10)
 
 
+@pytest.mark.slow
 def test_restore_brings_back_what_existed_and_keeps_later_revocations(tmp_path):
     host = Host(tmp_path)
     backup = tmp_path / "backups" / "modelforge-backup.sqlite3"
@@ -247,6 +249,7 @@ def test_restore_asks_before_replacing(tmp_path):
     assert "nothing was changed" in result.stderr
 
 
+@pytest.mark.slow
 def test_nodes_cli_readiness_revoke_cordon_decommission(tmp_path):
     host = Host(tmp_path)
     with host.serving():

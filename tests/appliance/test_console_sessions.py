@@ -176,7 +176,9 @@ def test_admin_tokens_keep_working_beside_sessions(sqlite_control_plane):
     set_password(cp)
     client = ConsoleClient(cp)
     client.sign_in()
-    # An admin token with a stale cookie alongside: the token decides.
+    # An admin token with a stale cookie alongside: the token decides. The stale cookie
+    # replaces the signed-in one (two cookies of one name would leave the pick to the jar).
+    client.http.cookies.clear()
     client.http.cookies.set(SESSION_COOKIE, "mfs_0000000000000000_" + "x" * 43)
     minted = client.http.post(
         cp.url + "/api/v1/admin/node-enrollments",

@@ -68,7 +68,11 @@ def test_sixty_threads_claim_one_token_and_exactly_one_wins(control_plane):
 
 def test_sixty_processes_claim_one_token_and_exactly_one_wins(control_plane):
     token = control_plane.mint()["token"]
-    context = multiprocessing.get_context("fork")
+    # Not "fork": this process runs waitress threads, and a child forked from a threaded
+    # process can inherit a held lock (CPython 3.12+ warns). The forkserver is forked once,
+    # before any thread, and makes the children.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
     barrier = context.Barrier(CLAIMS)
     results = context.Queue()
     processes = [

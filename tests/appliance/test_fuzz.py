@@ -130,6 +130,7 @@ def _real(headers: dict, cp, node: dict) -> dict:
     return {k: " ".join(swap.get(part, part) for part in v.split(" ")) for k, v in headers.items()}
 
 
+@pytest.mark.slow
 @settings(
     max_examples=400,
     deadline=None,

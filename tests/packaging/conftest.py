@@ -6,10 +6,13 @@ other test reuses these builds, so the suite pays for two builds of each.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -20,6 +23,28 @@ BUILD_SCRIPT = ROOT / "packaging" / "build_pyz.py"
 AGENT_ENTRY = ROOT / "agent" / "modelforge_node_agent" / "main.py"
 # Any fixed value: two builds of the same tree with the same epoch must match.
 SOURCE_DATE_EPOCH = "1767225600"
+# The control-plane archive for this machine (`uname -m`), and the other one.
+HOST_MACHINE = platform.machine()
+OTHER_MACHINE = "aarch64" if HOST_MACHINE == "x86_64" else "x86_64"
+OUTPUTS = {
+    "appliance-x86_64": "modelforge-x86_64.pyz",
+    "appliance-aarch64": "modelforge-aarch64.pyz",
+    "agent": "modelforge-node-agent.pyz",
+}
+
+
+def load_packaging_module(name: str) -> ModuleType:
+    """packaging/NAME.py as a module (the folder is not a package: `packaging` is PyPI's).
+    The folder goes on sys.path, as it is when the scripts run, for their sibling imports."""
+    folder = str(ROOT / "packaging")
+    if folder not in sys.path:
+        sys.path.append(folder)
+    spec = importlib.util.spec_from_file_location(f"mf_{name}", ROOT / "packaging" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def require_agent() -> None:
@@ -54,8 +79,7 @@ def build_pyz(target: str, dist: Path, work_dir: Path, source_root: Path = ROOT)
     )
     if result.returncode != 0:
         pytest.fail(f"building the {target} pyz failed:\n{result.stdout}{result.stderr}")
-    name = "modelforge.pyz" if target == "appliance" else "modelforge-node-agent.pyz"
-    return dist / name
+    return dist / OUTPUTS[target]
 
 
 @pytest.fixture(scope="session")
@@ -63,21 +87,43 @@ def pyz_dist(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("dist")
 
 
+# Build tools per interpreter (scripts/test runs the suite on several): no rebuilding them
+# each time another CPython runs the tests. pip's download cache is shared.
+WORK_DIR = ROOT / "build" / f"pyz-py{sys.version_info[0]}.{sys.version_info[1]}"
+
+
 @pytest.fixture(scope="session")
 def appliance_pyz(pyz_dist) -> Path:
-    return build_pyz("appliance", pyz_dist, ROOT / "build" / "pyz")
+    """The control-plane archive for the machine the tests run on."""
+    return build_pyz(f"appliance-{HOST_MACHINE}", pyz_dist, WORK_DIR)
+
+
+@pytest.fixture(scope="session")
+def foreign_appliance_pyz(pyz_dist) -> Path:
+    """The control-plane archive for the other supported machine."""
+    return build_pyz(f"appliance-{OTHER_MACHINE}", pyz_dist, WORK_DIR)
 
 
 @pytest.fixture(scope="session")
 def agent_pyz(pyz_dist) -> Path:
     require_agent()
-    return build_pyz("agent", pyz_dist, ROOT / "build" / "pyz")
+    return build_pyz("agent", pyz_dist, WORK_DIR)
 
 
 def pyz_command(pyz: Path, *args: str) -> list[str]:
     """Run an archive with only the standard library around it (-I -S): nothing from this
     virtualenv or the system's site-packages can stand in for something the pyz lacks."""
     return [sys.executable, "-I", "-S", str(pyz), *args]
+
+
+def shebang_env(**extra: str) -> dict[str, str]:
+    """clean_env with this interpreter first on PATH: `./archive.pyz` runs under it through
+    its `#!/usr/bin/env python3` line, as it runs under the system python3 on a host."""
+    env = clean_env(**extra)
+    here = Path(sys.base_prefix) / "bin"  # the interpreter itself, not this virtualenv
+    assert (here / "python3").exists(), f"{here} has no python3 for the shebang to find"
+    env["PATH"] = f"{here}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
+    return env
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -6,15 +6,26 @@ import hashlib
 import re
 import shutil
 import subprocess
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from modelforge_appliance import doctor
 from modelforge_contract import PROTOCOL_VERSION, __version__
+from tests.support import tomllib
 
-from .conftest import ROOT, build_pyz, clean_env, pyz_command, require_agent
+from .conftest import (
+    HOST_MACHINE,
+    OTHER_MACHINE,
+    ROOT,
+    build_pyz,
+    clean_env,
+    load_packaging_module,
+    pyz_command,
+    require_agent,
+    shebang_env,
+)
 
 APPLIANCE_NEEDS = {
     "modelforge_contract",
@@ -82,16 +93,113 @@ def copy_source_tree(destination: Path) -> Path:
     return destination
 
 
+FIXTURES = {
+    f"appliance-{HOST_MACHINE}": "appliance_pyz",
+    f"appliance-{OTHER_MACHINE}": "foreign_appliance_pyz",
+    "agent": "agent_pyz",
+}
+ELF_MACHINES = {"x86_64": 62, "aarch64": 183}
+# Anything built for one CPython carries its tag in the name: cpython-312.
+VERSION_TIED = re.compile(r"\.cpython-(\d)(\d+)[-.]")
+
+
+def supported_pythons() -> list[str]:
+    """CPython minor versions pyproject.toml's requires-python admits (">=3.10,<3.14")."""
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    low, high = re.fullmatch(r">=3\.(\d+),<3\.(\d+)", requires).groups()
+    return [f"3.{minor}" for minor in range(int(low), int(high))]
+
+
+def archive_files(pyz: Path) -> dict[str, bytes]:
+    with zipfile.ZipFile(pyz) as archive:
+        return {
+            info.filename: archive.read(info)
+            for info in archive.infolist()
+            if not info.is_dir() and info.filename.startswith("site-packages/")
+        }
+
+
+def is_elf(data: bytes) -> bool:
+    return data[:4] == b"\x7fELF"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["appliance", "agent"])
+@pytest.mark.parametrize("target", sorted(FIXTURES))
 def test_rebuild_elsewhere_is_byte_identical(target, request, tmp_path):
     """Same tree and SOURCE_DATE_EPOCH, another path, fresh build tools: the same bytes."""
     if target == "agent":
         require_agent()
-    first = request.getfixturevalue(f"{target}_pyz")
+    first = request.getfixturevalue(FIXTURES[target])
     tree = copy_source_tree(tmp_path / "checkout")
     second = build_pyz(target, tmp_path / "dist", tmp_path / "work", source_root=tree)
     assert sha256(second) == sha256(first)
+
+
+def test_one_list_of_supported_pythons():
+    """requires-python, the build and the doctor name the same CPython versions."""
+    build = load_packaging_module("build_pyz")
+    assert list(build.PYTHONS) == supported_pythons() == ["3.10", "3.11", "3.12", "3.13"]
+    assert [f"{major}.{minor}" for major, minor in doctor.SUPPORTED_PYTHONS] == list(build.PYTHONS)
+
+
+@pytest.mark.parametrize("fixture", ["appliance_pyz", "foreign_appliance_pyz"])
+def test_control_plane_archive_carries_every_compiled_module_for_every_python(fixture, request):
+    """Nothing in it is tied to one CPython without its siblings for the others."""
+    pyz = request.getfixturevalue(fixture)
+    families: dict[str, set[str]] = {}
+    for name in archive_files(pyz):
+        tied = VERSION_TIED.search(name)
+        if tied:
+            family = (
+                name[: tied.start()]
+                + "*"
+                + name[tied.end() - 1 :].replace(f"cpython-{tied.group(1)}{tied.group(2)}", "*")
+            )
+            families.setdefault(family, set()).add(f"{tied.group(1)}.{tied.group(2)}")
+    assert families, "no CPython-specific module at all: is psycopg2 still in the archive?"
+    for family, versions in families.items():
+        assert sorted(versions) == supported_pythons(), family
+
+
+@pytest.mark.parametrize("fixture", ["appliance_pyz", "foreign_appliance_pyz"])
+def test_every_compiled_file_is_built_for_the_archives_machine(fixture, request):
+    pyz = request.getfixturevalue(fixture)
+    machine = re.fullmatch(r"modelforge-(\w+)\.pyz", pyz.name).group(1)
+    compiled = {name: data for name, data in archive_files(pyz).items() if is_elf(data)}
+    assert any(
+        name.endswith("_psycopg.cpython-313-" + machine + "-linux-gnu.so") for name in compiled
+    )
+    wrong = {
+        name: int.from_bytes(data[18:20], "little")
+        for name, data in compiled.items()
+        if int.from_bytes(data[18:20], "little") != ELF_MACHINES[machine]
+    }
+    assert wrong == {}
+
+
+def test_agent_archive_holds_no_compiled_module(agent_pyz):
+    files = archive_files(agent_pyz)
+    assert [name for name, data in files.items() if is_elf(data)] == []
+    assert [name for name in files if re.search(r"\.(so|pyd)(\.|$)", name)] == []
+    assert [name for name in files if VERSION_TIED.search(name)] == []
+    # charset_normalizer's compiled speed-ups are not there; its pure-Python twins are.
+    assert "site-packages/charset_normalizer/md.py" in files
+
+
+def test_wrong_machine_archive_says_which_one_to_use(foreign_appliance_pyz, tmp_path):
+    result = subprocess.run(
+        pyz_command(foreign_appliance_pyz, "--help"),
+        env=clean_env(SHIV_ROOT=str(tmp_path / "shiv")),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"{foreign_appliance_pyz.name} is built for {OTHER_MACHINE} Linux (glibc); this Python "
+        f"is for {HOST_MACHINE}-linux-gnu: use modelforge-{HOST_MACHINE}.pyz instead"
+    )
 
 
 def test_appliance_pyz_carries_the_control_plane_and_nothing_for_nodes(appliance_pyz):
@@ -106,12 +214,12 @@ def test_agent_pyz_carries_no_control_plane_dependencies(agent_pyz):
     assert not AGENT_MUST_NOT & names, f"must not carry: {AGENT_MUST_NOT & names}"
 
 
-@pytest.mark.parametrize("target", ["appliance", "agent"])
-def test_archive_entries_are_normalised(target, request):
+@pytest.mark.parametrize("fixture", sorted(FIXTURES.values()))
+def test_archive_entries_are_normalised(fixture, request):
     """One timestamp, no bytecode, no console-script shims naming the build interpreter."""
-    if target == "agent":
+    if fixture == "agent_pyz":
         require_agent()
-    pyz = request.getfixturevalue(f"{target}_pyz")
+    pyz = request.getfixturevalue(fixture)
     with zipfile.ZipFile(pyz) as archive:
         infos = archive.infolist()
         environment = archive.read("environment.json").decode()
@@ -119,17 +227,18 @@ def test_archive_entries_are_normalised(target, request):
     assert not [info.filename for info in infos if info.filename.endswith(".pyc")]
     assert not [info.filename for info in infos if info.filename.startswith("site-packages/bin/")]
     assert f'"build_id": "{__version__}-' in environment
-    assert pyz.read_bytes().startswith(b"#!/usr/bin/env python3.11\n")
+    assert pyz.read_bytes().startswith(b"#!/usr/bin/env python3\n")
 
 
 @pytest.mark.parametrize("target", ["appliance", "agent"])
 def test_pyz_prints_version_and_protocol(target, request, tmp_path):
+    """Started as ./archive.pyz: the shebang finds python3, whichever supported one it is."""
     if target == "agent":
         require_agent()
     pyz = request.getfixturevalue(f"{target}_pyz")
     result = subprocess.run(
-        pyz_command(pyz, "--version"),
-        env=clean_env(SHIV_ROOT=str(tmp_path / "shiv")),
+        [str(pyz), "--version"],
+        env=shebang_env(SHIV_ROOT=str(tmp_path / "shiv")),
         capture_output=True,
         text=True,
         timeout=60,

@@ -7,14 +7,14 @@ import os
 import socket
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
 from modelforge_appliance import doctor
-from tests.support import IN_CI
+from tests.support import IN_CI, tomllib
 
+from ..pki import issue_server_cert, make_ca, tls_listener
 from ..support import free_port
 from .conftest import ROOT, clean_env
 
@@ -148,8 +148,93 @@ def test_clock_checks():
 
 def test_python_check_matches_requires_python():
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
-    major, minor = doctor.SUPPORTED_PYTHON
-    assert requires == f">={major}.{minor},<{major}.{minor + 1}"
-    assert doctor.check_python((major, minor, 9)).ok
-    wrong = doctor.check_python((major, minor + 1, 0))
-    assert not wrong.ok and f"python{major}.{minor}" in wrong.fix
+    first, last = doctor.SUPPORTED_PYTHONS[0], doctor.SUPPORTED_PYTHONS[-1]
+    assert requires == f">={first[0]}.{first[1]},<{last[0]}.{last[1] + 1}"
+    # No gap in the supported set: every minor version in the range is carried.
+    assert [minor for _, minor in doctor.SUPPORTED_PYTHONS] == list(range(first[1], last[1] + 1))
+    for major, minor in doctor.SUPPORTED_PYTHONS:
+        assert doctor.check_python((major, minor, 9), {}).ok
+    assert doctor.check_python(tuple(sys.version_info[:3])).ok
+
+
+DEBIAN_13 = {"ID": "debian", "VERSION_ID": "13", "PRETTY_NAME": "Debian GNU/Linux 13 (trixie)"}
+UBUNTU_20 = {"ID": "ubuntu", "VERSION_ID": "20.04", "PRETTY_NAME": "Ubuntu 20.04.6 LTS"}
+ALPINE = {"ID": "alpine", "VERSION_ID": "3.20.0", "PRETTY_NAME": "Alpine Linux v3.20"}
+
+
+def test_python_check_names_the_fix_for_this_distribution():
+    # Python 3.9 started by hand on Debian 13: its own python3 (3.13) is the way out.
+    on_debian = doctor.check_python((3, 9, 2), DEBIAN_13)
+    assert not on_debian.ok and "needs CPython 3.10–3.13" in on_debian.detail
+    assert "Debian 13 / Proxmox VE 9 ships Python 3.13" in on_debian.fix
+    assert "apt install python3" in on_debian.fix
+    # Ubuntu 20.04's own python3 is too old: no apt line would help.
+    too_old = doctor.check_python((3, 8, 10), UBUNTU_20)
+    assert "Ubuntu 20.04 ships Python 3.8, which is too old" in too_old.fix
+    assert "apt install" not in too_old.fix
+    # A newer CPython than supported, on a system the doctor does not know.
+    newer = doctor.check_python((3, 14, 0), ALPINE)
+    assert "Python 3.14.0 is running" in newer.detail
+    assert "Alpine Linux v3.20" in newer.fix and "3.10–3.13" in newer.fix
+    assert "python3.11" not in on_debian.fix + too_old.fix + newer.fix
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """A CA made as docs/node-agent.md says and one made with OpenSSL's defaults, each with a
+    server certificate for 127.0.0.1."""
+    directory = tmp_path_factory.mktemp("pki")
+    make_ca(directory, "careful")
+    issue_server_cert(directory, "careful", "good", ["127.0.0.1"])
+    make_ca(directory, "defaults", careful=False)
+    issue_server_cert(directory, "defaults", "weak", ["127.0.0.1"])
+    return directory
+
+
+def test_doctor_names_a_ca_that_python_3_13_agents_refuse(initialised, pki):
+    """Whatever Python runs the doctor, it checks as agents on Python 3.13+ verify."""
+    with tls_listener(pki / "weak.pem", pki / "weak.key") as port:
+        code, report = run_doctor(
+            initialised,
+            "--ca-cert",
+            str(pki / "defaults.pem"),
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            MODELFORGE_PUBLIC_API_ORIGIN=f"https://127.0.0.1:{port}",
+        )
+    assert code == 1 and set(failed(report)) == {"tls"}
+    problem = failed(report)["tls"]
+    assert problem["detail"] == (
+        f"agents on Python 3.13+ refuse 127.0.0.1:{port}: the CA certificate has no keyUsage "
+        "extension; Python 3.13 and newer refuse such a certificate. Remake the CA with "
+        "keyUsage=critical,keyCertSign,cRLSign (and reissue the server certificate) as "
+        "docs/node-agent.md, section Private CA shows"
+    )
+    assert problem["fix"] == "docs/node-agent.md, section Private CA"
+
+
+def test_doctor_passes_a_ca_made_as_documented(initialised, pki):
+    with tls_listener(pki / "good.pem", pki / "good.key") as port:
+        code, report = run_doctor(
+            initialised,
+            "--ca-cert",
+            str(pki / "careful.pem"),
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            MODELFORGE_PUBLIC_API_ORIGIN=f"https://127.0.0.1:{port}",
+        )
+    assert failed(report) == {} and code == 0
+    tls = next(check for check in report["checks"] if check["name"] == "tls")
+    assert tls["detail"].startswith(f"127.0.0.1:{port} (TLSv1.3) verifies against")
+
+
+def test_doctor_tls_check_needs_an_https_origin(initialised, pki):
+    code, report = run_doctor(
+        initialised,
+        "--ca-cert",
+        str(pki / "careful.pem"),
+        "--listen",
+        f"127.0.0.1:{free_port()}",
+    )
+    assert code == 1
+    assert "agents would not use TLS" in failed(report)["tls"]["detail"]

@@ -36,11 +36,12 @@ class ServedAppliance:
         return requests.request(method, self.url + path, headers=headers, timeout=30, **kwargs)
 
 
-def read_only_install(pyz: Path, directory: Path) -> Path:
+def read_only_install(pyz: Path, directory: Path, name: str | None = None) -> Path:
     """Copy the archive into a directory nobody may write (as /opt/modelforge is under
-    ProtectSystem=strict)."""
+    ProtectSystem=strict), under the name the units use (modelforge-$(uname -m).pyz is
+    installed as modelforge.pyz, docs/install-systemd.md)."""
     directory.mkdir(parents=True)
-    installed = directory / pyz.name
+    installed = directory / (name or pyz.name)
     shutil.copyfile(pyz, installed)
     installed.chmod(0o555)
     directory.chmod(0o555)
@@ -50,7 +51,7 @@ def read_only_install(pyz: Path, directory: Path) -> Path:
 @pytest.fixture(scope="module")
 def served_appliance(appliance_pyz, tmp_path_factory) -> Iterator[ServedAppliance]:
     base = tmp_path_factory.mktemp("appliance")
-    installed = read_only_install(appliance_pyz, base / "opt")
+    installed = read_only_install(appliance_pyz, base / "opt", "modelforge.pyz")
     # HOME is unwritable too: shiv must use SHIV_ROOT, never ~/.shiv.
     home = base / "home"
     home.mkdir(mode=0o555)

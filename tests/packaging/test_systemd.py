@@ -80,8 +80,11 @@ def test_unit_keeps_state_and_cache_where_the_service_owns_them(unit):
     assert found["UMask"] == ["0077"]
     assert found["ProtectSystem"] == ["strict"]
     assert found["CapabilityBoundingSet"] == [""]
-    # The archive is read from an install path the service cannot write.
-    assert Path(found["ExecStart"][0].split()[1]).parent == Path("/opt/modelforge")
+    # The archive is read from an install path the service cannot write, by the system's
+    # own python3 (any of CPython 3.10-3.13), never a versioned name like python3.11.
+    interpreter, archive = found["ExecStart"][0].split()[:2]
+    assert interpreter == "/usr/bin/python3"
+    assert Path(archive).parent == Path("/opt/modelforge")
 
 
 def test_agent_unit_keeps_nvidia_devices_and_nvml():

@@ -186,7 +186,8 @@ def resum(directory: Path) -> None:
     names = [
         f"modelforge-{version}-images.tar",
         f"modelforge-{version}-manifest.json",
-        "modelforge.pyz",
+        "modelforge-x86_64.pyz",
+        "modelforge-aarch64.pyz",
         "modelforge-node-agent.pyz",
     ]
     result = run_release(

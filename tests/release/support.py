@@ -33,6 +33,7 @@ def make_files(directory: Path, contents: dict[str, bytes]) -> list[Path]:
 RELEASE_FILES = {
     "modelforge-0.1.0-images.tar": os.urandom(300_000),
     "modelforge-0.1.0-manifest.json": b'{"images": []}\n',
-    "modelforge.pyz": os.urandom(70_000),
+    "modelforge-x86_64.pyz": os.urandom(70_000),
+    "modelforge-aarch64.pyz": os.urandom(80_000),
     "modelforge-node-agent.pyz": b"",  # an empty file has a well-known sum
 }

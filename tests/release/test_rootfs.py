@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import re
 import tarfile
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from modelforge_release.image_checks import elf_dependencies, forbidden_paths, m
 from modelforge_release.images import IMAGES, LICENSES
 from modelforge_release.names import TEMPLATE_NAMES
 from modelforge_release.rootfs import Entry, Tree, kept, merged_usr, write_layer
+from tests.support import tomllib
 
 from .images_support import ROOT
 

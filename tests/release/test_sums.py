@@ -11,7 +11,8 @@ TEMPLATE = ROOT / "SHA256SUMS.template"
 TEMPLATE_ORDER = [
     "modelforge-0.1.0-images.tar",
     "modelforge-0.1.0-manifest.json",
-    "modelforge.pyz",
+    "modelforge-x86_64.pyz",
+    "modelforge-aarch64.pyz",
     "modelforge-node-agent.pyz",
 ]
 
@@ -42,17 +43,19 @@ def test_names_needing_escapes_match_sha256sum(tmp_path):
 
 def test_names_are_relative_to_the_output_directory(tmp_path):
     dist = tmp_path / "dist"
-    make_files(dist, {"modelforge.pyz": b"pyz", "images/modelforge-0.1.0-images.tar": b"tar"})
+    make_files(
+        dist, {"modelforge-x86_64.pyz": b"pyz", "images/modelforge-0.1.0-images.tar": b"tar"}
+    )
     result = release(
         "sums",
         "--output",
         dist / "SHA256SUMS",
-        dist / "modelforge.pyz",
+        dist / "modelforge-x86_64.pyz",
         dist / "images" / "modelforge-0.1.0-images.tar",
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
-    expected = sha256sum("modelforge.pyz", "images/modelforge-0.1.0-images.tar", cwd=dist)
+    expected = sha256sum("modelforge-x86_64.pyz", "images/modelforge-0.1.0-images.tar", cwd=dist)
     assert (dist / "SHA256SUMS").read_bytes() == expected.stdout
 
 
@@ -127,7 +130,7 @@ def test_files_must_be_exactly_the_templates(tmp_path):
     assert extra.returncode == 2
     assert b"not in the template: stray.txt" in extra.stderr
     short = release(
-        "sums", "--template", TEMPLATE, "--version", "0.1.0", *TEMPLATE_ORDER[:3], cwd=tmp_path
+        "sums", "--template", TEMPLATE, "--version", "0.1.0", *TEMPLATE_ORDER[:-1], cwd=tmp_path
     )
     assert short.returncode == 2
     assert b"not given: modelforge-node-agent.pyz" in short.stderr

@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 import pty
 import re
+import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
+from ..packaging.debian_roots import DEBIAN_ARCH, debian_root_or_skip, in_root
 from .support import RELEASE, RELEASE_FILES, make_files, release, sha256sum
 
 NAMES = list(RELEASE_FILES)
@@ -47,24 +51,66 @@ def test_names_are_read_relative_to_the_sums_directory(bundle, tmp_path_factory)
     assert result.returncode == 0, result.stderr
 
 
+ODD_NAMES = {"a.pyz": b"a", "new\nline": b"b", "back\\slash": b"c", "carriage\rreturn": b"d"}
+# verify-sums shows every name that needs it escaped, as coreutils 9.7 (Debian 13) does.
+ODD_NAMES_CHECKED = b"a.pyz: OK\n\\new\\nline: OK\n\\back\\\\slash: OK\n\\carriage\\rreturn: OK\n"
+# coreutils 9.1 (Debian 12) escaped only the name with a newline.
+ODD_NAMES_CHECKED_9_1 = b"a.pyz: OK\n\\new\\nline: OK\nback\\slash: OK\ncarriage\rreturn: OK\n"
+
+
+def coreutils_version() -> tuple[int, ...]:
+    first = sha256sum("--version").stdout.decode().splitlines()[0]
+    return tuple(int(part) for part in first.rsplit(" ", 1)[1].split("."))
+
+
 def test_binary_mode_and_escaped_names_from_sha256sum(tmp_path):
-    contents = {"a.pyz": b"a", "new\nline": b"b", "back\\slash": b"c", "carriage\rreturn": b"d"}
-    make_files(tmp_path, contents)
-    (tmp_path / "SHA256SUMS").write_bytes(sha256sum("-b", *contents, cwd=tmp_path).stdout)
+    make_files(tmp_path, ODD_NAMES)
+    (tmp_path / "SHA256SUMS").write_bytes(sha256sum("-b", *ODD_NAMES, cwd=tmp_path).stdout)
     assert b" *a.pyz\n" in (tmp_path / "SHA256SUMS").read_bytes()
     result = release("verify-sums", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == sha256sum("-c", "SHA256SUMS", cwd=tmp_path).stdout
+    assert result.stdout == ODD_NAMES_CHECKED
+    reference = sha256sum("-c", "SHA256SUMS", cwd=tmp_path)
+    if coreutils_version() >= (9, 7):
+        assert result.stdout == reference.stdout
+    else:  # an older sha256sum on this machine: it differs only as documented
+        assert reference.stdout == ODD_NAMES_CHECKED_9_1
+
+
+@pytest.mark.slow
+def test_escaped_names_as_coreutils_9_7_in_a_debian_13_root_shows_them():
+    """The real sha256sum of Debian 13 (coreutils 9.7) over the same files and SHA256SUMS."""
+    root = debian_root_or_skip("trixie", DEBIAN_ARCH[os.uname().machine])
+    work = Path(tempfile.mkdtemp(prefix="verify-sums-", dir=root / "tmp"))
+    try:
+        make_files(work, ODD_NAMES)
+        (work / "SHA256SUMS").write_bytes(sha256sum(*ODD_NAMES, cwd=work).stdout)
+        inside = f"/tmp/{work.name}"
+        version = subprocess.run(
+            in_root(root, ["sha256sum", "--version"], {}), capture_output=True, timeout=60
+        )
+        assert b"coreutils) 9.7" in version.stdout, version.stdout
+        reference = subprocess.run(
+            in_root(root, ["sha256sum", "-c", "SHA256SUMS"], {}, cwd=inside),
+            capture_output=True,
+            timeout=60,
+        )
+        assert reference.returncode == 0, reference.stderr
+        assert reference.stdout == ODD_NAMES_CHECKED
+        result = release("verify-sums", cwd=work)
+        assert result.stdout == reference.stdout
+    finally:
+        shutil.rmtree(work)
 
 
 def test_corrupted_file_fails_like_sha256sum(bundle):
-    with (bundle / "modelforge.pyz").open("r+b") as file:
+    with (bundle / "modelforge-x86_64.pyz").open("r+b") as file:
         file.seek(40_000)
         file.write(b"\0")
     result = release("verify-sums", cwd=bundle)
     reference = sha256sum("-c", "SHA256SUMS", cwd=bundle)
     assert result.returncode == 1
-    assert b"modelforge.pyz: FAILED\n" in result.stdout
+    assert b"modelforge-x86_64.pyz: FAILED\n" in result.stdout
     assert result.stdout == reference.stdout
     assert stderr_lines(result, b"modelforge-release") == stderr_lines(reference, b"sha256sum")
     assert stderr_lines(result, b"modelforge-release") == [
@@ -77,13 +123,13 @@ def test_uppercase_hex_is_accepted_and_still_compared(bundle):
     lines = sums.read_bytes().splitlines(keepends=True)
     sums.write_bytes(b"".join(line[:64].upper() + line[64:] for line in lines))
     assert release("verify-sums", cwd=bundle).returncode == 0
-    (bundle / "modelforge.pyz").write_bytes(b"replaced")
+    (bundle / "modelforge-x86_64.pyz").write_bytes(b"replaced")
     assert release("verify-sums", cwd=bundle).returncode == 1
 
 
 def test_missing_file_fails_open_or_read(bundle):
     (bundle / "modelforge-node-agent.pyz").unlink()
-    (bundle / "modelforge.pyz").write_bytes(b"changed")
+    (bundle / "modelforge-x86_64.pyz").write_bytes(b"changed")
     result = release("verify-sums", cwd=bundle)
     reference = sha256sum("-c", "SHA256SUMS", cwd=bundle)
     assert result.returncode == 1
@@ -106,10 +152,10 @@ def test_ignore_missing_skips_absent_files_but_not_an_empty_check(bundle):
 
 
 def test_quiet_prints_only_failures(bundle):
-    (bundle / "modelforge.pyz").write_bytes(b"changed")
+    (bundle / "modelforge-x86_64.pyz").write_bytes(b"changed")
     result = release("verify-sums", "--quiet", cwd=bundle)
     assert result.returncode == 1
-    assert result.stdout == b"modelforge.pyz: FAILED\n"
+    assert result.stdout == b"modelforge-x86_64.pyz: FAILED\n"
     assert result.stdout == sha256sum("-c", "--quiet", "SHA256SUMS", cwd=bundle).stdout
 
 
@@ -123,7 +169,7 @@ def test_comments_blank_lines_and_crlf_are_tolerated(bundle):
 @pytest.mark.parametrize(
     "line",
     [
-        b"not a sum  modelforge.pyz",
+        b"not a sum  modelforge-x86_64.pyz",
         b"e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b85  short-by-one",
         b"e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855 single-space",
         b"e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855  ",
@@ -173,6 +219,7 @@ def test_empty_sums_fails(tmp_path):
     assert b"no properly formatted checksum lines found" in result.stderr
 
 
+@pytest.mark.slow
 def test_progress_only_for_large_files_on_a_terminal(tmp_path):
     big = tmp_path / "big.tar"
     with big.open("wb") as file:
