@@ -52,6 +52,41 @@ class StoreVersionError(Exception):
     """The store was written by a newer program (or is otherwise unusable)."""
 
 
+class _SqliteDatabase(pw.SqliteDatabase):
+    """peewee's SQLite database, knowing every connection it opened in any thread.
+
+    peewee keeps one connection per thread; closing the store closes them all, so the last
+    close checkpoints the WAL and SQLite removes it, whatever the interpreter does with the
+    server's finished threads at exit (a WAL left beside a stopped store is read by the
+    next start; ``modelforge backup`` refuses a path that could be taken for one).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._open: set[Any] = set()
+        self._open_lock = threading.Lock()
+
+    def _connect(self) -> Any:
+        connection = super()._connect()
+        with self._open_lock:
+            self._open.add(connection)
+        return connection
+
+    def _close(self, conn: Any) -> None:
+        with self._open_lock:
+            self._open.discard(conn)
+        super()._close(conn)
+
+    def close_all(self) -> None:
+        """Close this thread's connection, then every other thread's (all done by now)."""
+        if not self.is_closed():
+            self.close()
+        with self._open_lock:
+            left, self._open = self._open, set()
+        for connection in left:
+            connection.close()
+
+
 def open_database(url: str) -> pw.Database:
     """Create (without connecting) the peewee database for a sqlite:/// or postgresql:// URL."""
     parts = urlsplit(url)
@@ -60,7 +95,7 @@ def open_database(url: str) -> pw.Database:
         if url.startswith("sqlite:////"):
             path = "/" + path.lstrip("/")
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return pw.SqliteDatabase(path, pragmas=SQLITE_PRAGMAS, timeout=10)
+        return _SqliteDatabase(path, pragmas=SQLITE_PRAGMAS, timeout=10, check_same_thread=False)
     if parts.scheme in ("postgresql", "postgres"):
         return pw.PostgresqlDatabase(
             unquote(parts.path.lstrip("/")) or "postgres",
@@ -179,7 +214,10 @@ class Store:
         yield
 
     def close(self) -> None:
-        if not self.db.is_closed():
+        """Done with the store: close its connections, those of finished threads too."""
+        if isinstance(self.db, _SqliteDatabase):
+            self.db.close_all()
+        elif not self.db.is_closed():
             self.db.close()
 
     def current_version(self) -> int:
