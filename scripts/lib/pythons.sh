@@ -2,7 +2,7 @@
 # the host set-up the Debian-root tests need (tests/packaging/test_debian_hosts.py).
 #
 # MF_TEST_PYTHONS lists the extra CPython versions (default: every supported one but that of
-# .venv, which the main run covers: "3.10 3.12 3.13" where .venv is 3.11). Each is looked up
+# .venv, which runs anyway: "3.10 3.12 3.13" where .venv is 3.11). Each is looked up
 # as pythonX.Y on PATH, then among pyenv's builds. With CI=true a missing one fails the run
 # instead of being skipped; MF_TEST_PYTHONS="" (not with CI=true) runs none.
 
@@ -54,15 +54,39 @@ find_python() {
     return 1
 }
 
-# run_other_pythons EXTRAS [PYTEST ARGS]: install the project with EXTRAS into .venv-pyX.Y and
-# run the quick part of the suite on each extra CPython: everything but the tests marked slow
-# (the main run has them), docker (image builds: dockerd does the work, not Python) or browser
-# (the console's pages are the same whatever Python serves them).
+# The suite runs in two parts. The tests marked slow, docker or browser (fleets of a thousand
+# agents, image builds, Debian roots under qemu, Chromium) run once, on .venv's CPython, with
+# the machine to themselves. Everything else is the quick part: it runs on every supported
+# CPython, the runs side by side (MF_TEST_PARALLEL at a time, default all of them): most of a
+# run is waiting on the processes and sockets its tests start, so on two cores four runs at
+# once take about as long as two in a row. Each writes build/test-logs/pytest-pyX.Y.log,
+# printed whole when it ends. They share only PostgreSQL (every test makes its own database)
+# and pip's download cache; each has its own temporary directories and archive build
+# directory.
+HEAVY_MARKERS="slow or docker or browser"
 QUICK_MARKERS="not slow and not docker and not browser"
-# Prints one summary line per version; returns non-zero when any run failed or, with
-# CI=true, when a version is missing.
-run_other_pythons() {
-    local extras="$1" version python venv stamp want status=0 started main versions
+# How many runs (heavy and quick) selected at least one test; scripts/test fails when none did.
+RUNS_WITH_TESTS=0
+
+# run_heavy_tests [PYTEST ARGS]: the heavy part on .venv's CPython.
+run_heavy_tests() {
+    local code=0
+    log "pytest on $(.venv/bin/python --version 2>&1) (-m '$HEAVY_MARKERS')"
+    .venv/bin/python -m pytest -m "$HEAVY_MARKERS" "$@" || code=$?
+    case $code in
+        0) RUNS_WITH_TESTS=$((RUNS_WITH_TESTS + 1)) ;;
+        5) log "no test marked slow, docker or browser among those selected" ;;
+        *) RUNS_WITH_TESTS=$((RUNS_WITH_TESTS + 1)); return 1 ;;
+    esac
+}
+
+# run_quick_tests EXTRAS [PYTEST ARGS]: the quick part on .venv's CPython and on every other
+# supported one, each of those installed with EXTRAS into .venv-pyX.Y. MF_TEST_PYTHONS lists
+# the other versions. Returns non-zero when any run failed or, with CI=true, when a version
+# is missing.
+run_quick_tests() {
+    local extras="$1" version python venv stamp want status=0 main versions i
+    local parallel=${MF_TEST_PARALLEL:-0} logs=build/test-logs pids=() pythons=() ready=()
     shift
     main=$(.venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
     versions=${MF_TEST_PYTHONS-$(for v in $SUPPORTED_PYTHONS; do [ "$v" = "$main" ] || echo "$v"; done)}
@@ -70,7 +94,16 @@ run_other_pythons() {
         echo "MF_TEST_PYTHONS is empty: with CI=true every supported CPython must run" >&2
         return 1
     fi
+    case "$parallel" in
+        '' | *[!0-9]*)
+            echo "MF_TEST_PARALLEL must be a whole number of runs (0 or unset: all at once), not '$parallel'" >&2
+            return 1
+            ;;
+    esac
+    ready=("$main")
+    pythons=(.venv/bin/python)
     for version in $versions; do
+        [ "$version" != "$main" ] || continue
         if ! python=$(find_python "$version"); then
             if [ "${IN_CI:-}" = 1 ]; then
                 echo "CPython $version not found (python$version on PATH or a pyenv build): with CI=true that fails the run" >&2
@@ -91,16 +124,48 @@ run_other_pythons() {
                 -e ".[$extras]" 2> >(grep -v '^WARNING: Location' >&2)
             echo "$want" > "$stamp"
         fi
-        log "pytest on $("$venv/bin/python" --version 2>&1) (-m '$QUICK_MARKERS')"
-        started=$SECONDS
-        set +e
-        "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "$QUICK_MARKERS" "$@"
-        case $? in
-            0) log "CPython $version: passed in $((SECONDS - started)) s" ;;
-            5) log "CPython $version: no quick test among those selected" ;;
-            *) log "CPython $version: FAILED"; status=1 ;;
-        esac
-        set -e
+        ready+=("$version")
+        pythons+=("$venv/bin/python")
+    done
+    [ "$parallel" -gt 0 ] || parallel=${#ready[@]}
+    mkdir -p "$logs"
+    for ((i = 0; i < ${#ready[@]}; i++)); do
+        if [ "$i" -ge "$parallel" ]; then
+            finish_quick_run "${ready[i - parallel]}" "${pids[i - parallel]}" "$logs" || status=1
+        fi
+        version=${ready[i]}
+        log "pytest on $("${pythons[i]}" --version 2>&1) (-m '$QUICK_MARKERS') in the background: $logs/pytest-py$version.log"
+        (
+            started=$SECONDS code=0
+            "${pythons[i]}" -m pytest -q -p no:cacheprovider -m "$QUICK_MARKERS" "$@" || code=$?
+            echo "(ran for $((SECONDS - started)) s)"
+            exit "$code"
+        ) > "$logs/pytest-py$version.log" 2>&1 &
+        pids+=("$!")
+    done
+    for ((i = ${#ready[@]} - parallel; i < ${#ready[@]}; i++)); do
+        [ "$i" -ge 0 ] || continue
+        finish_quick_run "${ready[i]}" "${pids[i]}" "$logs" || status=1
     done
     return "$status"
+}
+
+# finish_quick_run VERSION PID LOGS: wait for one run, print its log and a summary line.
+finish_quick_run() {
+    local version="$1" pid="$2" logs="$3" code=0
+    wait "$pid" || code=$?
+    echo "---- CPython $version, quick part ($logs/pytest-py$version.log) ----" >&2
+    cat "$logs/pytest-py$version.log" >&2
+    case $code in
+        0)
+            RUNS_WITH_TESTS=$((RUNS_WITH_TESTS + 1))
+            log "CPython $version: passed ($(tail -n 1 "$logs/pytest-py$version.log" | tr -d '()'))"
+            ;;
+        5) log "CPython $version: no quick test among those selected" ;;
+        *)
+            RUNS_WITH_TESTS=$((RUNS_WITH_TESTS + 1))
+            log "CPython $version: FAILED"
+            return 1
+            ;;
+    esac
 }
