@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NoReturn
@@ -60,6 +61,80 @@ def wait_until_answering(
             pass
         assert time.monotonic() < deadline, f"{url} did not answer within {timeout}s{log()}"
         time.sleep(0.1)
+
+
+APPLIANCE_CLI = (sys.executable, "-m", "modelforge_appliance.cli")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This run's environment without any MODELFORGE_* or SHIV_* setting, plus EXTRA: what a
+    command started by hand on a fresh machine sees (explicit variables also win over any
+    settings file the test's virtualenv could hold)."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("MODELFORGE_", "SHIV_"))
+    }
+    return {**env, **extra}
+
+
+def store_env(settings: Settings, **extra: str) -> dict[str, str]:
+    """clean_env for a CLI that opens the store of SETTINGS (its state directory, and its
+    database URL where one is set)."""
+    env = clean_env(MODELFORGE_STATE_DIR=str(settings.state_dir), **extra)
+    if settings.database_url:
+        env["MODELFORGE_DATABASE_URL"] = settings.database_url
+    return env
+
+
+def run_cli(
+    *args: str,
+    env: Mapping[str, str],
+    stdin: str | None = None,
+    timeout: float = 60,
+    check: bool = False,
+) -> subprocess.CompletedProcess:
+    """``modelforge ARGS`` as its own process, its standard input closed unless STDIN is given.
+    With CHECK a non-zero exit fails the test with what the command printed."""
+    result = subprocess.run(
+        [*APPLIANCE_CLI, *args],
+        env=dict(env),
+        input=stdin,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check:
+        assert result.returncode == 0, (
+            f"modelforge {' '.join(args)} exited {result.returncode}:\n"
+            f"{result.stdout}{result.stderr}"
+        )
+    return result
+
+
+@contextlib.contextmanager
+def serving(
+    env: Mapping[str, str], log_path: Path, port: int | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``modelforge serve`` as its own process on PORT of 127.0.0.1 (a free one unless given),
+    its output appended to LOG_PATH: yields (url, process) once /healthz answers; stopped with
+    SIGTERM afterwards, which must end it with exit code 0."""
+    port = port or free_port()
+    with log_path.open("a") as log:
+        process = subprocess.Popen(
+            [*APPLIANCE_CLI, "serve", "--listen", f"127.0.0.1:{port}"],
+            env=dict(env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_until_answering(f"http://127.0.0.1:{port}/healthz", process, log_path)
+            yield f"http://127.0.0.1:{port}", process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=15) == 0, log_path.read_text()
 
 
 def error_code(response: requests.Response) -> str:

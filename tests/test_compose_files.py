@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .support import IN_CI
+from .support import IN_CI, clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,10 +24,9 @@ def compose_config(path: Path, **env: str) -> subprocess.CompletedProcess:
         if IN_CI:
             pytest.fail("docker-compose is missing: scripts/test installs it as root")
         pytest.skip("docker-compose is not installed")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
     return subprocess.run(
         [binary, "-f", str(path), "config"],
-        env={**clean, **env},
+        env=clean_env(**env),
         capture_output=True,
         text=True,
         timeout=60,
@@ -69,13 +68,12 @@ def compose_model(tmp_path: Path, *files: str, **env: str) -> dict:
         pytest.skip("docker-compose is not installed")
     env_file = tmp_path / "modelforge-node.env"
     env_file.write_text("MODELFORGE_AGENT_CONTROL_PLANE_URL=http://cp.lan:8000\n")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
     argv = [binary]
     for name in files:
         argv += ["-f", str(ROOT / name)]
     result = subprocess.run(
         [*argv, "config"],
-        env={**clean, "MODELFORGE_NODE_AGENT_ENV_FILE": str(env_file), **env},
+        env=clean_env(MODELFORGE_NODE_AGENT_ENV_FILE=str(env_file), **env),
         capture_output=True,
         text=True,
         timeout=60,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .support import free_port, wait_until_answering
+from .support import clean_env, free_port, wait_until_answering
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,8 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_once(state_dir: Path, log_path: Path) -> str:
     """Start scripts/run, wait for /healthz, stop it; return what it printed."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-    env |= {"MODELFORGE_STATE_DIR": str(state_dir), "MODELFORGE_LISTEN": f"127.0.0.1:{port}"}
+    env = clean_env(MODELFORGE_STATE_DIR=str(state_dir), MODELFORGE_LISTEN=f"127.0.0.1:{port}")
     with log_path.open("w") as log:
         process = subprocess.Popen(
             [str(ROOT / "scripts" / "run")],

@@ -8,9 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import subprocess
-import sys
 import threading
 
 import waitress
@@ -21,7 +19,7 @@ from modelforge_appliance.server import run_until, waitress_options
 from modelforge_appliance.store import Store
 from modelforge_contract import PATH_AGENT_HEARTBEAT, PATH_AGENT_INVENTORY
 
-from ..support import make_settings
+from ..support import make_settings, run_cli, store_env
 from ..worker.processes import WorkerProcess, worker_env
 from .processes import AgentProcess, RestartableControlPlane, agent_env, wait_until
 from .worknode import short_dir
@@ -73,17 +71,7 @@ class RecordingControlPlane(RestartableControlPlane):
 
 
 def cli(settings, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-    env["MODELFORGE_STATE_DIR"] = str(settings.state_dir)
-    result = subprocess.run(
-        [sys.executable, "-m", "modelforge_appliance.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    return result
+    return run_cli(*args, env=store_env(settings), check=True)
 
 
 def ready(cp, node_id: str) -> bool:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler
 from socketserver import ThreadingUnixStreamServer
@@ -21,7 +19,7 @@ from modelforge_contract import (
     work_path,
 )
 
-from ..support import error_code, make_settings, serve
+from ..support import error_code, make_settings, run_cli, serve, store_env
 from .nvml import h100_80g_x8
 from .processes import wait_until
 from .worknode import WORK, short_dir, start_node, wait_for_state, wait_until_ready
@@ -36,16 +34,7 @@ def sockets():
 
 
 def cli(cp, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-    env["MODELFORGE_STATE_DIR"] = str(cp.settings.state_dir)
-    env["MODELFORGE_DATABASE_URL"] = cp.settings.database_url
-    return subprocess.run(
-        [sys.executable, "-m", "modelforge_appliance.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    return run_cli(*args, env=store_env(cp.settings), timeout=180)
 
 
 def test_cpu_smoke_end_to_end_as_the_runbook_runs_it(control_plane, tmp_path, sockets):

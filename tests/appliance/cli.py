@@ -3,40 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from modelforge_appliance.clock import ManualClock
 
-from ..support import ControlPlane, make_settings, new_identity, serve
-
-CLI = [sys.executable, "-m", "modelforge_appliance.cli"]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The test run's environment without any MODELFORGE_* (and no virtualenv settings file
-    can apply either: the tests' interpreter runs from scripts/test's .venv, and explicit
-    variables win over it)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-    return {**env, **extra}
-
-
-def run_cli(
-    *args: str, env: dict[str, str], stdin: str | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*CLI, *args],
-        env=env,
-        input=stdin,
-        stdin=None if stdin is not None else subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from ..support import ControlPlane, clean_env, make_settings, new_identity, run_cli, serve
 
 
 @dataclass

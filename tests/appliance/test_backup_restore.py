@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -13,7 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from ..support import free_port, new_identity, wait_until_answering
+from ..support import clean_env, free_port, new_identity, run_cli, serving
 
 NODES = "/api/v1/admin/hardware/nodes"
 AGENT = {"X-ModelForge-Agent-Protocol": "1"}
@@ -46,7 +44,7 @@ class Host:
         self, tmp_path: Path, admin_token: str | None = None, database_url: str | None = None
     ) -> None:
         """A host on tmp_path/state, initialised there unless its admin token is given."""
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+        self.env = clean_env()
         self.env["MODELFORGE_STATE_DIR"] = str(tmp_path / "state")
         if database_url:
             self.env["MODELFORGE_DATABASE_URL"] = database_url
@@ -58,17 +56,7 @@ class Host:
         self.admin = {"X-ModelForge-Admin-Token": admin_token}
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        result = subprocess.run(
-            [sys.executable, "-m", "modelforge_appliance.cli", *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            stdin=subprocess.DEVNULL,
-        )
-        if check:
-            assert result.returncode == 0, result.stderr
-        return result
+        return run_cli(*args, env=self.env, check=check)
 
     def start_cli_stopping_at(self, stage: str, action: str, *args: str) -> subprocess.Popen:
         """The CLI run as a child that SIGKILLs itself or pauses at a named restore stage."""
@@ -83,27 +71,9 @@ class Host:
 
     @contextmanager
     def serving(self):
-        with self.log.open("a") as log:
-            process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "modelforge_appliance.cli",
-                    "serve",
-                    "--listen",
-                    f"127.0.0.1:{self.port}",
-                ],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-            try:
-                wait_until_answering(f"{self.url}/healthz", process, self.log)
-                yield process
-            finally:
-                if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
-                    assert process.wait(timeout=10) == 0
+        """Its control plane, always on the same port, until the block ends."""
+        with serving(self.env, self.log, self.port) as (_, process):
+            yield process
 
     def mint(self, name: str = "gpu") -> str:
         return requests.post(

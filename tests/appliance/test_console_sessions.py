@@ -10,7 +10,6 @@ import os
 import pty
 import select
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from modelforge_appliance.models import AdminPassword, ConsoleSession
 from modelforge_contract import SESSION_COOKIE
 
 from ..console_support import PASSWORD, ConsoleClient, set_password
-from ..support import error_code, make_settings, serve
+from ..support import APPLIANCE_CLI, clean_env, error_code, make_settings, run_cli, serve
 
 
 def test_sign_in_page_names_the_command_before_a_password_exists(sqlite_control_plane):
@@ -257,16 +256,7 @@ def test_setting_a_new_password_signs_everyone_out(sqlite_control_plane):
 
 
 def cli(state: Path, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-    env["MODELFORGE_STATE_DIR"] = str(state)
-    return subprocess.run(
-        [sys.executable, "-m", "modelforge_appliance.cli", *args],
-        input=stdin,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_cli(*args, env=clean_env(MODELFORGE_STATE_DIR=str(state)), stdin=stdin)
 
 
 def stored_hash(state: Path) -> str | None:
@@ -329,11 +319,10 @@ PROMPTS = (b"New admin password: ", b"Repeat it: ")
 
 
 def _run_on_a_terminal(state: Path, typed: list[str], *args: str) -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-    env["MODELFORGE_STATE_DIR"] = str(state)
+    env = clean_env(MODELFORGE_STATE_DIR=str(state))
     primary, secondary = pty.openpty()
     process = subprocess.Popen(
-        [sys.executable, "-m", "modelforge_appliance.cli", "admin-password", "set", *args],
+        [*APPLIANCE_CLI, "admin-password", "set", *args],
         stdin=secondary,
         stdout=secondary,
         stderr=secondary,

@@ -4,9 +4,7 @@ before it are filled in from their rows, and a saved record carries over (restor
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import peewee as pw
 import pytest
@@ -25,7 +23,7 @@ from modelforge_appliance.migrations import MIGRATIONS
 from modelforge_appliance.models import Finality
 from modelforge_appliance.store import Store
 
-from ..support import make_settings, new_identity
+from ..support import clean_env, make_settings, new_identity, run_cli
 from .old_schema import downgrade
 
 ORIGIN = "http://127.0.0.1:8000"
@@ -180,19 +178,12 @@ def test_chained_restores_of_backups_from_before_the_record(tmp_path):
 
 
 def cli(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "modelforge_appliance.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
+    return run_cli(*args, env=env)
 
 
 def test_save_and_restore_finality_from_the_command_line(tmp_path):
     """The PostgreSQL procedure's two commands, here around a SQLite store put back by hand."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+    env = clean_env()
     env["MODELFORGE_STATE_DIR"] = str(tmp_path / "state")
     assert cli(env, "init").returncode == 0
     store_file = tmp_path / "state" / "modelforge.sqlite3"
@@ -235,7 +226,7 @@ def test_save_and_restore_finality_from_the_command_line(tmp_path):
     ],
 )
 def test_restore_finality_refuses_a_file_that_is_not_a_record(tmp_path, content, phrase):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+    env = clean_env()
     env["MODELFORGE_STATE_DIR"] = str(tmp_path / "state")
     bad = tmp_path / "bad.json"
     bad.write_text(content)
@@ -246,7 +237,7 @@ def test_restore_finality_refuses_a_file_that_is_not_a_record(tmp_path, content,
 
 
 def test_save_finality_does_not_overwrite_other_files(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+    env = clean_env()
     env["MODELFORGE_STATE_DIR"] = str(tmp_path / "state")
     assert cli(env, "init").returncode == 0
     notes = tmp_path / "notes.txt"

@@ -241,7 +241,7 @@ def test_completion_scripts_and_node_completion(tmp_path, shell):
             "COMP_WORDS": "modelforge nodes show ",
             "COMP_CWORD": "3",
         }
-        from .cli import run_cli
+        from ..support import run_cli
 
         completed = run_cli(env=env)
         assert completed.returncode == 0, completed.stderr

@@ -19,8 +19,7 @@ from modelforge_contract import (
     EXIT_USAGE,
 )
 
-from ..support import free_port, unavailable
-from .cli import clean_env, run_cli
+from ..support import clean_env, free_port, run_cli, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 # /sys takes no new files, not even from root (EACCES, or EROFS where it is mounted read-only).

@@ -8,29 +8,15 @@ ones are searched for every secret that was minted.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import requests
 
-from ..support import free_port, new_identity, postgres_admin_url, wait_until_answering
+from ..support import clean_env, new_identity, postgres_admin_url, run_cli, serving
 
 ADMIN = "X-ModelForge-Admin-Token"
 AGENT = {"X-ModelForge-Agent-Protocol": "1"}
-
-
-def cli(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "modelforge_appliance.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
 
 
 def run_scenario(url: str, admin_token: str) -> tuple[list[str], list[str]]:
@@ -114,35 +100,15 @@ def run_scenario(url: str, admin_token: str) -> tuple[list[str], list[str]]:
 
 
 def serve_scenario(tmp_path: Path, database_url: str | None) -> tuple[list[str], list[str], str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-    env |= {"MODELFORGE_STATE_DIR": str(tmp_path / "state"), "MODELFORGE_LOG_LEVEL": "DEBUG"}
+    env = clean_env(MODELFORGE_STATE_DIR=str(tmp_path / "state"), MODELFORGE_LOG_LEVEL="DEBUG")
     if database_url:
         env["MODELFORGE_DATABASE_URL"] = database_url
-    admin_token = json.loads(cli(env, "init", "--json").stdout)["admin_token"]
-    port = free_port()
+    admin_token = json.loads(run_cli("init", "--json", env=env, check=True).stdout)["admin_token"]
     log_path = tmp_path / "serve.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "modelforge_appliance.cli",
-                "serve",
-                "--listen",
-                f"127.0.0.1:{port}",
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            wait_until_answering(f"http://127.0.0.1:{port}/healthz", process)
-            secrets, answers = run_scenario(f"http://127.0.0.1:{port}", admin_token)
-            # Process arguments are world-readable: nothing secret may be in them.
-            answers.append(Path(f"/proc/{process.pid}/cmdline").read_bytes().decode())
-        finally:
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=10) == 0
+    with serving(env, log_path) as (url, process):
+        secrets, answers = run_scenario(url, admin_token)
+        # Process arguments are world-readable: nothing secret may be in them.
+        answers.append(Path(f"/proc/{process.pid}/cmdline").read_bytes().decode())
     return secrets, answers, log_path.read_text()
 
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,18 +14,13 @@ from modelforge_appliance.migrations import MIGRATIONS
 from modelforge_appliance.settings import SETTINGS, ConfigError, load_settings
 from modelforge_appliance.store import SCHEMA_VERSION, Store
 
+from ..support import clean_env, run_cli
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def modelforge(*args: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-    return subprocess.run(
-        [sys.executable, "-m", "modelforge_appliance.cli", *args],
-        env={**clean, **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_cli(*args, env=clean_env(**env), timeout=timeout)
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ import requests
 
 from modelforge_contract import EXIT_USAGE, HEADER_ADMIN_TOKEN, PATH_ADMIN_ENROLLMENTS
 
-from ..support import free_port, fresh_postgres_database, unavailable
-from .cli import CLI, clean_env, run_cli
+from ..support import APPLIANCE_CLI as CLI
+from ..support import clean_env, free_port, fresh_postgres_database, run_cli, unavailable
 
 
 @contextmanager

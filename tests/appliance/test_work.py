@@ -13,7 +13,7 @@ from modelforge_contract import (
     WORK_FINISHED,
 )
 
-from ..support import error_code
+from ..support import error_code, run_cli, store_env
 from .worknodes import GIB, WORK, WorkNode, gpu, item, submit, work_events, worker_health
 
 NODES = "/api/v1/admin/hardware/nodes"
@@ -295,20 +295,7 @@ def test_metrics_show_queue_depth_claims_expiries_and_completion_time(clocked_co
 
 
 def _cli(cp, *args: str):
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-    env["MODELFORGE_STATE_DIR"] = str(cp.settings.state_dir)
-    env["MODELFORGE_DATABASE_URL"] = cp.settings.database_url
-    return subprocess.run(
-        [sys.executable, "-m", "modelforge_appliance.cli", "work", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_cli("work", *args, env=store_env(cp.settings))
 
 
 def test_the_work_cli_submits_lists_shows_and_cancels(sqlite_control_plane):

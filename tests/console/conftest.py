@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ..console_support import PASSWORD
-from ..support import free_port, wait_until_answering
+from ..support import clean_env, run_cli, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM_ARGS = [
@@ -106,50 +104,13 @@ class ServedProcess:
     log_path: Path
     process: subprocess.Popen
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            assert self.process.wait(timeout=15) == 0
-
-
-def _cli(env: dict, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "modelforge_appliance.cli", *args],
-        env=env,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-
 
 @contextlib.contextmanager
 def served_process(tmp_path: Path) -> Iterator[ServedProcess]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
     state = tmp_path / "state"
-    env |= {"MODELFORGE_STATE_DIR": str(state), "MODELFORGE_LOG_LEVEL": "DEBUG"}
-    admin_token = json.loads(_cli(env, "init", "--json").stdout)["admin_token"]
-    _cli(env, "admin-password", "set", stdin=PASSWORD + "\n")
-    port = free_port()
+    env = clean_env(MODELFORGE_STATE_DIR=str(state), MODELFORGE_LOG_LEVEL="DEBUG")
+    admin_token = json.loads(run_cli("init", "--json", env=env, check=True).stdout)["admin_token"]
+    run_cli("admin-password", "set", env=env, stdin=PASSWORD + "\n", check=True)
     log_path = tmp_path / "serve.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "modelforge_appliance.cli",
-                "serve",
-                "--listen",
-                f"127.0.0.1:{port}",
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        served = ServedProcess(f"http://127.0.0.1:{port}", admin_token, state, log_path, process)
-        try:
-            wait_until_answering(f"{served.url}/healthz", process, log_path)
-            yield served
-        finally:
-            served.stop()
+    with serving(env, log_path) as (url, process):
+        yield ServedProcess(url, admin_token, state, log_path, process)

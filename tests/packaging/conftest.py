@@ -16,7 +16,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.support import IN_CI
+from tests.support import IN_CI, clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "packaging" / "build_pyz.py"
@@ -124,16 +124,6 @@ def shebang_env(**extra: str) -> dict[str, str]:
     assert (here / "python3").exists(), f"{here} has no python3 for the shebang to find"
     env["PATH"] = f"{here}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
     return env
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The environment minus every MODELFORGE_* and SHIV_* name, plus ``extra``."""
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if not name.startswith(("MODELFORGE_", "SHIV_"))
-    }
-    return {**env, **extra}
 
 
 def stop(process: subprocess.Popen) -> None:

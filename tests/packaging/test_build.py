@@ -13,14 +13,13 @@ import pytest
 
 from modelforge_appliance import doctor
 from modelforge_contract import PROTOCOL_VERSION, __version__
-from tests.support import tomllib
+from tests.support import clean_env, tomllib
 
 from .conftest import (
     HOST_MACHINE,
     OTHER_MACHINE,
     ROOT,
     build_pyz,
-    clean_env,
     load_packaging_module,
     pyz_command,
     require_agent,

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from modelforge_appliance import doctor
-from tests.support import IN_CI, tomllib
+from tests.support import IN_CI, clean_env, tomllib
 
 from ..pki import issue_server_cert, make_ca, tls_listener
 from ..support import free_port
-from .conftest import ROOT, clean_env
+from .conftest import ROOT
 
 OTHER_UID = 65534  # nobody
 

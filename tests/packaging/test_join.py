@@ -24,9 +24,10 @@ from modelforge_contract import (
     PATH_ADMIN_ENROLLMENTS,
 )
 from modelforge_contract.envfile import parse_env_file
+from tests.support import clean_env
 
 from ..support import make_settings, serve
-from .conftest import ROOT, clean_env, stop
+from .conftest import ROOT, stop
 
 UNIT = ROOT / "systemd" / "modelforge-node-agent.service"
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from modelforge_contract.manifest import IMAGE_NAMES
+from tests.support import clean_env
 
 from .support import RELEASE
 
@@ -48,13 +49,9 @@ def unique(prefix: str = "mf-test") -> str:
 
 
 def release_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
-    return {
-        **env,
-        "SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH,
-        "MODELFORGE_RELEASE_CACHE": str(cache_dir()),
-        **extra,
-    }
+    return clean_env(
+        SOURCE_DATE_EPOCH=SOURCE_DATE_EPOCH, MODELFORGE_RELEASE_CACHE=str(cache_dir()), **extra
+    )
 
 
 def run_release(*args: Any, timeout: int = 900, **kwargs: Any) -> subprocess.CompletedProcess:
