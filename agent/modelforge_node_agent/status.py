@@ -2,7 +2,10 @@
 not, like ``tailscale status``.
 
 The running agent keeps ``status.json`` in its state volume (mode 0600, replaced atomically,
-no secret in it): when each call last succeeded or failed, and why it stopped. ``status``
+no secret in it): when each kind of call last succeeded or failed, and why it stopped. A
+failure, a call's first success and a success after a failure are written at once; other
+successes at most once a second (a fleet's work calls came to hundreds a second, and writing
+the file for each cost an agent a quarter of its CPU). ``status``
 reads it with ``identity.json`` and says whether the agent runs, without calling the control
 plane itself.
 """
@@ -18,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,8 @@ from modelforge_contract import (
     EXIT_OK,
     EXIT_USAGE,
     PATH_AGENT_HEARTBEAT,
+    PATH_AGENT_WORK_COMPLETE,
+    PATH_AGENT_WORK_RENEW,
     mask_secrets,
 )
 
@@ -43,6 +49,14 @@ log = logging.getLogger(__name__)
 
 STATUS_FILE_NAME = "status.json"
 STATUS_FORMAT = 1
+# Routine successes are written at most this often (seconds).
+ROUTINE_WRITE_SECONDS = 1.0
+# Paths that name one work item are recorded under their template: one entry per kind of
+# call, however many items the node runs.
+_ITEM_PATHS = tuple(
+    (template, *template.split("<work_id>"))
+    for template in (PATH_AGENT_WORK_RENEW, PATH_AGENT_WORK_COMPLETE)
+)
 
 # What a failure name means, and the next thing to check (docs/node-agent.md, Diagnosing).
 WHY = {
@@ -67,14 +81,22 @@ def status_path(state_volume: Path) -> Path:
 class StatusRecorder:
     """Keeps status.json current for one run of the agent; never stops the agent."""
 
-    def __init__(self, state_volume: Path, url: str, accelerator_mode: str) -> None:
+    def __init__(
+        self,
+        state_volume: Path,
+        url: str,
+        accelerator_mode: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.path = status_path(state_volume)
+        self.clock = clock
         self._lock = threading.Lock()
         self._warned = False
+        self._written_at = 0.0
         self.data: dict[str, Any] = {
             "format": STATUS_FORMAT,
             "pid": os.getpid(),
-            "started_at": time.time(),
+            "started_at": clock(),
             "control_plane_url": url,
             "accelerator_mode": accelerator_mode,
             "agent_version": __version__,
@@ -91,16 +113,19 @@ class StatusRecorder:
             self._write()
 
     def succeeded(self, method: str, path: str) -> None:
+        now = self.clock()
         with self._lock:
-            call = self.data["calls"].setdefault(f"{method} {path}", {})
-            call["ok_at"] = time.time()
-            self._write()
+            call = self.data["calls"].setdefault(f"{method} {route(path)}", {})
+            news = "ok_at" not in call or call.get("failed_at", 0) > call["ok_at"]
+            call["ok_at"] = now
+            if news or now - self._written_at >= ROUTINE_WRITE_SECONDS:
+                self._write()
 
     def failed(self, method: str, path: str, failure: CallFailed) -> None:
         with self._lock:
-            call = self.data["calls"].setdefault(f"{method} {path}", {})
+            call = self.data["calls"].setdefault(f"{method} {route(path)}", {})
             call.update(
-                failed_at=time.time(),
+                failed_at=self.clock(),
                 failure=failure.describe(),
                 code=failure.code if isinstance(failure, Refused) else None,
             )
@@ -109,13 +134,14 @@ class StatusRecorder:
     def stopped(self, exit_status: int, message: str | None) -> None:
         with self._lock:
             self.data["stopped"] = {
-                "at": time.time(),
+                "at": self.clock(),
                 "exit_status": exit_status,
                 "message": mask_secrets(message)[:1000] if message else None,
             }
             self._write()
 
     def _write(self) -> None:
+        self._written_at = self.clock()
         temporary = None
         try:
             descriptor, temporary = tempfile.mkstemp(prefix=".status-", dir=self.path.parent)
@@ -129,6 +155,15 @@ class StatusRecorder:
             if not self._warned:
                 self._warned = True
                 log.warning("cannot keep %s current (%s)", self.path, exc.strerror)
+
+
+def route(path: str) -> str:
+    """The path as recorded: a work item's path becomes its template."""
+    for template, prefix, suffix in _ITEM_PATHS:
+        middle = path[len(prefix) : len(path) - len(suffix)]
+        if path.startswith(prefix) and path.endswith(suffix) and middle and "/" not in middle:
+            return template
+    return path
 
 
 @dataclass

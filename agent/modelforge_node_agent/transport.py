@@ -9,16 +9,21 @@ lock on the control plane keeps working.
 A socket timeout bounds each ``recv()``, not a call: a peer sending one byte every
 few seconds would hold a call for ever. ``Deadline`` ends a call at a fixed time by
 shutting the socket it is using (the adapter's connections tell it which one), and
-answers are read with a cap (``read_answer``), never decompressed.
+answers are read with a cap (``read_answer``), never decompressed. One watchdog thread
+keeps every deadline of the process: a thread started per call cost more than the call
+when a node ran hundreds of work items a second.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import logging
 import socket
 import ssl
 import threading
+import time
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
@@ -65,13 +70,11 @@ class Deadline:
         self._active = False
         self._connection: HTTPConnection | None = None
         self._lock = threading.Lock()
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
 
     def __enter__(self) -> Deadline:
         self._active = True
         _in_flight.deadline = self
-        self._timer.start()
+        _watchdog.keep(time.monotonic() + self.seconds, self)
         return self
 
     def __exit__(
@@ -83,8 +86,11 @@ class Deadline:
         with self._lock:
             self._active = False
             self._connection = None
-        self._timer.cancel()
         _in_flight.deadline = None
+
+    @property
+    def active(self) -> bool:
+        return self._active
 
     def watch(self, connection: HTTPConnection) -> None:
         with self._lock:
@@ -99,6 +105,52 @@ class Deadline:
             self.expired = True
             if self._connection is not None:
                 _shut(self._connection)
+
+
+class _Watchdog:
+    """The one thread that expires every Deadline of the process at its time.
+
+    Deadlines wait in a heap by time; one whose call has ended is dropped when it reaches
+    the top, so the heap holds about as many entries as there are calls in flight.
+    """
+
+    def __init__(self) -> None:
+        self._wake = threading.Condition()
+        self._heap: list[tuple[float, int, Deadline]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def keep(self, at: float, deadline: Deadline) -> None:
+        with self._wake:
+            self._drop_ended()
+            heapq.heappush(self._heap, (at, next(self._order), deadline))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="call-deadlines", daemon=True
+                )
+                self._thread.start()
+            elif self._heap[0][2] is deadline:
+                self._wake.notify()  # earlier than what the thread sleeps towards
+
+    def _drop_ended(self) -> None:
+        while self._heap and not self._heap[0][2].active:
+            heapq.heappop(self._heap)
+
+    def _run(self) -> None:
+        while True:
+            due: list[Deadline] = []
+            with self._wake:
+                self._drop_ended()
+                now = time.monotonic()
+                while self._heap and self._heap[0][0] <= now:
+                    due.append(heapq.heappop(self._heap)[2])
+                if not due:
+                    self._wake.wait(self._heap[0][0] - now if self._heap else None)
+            for deadline in due:  # outside the heap's lock: expiring takes the call's lock
+                deadline._expire()
+
+
+_watchdog = _Watchdog()
 
 
 def _shut(connection: HTTPConnection) -> None:

@@ -313,3 +313,61 @@ def test_every_section_the_agent_names_exists():
     headings = {line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")}
     missing = [section for section in refusals.SECTIONS if section not in headings]
     assert missing == []
+
+
+def test_status_file_has_one_entry_per_kind_of_call_and_writes_routine_successes_once_a_second(
+    tmp_path,
+):
+    """A node running hundreds of work items a second: status.json keeps one entry per kind
+    of call (a work item's path under its template), and only news is written at once."""
+    from modelforge_contract import (
+        PATH_AGENT_HEARTBEAT,
+        PATH_AGENT_WORK_CLAIM,
+        PATH_AGENT_WORK_COMPLETE,
+        PATH_AGENT_WORK_RENEW,
+        work_path,
+    )
+    from modelforge_node_agent.client import TransportFailure
+    from modelforge_node_agent.status import StatusRecorder, read_status
+
+    now = [1000.0]
+    recorder = StatusRecorder(tmp_path, "http://cp.lan:8000", "cpu", clock=lambda: now[0])
+
+    def ok_at(path: str) -> float:
+        return read_status(tmp_path)["calls"][f"POST {path}"]["ok_at"]
+
+    for i in range(200):
+        now[0] += 0.001
+        recorder.succeeded("POST", PATH_AGENT_WORK_CLAIM)
+        recorder.succeeded("POST", work_path(PATH_AGENT_WORK_RENEW, f"w{i}"))
+        recorder.succeeded("POST", work_path(PATH_AGENT_WORK_COMPLETE, f"w{i}"))
+    recorder.stopped(0, None)
+    calls = read_status(tmp_path)["calls"]
+    assert set(calls) == {
+        f"POST {PATH_AGENT_WORK_CLAIM}",
+        f"POST {PATH_AGENT_WORK_RENEW}",
+        f"POST {PATH_AGENT_WORK_COMPLETE}",
+    }
+    assert calls[f"POST {PATH_AGENT_WORK_COMPLETE}"]["ok_at"] == pytest.approx(1000.2)
+
+    now[0] = 2000.0
+    recorder.succeeded("POST", PATH_AGENT_HEARTBEAT)  # the first success: written at once
+    assert ok_at(PATH_AGENT_HEARTBEAT) == 2000.0
+    now[0] = 2000.5
+    recorder.succeeded("POST", PATH_AGENT_HEARTBEAT)  # routine, within the second: not yet
+    assert ok_at(PATH_AGENT_HEARTBEAT) == 2000.0
+    now[0] = 2001.0
+    recorder.succeeded("POST", PATH_AGENT_HEARTBEAT)  # a second on: written
+    assert ok_at(PATH_AGENT_HEARTBEAT) == 2001.0
+    now[0] = 2001.1
+    recorder.failed(
+        "POST", PATH_AGENT_HEARTBEAT, TransportFailure("ConnectError", "POST", "/x")
+    )  # a failure: at once
+    assert read_status(tmp_path)["calls"][f"POST {PATH_AGENT_HEARTBEAT}"]["failed_at"] == 2001.1
+    now[0] = 2001.2
+    recorder.succeeded("POST", PATH_AGENT_HEARTBEAT)  # recovered: at once
+    assert ok_at(PATH_AGENT_HEARTBEAT) == 2001.2
+    now[0] = 2001.3
+    recorder.succeeded("POST", PATH_AGENT_HEARTBEAT)
+    recorder.stopped(0, None)  # stopping writes what was held back
+    assert ok_at(PATH_AGENT_HEARTBEAT) == 2001.3
