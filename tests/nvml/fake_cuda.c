@@ -8,8 +8,11 @@
  *
  * Device memory is host memory, and cuLaunchKernel performs the one kernel the worker
  * loads (saxpy: y = a*x + y) on the host, reading its parameters exactly as the driver
- * would: kernelParams[i] points at the i-th argument. The PTX text is checked for the
- * entry point, not compiled.
+ * would: kernelParams[i] points at the i-th argument. The PTX text is not compiled, but
+ * checked as far as a real driver's JIT would refuse it with CUDA_ERROR_INVALID_PTX: it
+ * starts with a .version directive, holds the saxpy entry point, and nothing but white
+ * space follows its last closing brace (a stray "\0" written as two characters there was
+ * accepted here and refused by an H200's driver 580).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -182,10 +185,18 @@ CUresult cuCtxSynchronize(void) {
     return current < 0 ? CUDA_ERROR_INVALID_CONTEXT : CUDA_SUCCESS;
 }
 
+static int plausible_ptx(const char *text) {
+    if (text == NULL) return 0;
+    const char *start = text + strspn(text, " \t\r\n");
+    if (strncmp(start, ".version ", 9) != 0 || strstr(text, ".entry saxpy(") == NULL) return 0;
+    const char *last = strrchr(text, '}');
+    return last != NULL && last[1 + strspn(last + 1, " \t\r\n")] == '\0';
+}
+
 CUresult cuModuleLoadData(CUmodule *module, const void *image) {
     ENTER("cuModuleLoadData", current);
     if (current < 0) return CUDA_ERROR_INVALID_CONTEXT;
-    if (image == NULL || strstr((const char *)image, ".entry saxpy(") == NULL) return CUDA_ERROR_INVALID_PTX;
+    if (!plausible_ptx((const char *)image)) return CUDA_ERROR_INVALID_PTX;
     *module = malloc(sizeof(module_t));
     (*module)->loaded = 1;
     return CUDA_SUCCESS;

@@ -49,7 +49,7 @@ SAXPY_PTX = rb"""
 DONE:
     ret;
 }
-\0"""
+"""  # ctypes.c_char_p ends it with the NUL the driver wants
 
 DEFAULT_ELEMENTS = 1 << 20  # 4 MiB per buffer; below 2**23 the answer is exact
 THREADS_PER_BLOCK = 256
