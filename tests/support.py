@@ -118,8 +118,8 @@ def serving(
     env: Mapping[str, str], log_path: Path, port: int | None = None
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """``modelforge serve`` as its own process on PORT of 127.0.0.1 (a free one unless given),
-    its output appended to LOG_PATH: yields (url, process) once /healthz answers; stopped with
-    SIGTERM afterwards, which must end it with exit code 0."""
+    its output appended to LOG_PATH: yields (url, process) once /healthz answers. If it still
+    runs when the block ends it is stopped with SIGTERM, which must end it with exit code 0."""
     port = port or free_port()
     with log_path.open("a") as log:
         process = subprocess.Popen(
@@ -132,9 +132,9 @@ def serving(
             wait_until_answering(f"http://127.0.0.1:{port}/healthz", process, log_path)
             yield f"http://127.0.0.1:{port}", process
         finally:
-            if process.poll() is None:
+            if process.poll() is None:  # not stopped (or killed) by the test itself
                 process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=15) == 0, log_path.read_text()
+                assert process.wait(timeout=15) == 0, log_path.read_text()
 
 
 def error_code(response: requests.Response) -> str:

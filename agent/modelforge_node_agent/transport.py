@@ -107,11 +107,16 @@ class Deadline:
                 _shut(self._connection)
 
 
+# How often the watchdog looks whether any call is still in flight.
+IDLE_CHECK_SECONDS = 1.0
+
+
 class _Watchdog:
     """The one thread that expires every Deadline of the process at its time.
 
     Deadlines wait in a heap by time; one whose call has ended is dropped when it reaches
-    the top, so the heap holds about as many entries as there are calls in flight.
+    the top, so the heap holds about as many entries as there are calls in flight. The
+    thread ends once no call is in flight (it looks every IDLE_CHECK_SECONDS).
     """
 
     def __init__(self) -> None:
@@ -141,11 +146,16 @@ class _Watchdog:
             due: list[Deadline] = []
             with self._wake:
                 self._drop_ended()
+                if not self._heap:
+                    # No call in flight: the thread ends (the next call starts another), so
+                    # an idle agent holds no thread for it.
+                    self._thread = None
+                    return
                 now = time.monotonic()
                 while self._heap and self._heap[0][0] <= now:
                     due.append(heapq.heappop(self._heap)[2])
                 if not due:
-                    self._wake.wait(self._heap[0][0] - now if self._heap else None)
+                    self._wake.wait(min(self._heap[0][0] - now, IDLE_CHECK_SECONDS))
             for deadline in due:  # outside the heap's lock: expiring takes the call's lock
                 deadline._expire()
 

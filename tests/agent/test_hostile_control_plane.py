@@ -216,6 +216,38 @@ def test_each_call_is_bounded_in_time_and_size(hostile, behaviour, failure):
     assert time.monotonic() - started < 1.5 + 10
 
 
+def test_deadlines_of_overlapping_calls_each_end_their_own_call_and_no_thread_stays(hostile):
+    """One watchdog thread keeps every call's deadline: a trickled call with a short deadline
+    ends at it while a quick call beside it is untouched, and once no call is in flight the
+    thread ends."""
+    server = hostile(
+        {
+            "/api/v1/agent/heartbeat": [trickle()],
+            "/api/v1/agent/inventory": [answer(200, {"ok": True})] * 20,
+        }
+    )
+    slow, quick = client_for(server, deadline=1.0), client_for(server, deadline=600)
+    failures: list[TransportFailure] = []
+
+    def trickled() -> None:
+        try:
+            slow.call("POST", "/api/v1/agent/heartbeat", {"node_id": NODE_ID})
+        except TransportFailure as failure:
+            failures.append(failure)
+
+    caller = threading.Thread(target=trickled)
+    caller.start()
+    for _ in range(20):  # calls whose later deadlines sit in the heap beside the short one
+        assert quick.call("POST", "/api/v1/agent/inventory", {}) == {"ok": True}
+    caller.join(timeout=60)
+    assert not caller.is_alive()
+    assert [failure.name for failure in failures] == ["DeadlineExceeded"]
+    deadline = time.monotonic() + 60
+    while any(thread.name == "call-deadlines" for thread in threading.enumerate()):
+        assert time.monotonic() < deadline, "the deadline thread outlived every call"
+        time.sleep(0.1)
+
+
 def test_a_deeply_nested_refusal_is_still_a_refusal(hostile):
     deep = b'{"error": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     server = hostile({"/api/v1/agent/heartbeat": [answer(503, None, raw=deep)]})
