@@ -10,7 +10,8 @@
 #   - the node agent image's preflight in nvidia mode must pass (and fail with exit 3 and
 #     NVIDIA_NVML_UNAVAILABLE before the library is added);
 #   - the runtime worker image's pinned CUDA runtime (libcudart.so.12) must see the GPU,
-#     allocate on it and copy a buffer there and back.
+#     allocate on it and copy a buffer there and back; its `smoke` capability must pass in
+#     nvidia mode (NVML on every GPU, its kernel through the injected libcuda.so.1).
 # Prints a report; exits non-zero on the first check that fails.
 set -uo pipefail
 LAYERS=${1:-build/images/layers}
@@ -124,4 +125,10 @@ status=$?
 cat "$OUT/cuda.txt" >>"$REPORT"
 [ "$status" = 0 ] || fail "CUDA check: exit $status"
 in_root "$WORKER" -c "import docker, pynvml, modelforge_worker; pynvml.nvmlInit(); print('worker image: NVML sees', pynvml.nvmlDeviceGetCount(), 'GPU(s)')" 2>&1 | tee -a "$REPORT"
+# The worker's own smoke as the node-loss runbook runs it: NVML, then its PTX kernel through
+# the injected libcuda.so.1 on every GPU.
+in_root "$WORKER" -c "from modelforge_worker.capabilities import RunContext, smoke; o = smoke.run({'matrix_size': 64}, RunContext(work_id=None, timeout_seconds=120, accelerator_mode='nvidia')); print('worker image smoke:', o.outcome); print(chr(10).join(o.result['checked']))" >"$OUT/smoke.txt" 2>&1
+status=$?
+cat "$OUT/smoke.txt" >>"$REPORT"
+[ "$status" = 0 ] || fail "the worker image's nvidia smoke: exit $status"
 say "ALL GPU CHECKS PASSED"

@@ -12,6 +12,9 @@ import pytest
 from .support import clean_env, free_port, wait_until_answering
 
 ROOT = Path(__file__).resolve().parents[1]
+# scripts/run writes this checkout's .venv/modelforge.env, which every interpreter's run of
+# the suite shares: once, in the part of scripts/test that has the machine to itself.
+pytestmark = pytest.mark.checkout
 
 
 def run_once(state_dir: Path, log_path: Path) -> str:

@@ -55,16 +55,17 @@ find_python() {
 }
 
 # The suite runs in two parts. The tests marked slow, docker or browser (fleets of a thousand
-# agents, image builds, Debian roots under qemu, Chromium) run once, on .venv's CPython, with
-# the machine to themselves. Everything else is the quick part: it runs on every supported
+# agents, image builds, Debian roots under qemu, Chromium), and checkout (they change this
+# checkout's own .venv, which every run shares), run once, on .venv's CPython, with the
+# machine to themselves. Everything else is the quick part: it runs on every supported
 # CPython, the runs side by side (MF_TEST_PARALLEL at a time, default all of them): most of a
 # run is waiting on the processes and sockets its tests start, so on two cores four runs at
 # once take about as long as two in a row. Each writes build/test-logs/pytest-pyX.Y.log,
 # printed whole when it ends. They share only PostgreSQL (every test makes its own database)
 # and pip's download cache; each has its own temporary directories and archive build
 # directory.
-HEAVY_MARKERS="slow or docker or browser"
-QUICK_MARKERS="not slow and not docker and not browser"
+HEAVY_MARKERS="slow or docker or browser or checkout"
+QUICK_MARKERS="not slow and not docker and not browser and not checkout"
 # How many runs (heavy and quick) selected at least one test; scripts/test fails when none did.
 RUNS_WITH_TESTS=0
 
@@ -75,7 +76,7 @@ run_heavy_tests() {
     .venv/bin/python -m pytest -m "$HEAVY_MARKERS" "$@" || code=$?
     case $code in
         0) RUNS_WITH_TESTS=$((RUNS_WITH_TESTS + 1)) ;;
-        5) log "no test marked slow, docker or browser among those selected" ;;
+        5) log "no test marked slow, docker, browser or checkout among those selected" ;;
         *) RUNS_WITH_TESTS=$((RUNS_WITH_TESTS + 1)); return 1 ;;
     esac
 }
