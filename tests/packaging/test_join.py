@@ -183,12 +183,18 @@ def test_join_command_for_the_agent_pyz_under_systemd(agent_pyz, tmp_path):
         agent = host.start_as_the_unit()
         try:
             wait_for(lambda: "re-enrolling at once" in host.log(), "the re-enrollment", agent, host)
-            wait_for(lambda: node()["liveness"] == ONLINE, "online once more", agent, host)
-            assert agent.poll() is None
-            credentials = cp.admin(
-                "GET", f"/api/v1/admin/hardware/nodes/{state['node_id']}/credentials"
-            ).json()
-            assert credentials["active"] == 1 and credentials["revoked"] == 2
+
+            def credentials():
+                path = f"/api/v1/admin/hardware/nodes/{state['node_id']}/credentials"
+                return cp.admin("GET", path).json()
+
+            # The node still looks online from the last run's heartbeats: what shows the
+            # re-enrollment is a new active credential, then heartbeats made with it.
+            wait_for(lambda: credentials()["active"] == 1, "a new credential", agent, host)
+            beat = node()["last_heartbeat_at"]
+            wait_for(lambda: node()["last_heartbeat_at"] != beat, "a heartbeat", agent, host)
+            assert node()["liveness"] == ONLINE and agent.poll() is None
+            assert credentials()["revoked"] == 2
         finally:
             stop(agent)
         assert host.starts == 3
