@@ -17,7 +17,7 @@ from modelforge_appliance.api import make_app
 from modelforge_appliance.clock import Clock
 from modelforge_appliance.server import run_until, waitress_options
 from modelforge_appliance.store import Store
-from modelforge_contract import PATH_AGENT_HEARTBEAT, PATH_AGENT_INVENTORY
+from modelforge_contract import EXIT_CHECK_FAILED, PATH_AGENT_HEARTBEAT, PATH_AGENT_INVENTORY
 
 from ..support import make_settings, run_cli, store_env
 from ..worker.processes import WorkerProcess, worker_env
@@ -117,10 +117,15 @@ def _ready_again_after_a_restore(tmp_path, stack: contextlib.ExitStack) -> None:
         cli(settings, "backup", str(backup))
         cp.stop()
         cli(settings, "restore", str(backup), "--yes")
+        # Nothing measured since the restore: no node is ready (asked of the store while the
+        # server is down; once it runs, the agents may reconnect before any question).
+        for node_id in node_ids:
+            answer = run_cli("nodes", "readiness", node_id, "--json", env=store_env(settings))
+            assert answer.returncode == EXIT_CHECK_FAILED, answer.stderr
+            assert json.loads(answer.stdout)["ready"] is False
         with cp._calls_lock:
             cp.calls.clear()
         cp.start()
-        assert not any(ready(cp, n) for n in node_ids)  # nothing measured since the restore
         wait_until(lambda: all(ready(cp, n) for n in node_ids), what="ready again", timeout=60)
 
         for node_id in node_ids:
