@@ -16,7 +16,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from modelforge_contract import ACCELERATOR_MODES, EXIT_USAGE, KIND_ENROLLMENT, split_secret
-from modelforge_contract.envfile import parse_env_file
+from modelforge_contract.envfile import read_env_file
 
 PREFIX = "MODELFORGE_AGENT_"
 # The host name the documentation uses in examples; an agent pointed at it was copied
@@ -286,16 +286,6 @@ def check_names(env: Mapping[str, str]) -> None:
             raise ConfigError(f"unknown setting {name}{suffix}")
 
 
-def read_env_file(path: Path) -> dict[str, str]:
-    """KEY=VALUE lines as systemd's EnvironmentFile= reads them (what `join` writes)."""
-    try:
-        return parse_env_file(path.read_text(encoding="utf-8"), str(path))
-    except OSError as exc:
-        raise ConfigError(f"cannot read env file {path}: {exc.strerror}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(str(exc)) from None
-
-
 TOKEN_VARIABLE = "MODELFORGE_AGENT_ENROLLMENT_TOKEN"
 
 
@@ -317,7 +307,7 @@ def load_settings(
         os.environ.pop(TOKEN_VARIABLE, None)
     env = dict(env)
     if env_file is not None:
-        env = {**read_env_file(env_file), **env}
+        env = {**read_env_file(env_file, ConfigError), **env}
     check_names(env)
 
     url = _value(env, "MODELFORGE_AGENT_CONTROL_PLANE_URL")

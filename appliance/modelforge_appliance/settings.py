@@ -16,7 +16,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from modelforge_contract import EXIT_USAGE, INVENTORY_REFRESH_SECONDS
-from modelforge_contract.envfile import parse_env_file
+from modelforge_contract.envfile import read_env_file
 
 # Prefixes that belong to other ModelForge programs (the agent, the worker,
 # compose files); the control plane leaves them alone.
@@ -267,16 +267,6 @@ def _int(env: Mapping[str, str], name: str, minimum: int, maximum: int) -> int:
     return value
 
 
-def read_env_file(path: Path) -> dict[str, str]:
-    """KEY=VALUE lines (``#`` comments, optional quotes), as systemd's EnvironmentFile= reads."""
-    try:
-        return parse_env_file(path.read_text(encoding="utf-8"), str(path))
-    except OSError as exc:
-        raise ConfigError(f"cannot read env file {path}: {exc.strerror}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(str(exc)) from None
-
-
 def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = None) -> Settings:
     """Parse and validate every MODELFORGE_* variable once; raise ConfigError.
 
@@ -284,7 +274,7 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
     """
     env = dict(os.environ if env is None else env)
     if env_file is not None:
-        env = {**read_env_file(env_file), **env}
+        env = {**read_env_file(env_file, ConfigError), **env}
     for name in sorted(env):
         if name.startswith("MODELFORGE_") and name not in KNOWN_NAMES:
             if name.startswith(FOREIGN_PREFIXES) or name in FOREIGN_NAMES:

@@ -8,6 +8,7 @@ refuses a value that only quoting could carry. Standard library only.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 _UNSAFE = re.compile(r"[\s\"'\\$`#]")
 
@@ -40,3 +41,14 @@ def format_env_file(values: dict[str, str], header: str) -> str:
             )
         lines.append(f"{name}={value}")
     return "\n".join(lines) + "\n"
+
+
+def read_env_file(path: Path, error: type[Exception]) -> dict[str, str]:
+    """PATH read as systemd's EnvironmentFile= reads it; any fault raises ERROR (the caller's
+    configuration error) with one line naming the file and the cause."""
+    try:
+        return parse_env_file(path.read_text(encoding="utf-8"), str(path))
+    except OSError as exc:
+        raise error(f"cannot read env file {path}: {exc.strerror}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise error(str(exc)) from None
