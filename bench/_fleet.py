@@ -32,9 +32,10 @@ def raise_file_limit(wanted: int) -> int:
 
 def mint_tokens(database_url: str, origin: str, count: int) -> list[str]:
     """``count`` enrollment tokens locked to ``origin``, minted in one transaction."""
-    from modelforge_appliance import audit, enrollment
-    from modelforge_appliance.clock import Clock
-    from modelforge_appliance.store import Store
+    from modelforge_appliance.core.clock import Clock
+    from modelforge_appliance.identity import enrollment
+    from modelforge_appliance.store import audit
+    from modelforge_appliance.store.database import Store
 
     store = Store(database_url, Clock())
     store.migrate()

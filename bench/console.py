@@ -31,9 +31,9 @@ from _load import modelforge, modelforge_env, start_modelforge, temp_state, wait
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from modelforge_appliance.clock import ManualClock  # noqa: E402
-from modelforge_appliance.models import GpuSample  # noqa: E402
-from modelforge_appliance.store import Store  # noqa: E402
+from modelforge_appliance.core.clock import ManualClock  # noqa: E402
+from modelforge_appliance.store.database import Store  # noqa: E402
+from modelforge_appliance.store.tables import GpuSample  # noqa: E402
 from tests.console.fleet import add_nodes  # noqa: E402
 
 PASSWORD = "bench password, long enough"

@@ -127,7 +127,7 @@ def loop_cost(idle_connections: int, use_epoll: bool, requests: int = 300) -> fl
     import waitress
     from waitress import wasyncore
 
-    from modelforge_appliance.connections import EventLoop
+    from modelforge_appliance.runtime.connections import EventLoop
 
     server = waitress.create_server(
         _trivial_app,

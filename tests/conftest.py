@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from modelforge_appliance.clock import ManualClock
+from modelforge_appliance.core.clock import ManualClock
 
 from .support import fresh_postgres_database, make_settings, serve, unavailable
 

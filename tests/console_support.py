@@ -6,8 +6,8 @@ import re
 
 import requests
 
-from modelforge_appliance import audit
-from modelforge_appliance.console import sessions
+from modelforge_appliance.identity import sessions
+from modelforge_appliance.store import audit
 from modelforge_contract import HEADER_CSRF_TOKEN
 
 from .support import ControlPlane

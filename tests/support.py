@@ -21,11 +21,12 @@ import psycopg2
 import pytest
 import requests
 
-from modelforge_appliance import admin_tokens, audit
-from modelforge_appliance.clock import Clock
-from modelforge_appliance.server import create_server, run_until
-from modelforge_appliance.settings import Settings, load_settings
-from modelforge_appliance.store import Store
+from modelforge_appliance.core.clock import Clock
+from modelforge_appliance.core.settings import Settings, load_settings
+from modelforge_appliance.identity import admin_tokens
+from modelforge_appliance.runtime.server import create_server, run_until
+from modelforge_appliance.store import audit
+from modelforge_appliance.store.database import Store
 from modelforge_contract import HEADER_ADMIN_TOKEN, HEADER_AGENT_PROTOCOL, PROTOCOL_VERSION
 
 # Re-exported for the tests that read pyproject.toml.

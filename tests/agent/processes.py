@@ -14,11 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from modelforge_appliance import admin_tokens, audit, nodes
-from modelforge_appliance.clock import Clock
-from modelforge_appliance.server import create_server, run_until
-from modelforge_appliance.settings import Settings
-from modelforge_appliance.store import Store
+from modelforge_appliance.core.clock import Clock
+from modelforge_appliance.core.settings import Settings
+from modelforge_appliance.fleet import nodes
+from modelforge_appliance.identity import admin_tokens
+from modelforge_appliance.runtime.server import create_server, run_until
+from modelforge_appliance.store import audit
+from modelforge_appliance.store.database import Store
 from tests.support import ControlPlane, free_port
 
 from .nvml import write_nvml_config

@@ -13,10 +13,10 @@ import threading
 
 import waitress
 
-from modelforge_appliance.api import make_app
-from modelforge_appliance.clock import Clock
-from modelforge_appliance.server import run_until, waitress_options
-from modelforge_appliance.store import Store
+from modelforge_appliance.core.clock import Clock
+from modelforge_appliance.runtime.app import make_app
+from modelforge_appliance.runtime.server import run_until, waitress_options
+from modelforge_appliance.store.database import Store
 from modelforge_contract import EXIT_CHECK_FAILED, PATH_AGENT_HEARTBEAT, PATH_AGENT_INVENTORY
 
 from ..support import make_settings, run_cli, store_env

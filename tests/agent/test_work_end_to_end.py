@@ -11,7 +11,7 @@ from socketserver import ThreadingUnixStreamServer
 
 import pytest
 
-from modelforge_appliance import work
+from modelforge_appliance.work import items
 from modelforge_contract import (
     LEASE_LOST,
     PATH_AGENT_WORK_COMPLETE,
@@ -136,14 +136,14 @@ def test_an_agent_without_its_worker_reports_degraded_and_claims_nothing(
         ]  # fmt: skip
         # Claimed only once its worker answered.
         assert len(leased) == 1
-        assert work.work_view(work.get_work(cp.store, submitted["work_id"]))["attempts"] == 1
+        assert items.work_view(items.get_work(cp.store, submitted["work_id"]))["attempts"] == 1
         assert item["started_at"] >= _iso(started_at)
     finally:
         node.close()
 
 
 def _iso(epoch: float) -> str:
-    from modelforge_appliance.clock import isoformat
+    from modelforge_appliance.core.clock import isoformat
 
     return isoformat(epoch)
 
@@ -205,7 +205,7 @@ def test_sigkilled_agent_loses_its_lease_and_another_node_finishes(tmp_path, clo
             wait_until_ready(cp, first)
             submitted = cp.admin("POST", WORK, json={"capability": "smoke"}).json()
             assert busy.runs.wait(60), first.agent.log()
-            held = work.work_view(work.get_work(cp.store, submitted["work_id"]))
+            held = items.work_view(items.get_work(cp.store, submitted["work_id"]))
             assert (held["state"], held["node_id"]) == ("leased", first.node_id)
             first.agent.process.send_signal(signal.SIGKILL)
             first.agent.process.wait(timeout=10)
@@ -233,7 +233,7 @@ def test_sigkilled_agent_loses_its_lease_and_another_node_finishes(tmp_path, clo
                 },
             )
             assert (late.status_code, error_code(late)) == (409, LEASE_LOST)
-            assert work.work_view(work.get_work(cp.store, submitted["work_id"])) == item
+            assert items.work_view(items.get_work(cp.store, submitted["work_id"])) == item
             events = cp.admin("GET", "/api/v1/admin/audit-events?limit=500").json()["events"]
             actions = [(e["action"], e["node_id"]) for e in reversed(events)
                        if e["action"].startswith("work.")]  # fmt: skip

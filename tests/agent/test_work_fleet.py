@@ -9,8 +9,8 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from modelforge_appliance import leases, work
-from modelforge_appliance.models import AuditEvent, WorkLease
+from modelforge_appliance.store.tables import AuditEvent, WorkLease
+from modelforge_appliance.work import items, leases
 
 from ..support import serve
 from .processes import wait_until
@@ -70,10 +70,10 @@ def check_lease_history(store, work_ids: set[str]) -> None:
 @pytest.mark.slow
 def test_a_thousand_items_on_ten_agents_complete_exactly_once(settings, tmp_path):
     with serve(settings) as cp, short_dir() as sockets:
-        submission = work.Submission("smoke", {"matrix_size": 2}, work.normalise_constraints({}),
+        submission = items.Submission("smoke", {"matrix_size": 2}, items.normalise_constraints({}),
                                      60, 3, None)  # fmt: skip
         work_ids = {
-            work.submit_work(cp.store, submission, "test").item.work_id for _ in range(ITEMS)
+            items.submit_work(cp.store, submission, "test").item.work_id for _ in range(ITEMS)
         }
         nodes = []
         try:
@@ -82,7 +82,7 @@ def test_a_thousand_items_on_ten_agents_complete_exactly_once(settings, tmp_path
 
             def all_done():
                 leases.expire_leases(cp.store)
-                counts = work.counts_by_state(cp.store)
+                counts = items.counts_by_state(cp.store)
                 assert counts["failed"] == 0 and counts["cancelled"] == 0, counts
                 return counts["succeeded"] == ITEMS
 

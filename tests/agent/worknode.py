@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelforge_appliance import leases, work
+from modelforge_appliance.work import items, leases
 from tests.worker.processes import WorkerProcess, worker_env
 
 from .nvml import write_nvml_config
@@ -122,7 +122,7 @@ def wait_until_ready(cp, node: Node, timeout: float = 60) -> dict:
 def wait_for_state(store, work_id: str, states=("succeeded", "failed", "cancelled"), timeout=120):
     def finished():
         leases.expire_leases(store)
-        view = work.work_view(work.get_work(store, work_id))
+        view = items.work_view(items.get_work(store, work_id))
         return view if view["state"] in states else None
 
     return wait_until(finished, timeout=timeout, what=f"work {work_id} in {states}")

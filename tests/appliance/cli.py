@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelforge_appliance.clock import ManualClock
+from modelforge_appliance.core.clock import ManualClock
 
 from ..support import ControlPlane, clean_env, make_settings, new_identity, run_cli, serve
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import peewee as pw
 
-from modelforge_appliance import models
-from modelforge_appliance.migrations import MIGRATIONS
+from modelforge_appliance.store import tables
+from modelforge_appliance.store.migrations import MIGRATIONS
 
 from ..support import fresh_postgres_database
 
@@ -45,11 +45,11 @@ def schema_of(db: pw.Database) -> Schema:
 
 def migrate_to(db: pw.Database, version: int) -> None:
     """Apply the migrations up to ``version`` to an empty database, as that release did."""
-    with db.bind_ctx([models.SchemaVersion]), db.atomic():
-        db.create_tables([models.SchemaVersion])
+    with db.bind_ctx([tables.SchemaVersion]), db.atomic():
+        db.create_tables([tables.SchemaVersion])
         for migration in MIGRATIONS[:version]:
             migration.apply(db)
-            models.SchemaVersion.create(
+            tables.SchemaVersion.create(
                 version=migration.version, name=migration.name, applied_at=0
             )
 
@@ -64,7 +64,7 @@ def _reference(kind_of: pw.Database) -> Iterator[pw.Database]:
             db.close()
         return
     with fresh_postgres_database() as url:
-        from modelforge_appliance.store import open_database
+        from modelforge_appliance.store.database import open_database
 
         db = open_database(url)
         try:
@@ -85,7 +85,7 @@ def downgrade(db: pw.Database, version: int) -> None:
     old = schema_at(db, version)
     now = schema_of(db)
     sqlite = isinstance(db, pw.SqliteDatabase)
-    with db.bind_ctx([models.SchemaVersion]), db.atomic():
+    with db.bind_ctx([tables.SchemaVersion]), db.atomic():
         for routine in sorted(now.routines - old.routines):
             if sqlite:
                 db.execute_sql(f'DROP TRIGGER "{routine}"')
@@ -98,5 +98,5 @@ def downgrade(db: pw.Database, version: int) -> None:
         for table, columns in old.columns.items():
             for column in sorted(now.columns[table] - columns):
                 db.execute_sql(f'ALTER TABLE "{table}" DROP COLUMN "{column}"')
-        models.SchemaVersion.delete().where(models.SchemaVersion.version > version).execute()
+        tables.SchemaVersion.delete().where(tables.SchemaVersion.version > version).execute()
     assert schema_of(db) == old, "the downgrade left something of a later release"

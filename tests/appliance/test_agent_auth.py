@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelforge_appliance.models import Credential, Node
+from modelforge_appliance.store.tables import Credential, Node
 from modelforge_contract import (
     CREDENTIAL_INVALID,
     CREDENTIAL_MISSING,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from modelforge_appliance import admin_tokens, audit
+from modelforge_appliance.identity import admin_tokens
+from modelforge_appliance.store import audit
 
 from ..support import new_identity
 

@@ -21,7 +21,7 @@ AGENT = {"X-ModelForge-Agent-Protocol": "1"}
 # stage and action are this wrapper's own first two arguments, never a setting.
 _STOPPING_CLI = """
 import os, signal, sys
-from modelforge_appliance import backup
+from modelforge_appliance.store import backup
 stage, action = sys.argv[1:3]
 del sys.argv[1:3]
 def reached(name):

@@ -8,7 +8,7 @@ import re
 import pytest
 import requests
 
-from modelforge_appliance.models import (
+from modelforge_appliance.store.tables import (
     AdminToken,
     Credential,
     EnrollmentToken,

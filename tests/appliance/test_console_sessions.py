@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from modelforge_appliance.console import sessions
-from modelforge_appliance.models import AdminPassword, ConsoleSession
+from modelforge_appliance.identity import sessions
+from modelforge_appliance.store.tables import AdminPassword, ConsoleSession
 from modelforge_contract import SESSION_COOKIE
 
 from ..console_support import PASSWORD, ConsoleClient, set_password

@@ -18,8 +18,8 @@ from datetime import datetime
 import pytest
 import requests
 
-from modelforge_appliance.heartbeats import FLUSH_INTERVAL_SECONDS
-from modelforge_appliance.models import Node
+from modelforge_appliance.fleet.heartbeats import FLUSH_INTERVAL_SECONDS
+from modelforge_appliance.store.tables import Node
 
 from ..support import new_identity
 from .test_agent_auth import enroll_node

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 import modelforge_contract as contract
-from modelforge_appliance.api import make_app
+from modelforge_appliance.runtime.app import make_app
 
 from ..support import make_settings
 

@@ -7,7 +7,7 @@ import threading
 
 import requests
 
-from modelforge_appliance.models import Credential, Node
+from modelforge_appliance.store.tables import Credential, Node
 from modelforge_contract import ENROLLMENT_TOKEN_CONSUMED, HEADER_AGENT_PROTOCOL
 
 from ..support import new_identity

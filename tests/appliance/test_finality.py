@@ -9,19 +9,13 @@ import subprocess
 import peewee as pw
 import pytest
 
-from modelforge_appliance import (
-    admin_tokens,
-    backup,
-    credentials,
-    decommission,
-    enrollment,
-    finality,
-    models,
-)
-from modelforge_appliance.clock import ManualClock
-from modelforge_appliance.migrations import MIGRATIONS
-from modelforge_appliance.models import Finality
-from modelforge_appliance.store import Store
+from modelforge_appliance import lifecycle
+from modelforge_appliance.core.clock import ManualClock
+from modelforge_appliance.identity import admin_tokens, enrollment
+from modelforge_appliance.store import backup, finality, tables
+from modelforge_appliance.store.database import Store
+from modelforge_appliance.store.migrations import MIGRATIONS
+from modelforge_appliance.store.tables import Finality
 
 from ..support import clean_env, make_settings, new_identity, run_cli
 from .old_schema import downgrade
@@ -71,11 +65,11 @@ def test_every_revocation_and_spent_secret_lands_in_the_record(store):
     identity = new_identity()
     node = claim(store, used, identity).node
     enrollment.revoke_enrollment(store, spare.split("_")[1], "cli")
-    first = credentials.revoke_node_credential(store, node, "cli")
+    first = lifecycle.revoke_node_credential(store, node, "cli")
     second = claim(store, mint(store), identity)  # the decommission below revokes its credential
     admin_tokens.revoke_admin_token(store, admin.token_id, "cli")
-    plan = decommission.preview(store, node.node_id, "cli")
-    decommission.execute(store, node.node_id, plan["confirmation"], "cli")
+    plan = lifecycle.preview_decommission(store, node.node_id, "cli")
+    lifecycle.execute_decommission(store, node.node_id, plan["confirmation"], "cli")
     assert record(store) >= {
         ("enrollment_token", spare.split("_")[1]),
         ("enrollment_token", used.split("_")[1]),
@@ -111,10 +105,10 @@ def test_a_store_from_before_the_record_gets_it_from_its_rows(tmp_path, database
     old = Store(database_url, ManualClock())
     old.db.connect()
     with old.write():
-        old.db.create_tables([models.SchemaVersion])
+        old.db.create_tables([tables.SchemaVersion])
         for migration in MIGRATIONS[:2]:
             migration.apply(old.db)
-            models.SchemaVersion.create(version=migration.version, name="x", applied_at=0)
+            tables.SchemaVersion.create(version=migration.version, name="x", applied_at=0)
     row, _ = admin_tokens.create_admin_token(old, "t", "cli")
     admin_tokens.revoke_admin_token(old, row.token_id, "cli")
     assert old.migrate() == [m.version for m in MIGRATIONS[2:]]
@@ -134,8 +128,8 @@ def test_a_retired_identity_never_enrolls_again_even_where_its_node_is_gone(tmp_
     backup.backup(settings, before)
     identity = new_identity()
     node = claim(store, mint(store), identity).node
-    plan = decommission.preview(store, node.node_id, "cli")
-    decommission.execute(store, node.node_id, plan["confirmation"], "cli")
+    plan = lifecycle.preview_decommission(store, node.node_id, "cli")
+    lifecycle.execute_decommission(store, node.node_id, plan["confirmation"], "cli")
     store.close()
     backup.restore(settings, before, clock)  # a store in which the node never existed
     store = Store(settings.database_url, clock)

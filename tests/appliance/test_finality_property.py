@@ -18,19 +18,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from modelforge_appliance import (
-    admin_tokens,
-    audit,
-    backup,
-    credentials,
-    decommission,
-    enrollment,
-    nodes,
-)
-from modelforge_appliance.clock import ManualClock
-from modelforge_appliance.errors import ApiError
-from modelforge_appliance.models import Credential
-from modelforge_appliance.store import Store
+from modelforge_appliance import lifecycle
+from modelforge_appliance.core.clock import ManualClock
+from modelforge_appliance.core.errors import ApiError
+from modelforge_appliance.fleet import nodes
+from modelforge_appliance.identity import admin_tokens, credentials, enrollment
+from modelforge_appliance.store import audit, backup
+from modelforge_appliance.store.database import Store
+from modelforge_appliance.store.tables import Credential
 
 from ..support import make_settings, new_identity
 
@@ -164,7 +159,7 @@ class Operator(RuleBasedStateMachine):
         except ApiError:
             return
         self.spent_credentials |= set(
-            credentials.revoke_node_credential(self.store, node, audit.CLI_ACTOR)["revoked"]
+            lifecycle.revoke_node_credential(self.store, node, audit.CLI_ACTOR)["revoked"]
         )
 
     @rule()
@@ -187,8 +182,8 @@ class Operator(RuleBasedStateMachine):
     def decommission_node(self, pick: int) -> None:
         node_id = self._node(pick)
         try:
-            plan = decommission.preview(self.store, node_id, audit.CLI_ACTOR)
-            done = decommission.execute(self.store, node_id, plan["confirmation"], "cli")
+            plan = lifecycle.preview_decommission(self.store, node_id, audit.CLI_ACTOR)
+            done = lifecycle.execute_decommission(self.store, node_id, plan["confirmation"], "cli")
         except ApiError:
             return  # not in this store, or already decommissioned
         self.spent_credentials |= set(done["effects"]["credentials_revoked"])
@@ -235,7 +230,7 @@ class Operator(RuleBasedStateMachine):
                 self._claim(token, new_identity())
         for node_id, confirmation in self.used_confirmations:
             with pytest.raises(ApiError):
-                decommission.execute(self.store, node_id, confirmation, audit.CLI_ACTOR)
+                lifecycle.execute_decommission(self.store, node_id, confirmation, audit.CLI_ACTOR)
         if self.retired_identities:
             token = self._mint()
             for identity in self.retired_identities:

@@ -238,7 +238,7 @@ def test_no_header_bytes_get_a_5xx_a_hang_or_a_change_when_refused(world, data):
 
 def test_every_api_route_is_fuzzed(tmp_path):
     """A new JSON route joins ROUTES above, so both fuzz tests reach it."""
-    from modelforge_appliance.api import make_app
+    from modelforge_appliance.runtime.app import make_app
 
     class NoStore:
         clock = None

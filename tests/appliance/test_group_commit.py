@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from modelforge_appliance import audit
-from modelforge_appliance.clock import Clock
-from modelforge_appliance.models import AuditEvent
-from modelforge_appliance.store import Store
+from modelforge_appliance.core.clock import Clock
+from modelforge_appliance.store import audit
+from modelforge_appliance.store.database import Store
+from modelforge_appliance.store.tables import AuditEvent
 
 
 @pytest.fixture

@@ -14,13 +14,14 @@ from dataclasses import replace
 import pytest
 import requests
 
-from modelforge_appliance import admin_tokens, audit
-from modelforge_appliance.clock import ManualClock
-from modelforge_appliance.connections import EventLoop
-from modelforge_appliance.models import AdminToken, Node
-from modelforge_appliance.server import create_server
-from modelforge_appliance.settings import ConfigError, load_settings
-from modelforge_appliance.store import Store
+from modelforge_appliance.core.clock import ManualClock
+from modelforge_appliance.core.settings import ConfigError, load_settings
+from modelforge_appliance.identity import admin_tokens
+from modelforge_appliance.runtime.connections import EventLoop
+from modelforge_appliance.runtime.server import create_server
+from modelforge_appliance.store import audit
+from modelforge_appliance.store.database import Store
+from modelforge_appliance.store.tables import AdminToken, Node
 
 from ..support import ControlPlane, error_code, make_settings, new_identity, serve
 from .test_agent_auth import enroll_node
@@ -348,7 +349,7 @@ def test_a_connection_limit_the_process_cannot_hold_exits_2(tmp_path):
 def test_serve_raises_its_own_soft_file_limit_to_fit_the_connections(tmp_path):
     code = (
         "import resource, sys\n"
-        "from modelforge_appliance.server import ensure_file_descriptors\n"
+        "from modelforge_appliance.runtime.server import ensure_file_descriptors\n"
         "print(ensure_file_descriptors(3000), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
     )
     result = subprocess.run(

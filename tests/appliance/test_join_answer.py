@@ -77,7 +77,7 @@ def test_the_heartbeat_answer_asks_for_what_the_control_plane_lacks(sqlite_contr
 def test_the_container_join_prepares_the_state_directory_for_the_image_user():
     """The images run as SERVICE_UID: the host directory the container writes must be its, and
     the agent reads its own env file (mode 0600, that user's) inside the container."""
-    from modelforge_appliance.join import AGENT_IMAGE_UID, join_commands
+    from modelforge_appliance.identity.join_commands import AGENT_IMAGE_UID, join_commands
     from modelforge_release.images import SERVICE_UID
 
     assert AGENT_IMAGE_UID == SERVICE_UID

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelforge_appliance.models import Node
+from modelforge_appliance.store.tables import Node
 from modelforge_contract import (
     CONFIRMATION_INVALID,
     CONFIRMATION_STALE,

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from modelforge_appliance import node_agent_image
+from modelforge_appliance.fleet import node_agent_image
 from modelforge_contract import __version__
 from modelforge_contract.manifest import REQUIRED_LABELS
 

@@ -24,8 +24,8 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg2
 import pytest
 
-from modelforge_appliance.migrations import MIGRATIONS
-from modelforge_appliance.store import open_database
+from modelforge_appliance.store.database import open_database
+from modelforge_appliance.store.migrations import MIGRATIONS
 
 from ..support import fresh_postgres_database, postgres_admin_url
 from .old_schema import downgrade

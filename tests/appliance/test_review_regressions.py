@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import requests
 
-from modelforge_appliance.models import Node
+from modelforge_appliance.store.tables import Node
 
 from ..support import make_settings, serve
 from .test_agent_auth import enroll_node

@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import peewee as pw
 
-from modelforge_appliance import models
-from modelforge_appliance.clock import Clock
-from modelforge_appliance.migrations import MIGRATIONS
-from modelforge_appliance.store import Store
+from modelforge_appliance.core.clock import Clock
+from modelforge_appliance.store import tables
+from modelforge_appliance.store.database import Store
+from modelforge_appliance.store.migrations import MIGRATIONS
 
 MODELS = [
-    models.AdminToken,
-    models.Node,
-    models.EnrollmentToken,
-    models.Credential,
-    models.AuditEvent,
-    models.DecommissionConfirmation,
-    models.Finality,
-    models.AdminPassword,
-    models.ConsoleSession,
-    models.SignInThrottle,
-    models.GpuSample,
-    models.WorkItem,
-    models.WorkLease,
+    tables.AdminToken,
+    tables.Node,
+    tables.EnrollmentToken,
+    tables.Credential,
+    tables.AuditEvent,
+    tables.DecommissionConfirmation,
+    tables.Finality,
+    tables.AdminPassword,
+    tables.ConsoleSession,
+    tables.SignInThrottle,
+    tables.GpuSample,
+    tables.WorkItem,
+    tables.WorkLease,
 ]
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from modelforge_appliance.clock import Clock
-from modelforge_appliance.migrations import MIGRATIONS
-from modelforge_appliance.settings import SETTINGS, ConfigError, load_settings
-from modelforge_appliance.store import SCHEMA_VERSION, Store
+from modelforge_appliance.core.clock import Clock
+from modelforge_appliance.core.settings import SETTINGS, ConfigError, load_settings
+from modelforge_appliance.store.database import SCHEMA_VERSION, Store
+from modelforge_appliance.store.migrations import MIGRATIONS
 
 from ..support import clean_env, run_cli
 
@@ -151,7 +151,8 @@ def test_admin_token_create_list_revoke(state_env, tmp_path):
 
 def test_revoked_admin_token_is_refused(sqlite_control_plane):
     cp = sqlite_control_plane
-    from modelforge_appliance import admin_tokens, audit
+    from modelforge_appliance.identity import admin_tokens
+    from modelforge_appliance.store import audit
 
     row, secret = admin_tokens.create_admin_token(cp.store, "temp", audit.CLI_ACTOR)
     headers = {"X-ModelForge-Admin-Token": secret}

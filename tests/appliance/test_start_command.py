@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from modelforge_appliance.enrollment import START_COMMAND, agent_env_file
+from modelforge_appliance.identity.enrollment import START_COMMAND, agent_env_file
 
 TOKEN = "mfe_0123456789abcdef_" + "Tk9" * 14 + "x"
 STANDIN = """#!/bin/bash

@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from modelforge_appliance import telemetry
-from modelforge_appliance.clock import ManualClock
-from modelforge_appliance.credentials import Caller
-from modelforge_appliance.models import GpuSample
-from modelforge_appliance.store import Store
+from modelforge_appliance.core.clock import ManualClock
+from modelforge_appliance.fleet import telemetry
+from modelforge_appliance.identity.credentials import Caller
+from modelforge_appliance.store.database import Store
+from modelforge_appliance.store.tables import GpuSample
 
 from ..support import error_code
 

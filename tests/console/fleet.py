@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import uuid
 
-from modelforge_appliance.credentials import Caller
-from modelforge_appliance.models import Node
-from modelforge_appliance.store import Store
-from modelforge_appliance.telemetry import TelemetryHistory
+from modelforge_appliance.fleet.telemetry import TelemetryHistory
+from modelforge_appliance.identity.credentials import Caller
+from modelforge_appliance.store.database import Store
+from modelforge_appliance.store.tables import Node
 
 H100 = "NVIDIA H100 80GB HBM3"
 

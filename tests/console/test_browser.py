@@ -16,7 +16,7 @@ import pytest
 import requests
 from playwright.sync_api import expect
 
-from modelforge_appliance.telemetry import TelemetryHistory
+from modelforge_appliance.fleet.telemetry import TelemetryHistory
 from modelforge_contract import READINESS_CHECKS, __version__
 
 from ..agent.processes import wait_until
@@ -406,7 +406,7 @@ def test_the_hardware_page_renders_and_refreshes_1000_nodes(browser, sqlite_cont
 
 
 def test_a_node_page_shows_charts_and_runs_its_actions(browser, tmp_path):
-    from modelforge_appliance.clock import ManualClock
+    from modelforge_appliance.core.clock import ManualClock
 
     clock = ManualClock(time.time())
     settings = make_settings(tmp_path / "state")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from modelforge_appliance.api.http import CONTENT_SECURITY_POLICY
+from modelforge_appliance.web.http import CONTENT_SECURITY_POLICY
 
 from ..console_support import ConsoleClient, set_password
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from modelforge_appliance import doctor
+from modelforge_appliance.runtime import doctor
 from modelforge_contract import PROTOCOL_VERSION, __version__
 from tests.support import clean_env, tomllib
 

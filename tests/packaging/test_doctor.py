@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from modelforge_appliance import doctor
+from modelforge_appliance.runtime import doctor
 from tests.support import IN_CI, clean_env, tomllib
 
 from ..pki import issue_server_cert, make_ca, tls_listener

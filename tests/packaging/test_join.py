@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from modelforge_appliance.join import AGENT_PYZ_INTERPRETER
+from modelforge_appliance.identity.join_commands import AGENT_PYZ_INTERPRETER
 from modelforge_contract import (
     AGENT_ENV_FILE,
     AGENT_PYZ_PATH,

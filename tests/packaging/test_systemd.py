@@ -106,8 +106,8 @@ def test_control_plane_unit_has_no_devices():
 def test_control_plane_unit_has_descriptors_for_the_default_connection_limit():
     """The unit grants what the default MODELFORGE_CONNECTION_LIMIT needs, instead of leaving
     serve to raise its own soft limit under a filter of the @resources system calls."""
-    from modelforge_appliance.server import SPARE_DESCRIPTORS
-    from modelforge_appliance.settings import load_settings
+    from modelforge_appliance.core.settings import load_settings
+    from modelforge_appliance.runtime.server import SPARE_DESCRIPTORS
 
     limit = int(directives("modelforge.service")["LimitNOFILE"][0])
     assert limit >= load_settings({}).connection_limit + SPARE_DESCRIPTORS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from modelforge_appliance.settings import KNOWN_NAMES, load_settings, parse_listen
+from modelforge_appliance.core.settings import KNOWN_NAMES, load_settings, parse_listen
 
 from .conftest import ROOT
 

@@ -31,24 +31,15 @@ from modelforge_contract import (
     SESSION_COOKIE,
 )
 
-from .. import (
-    admin_tokens,
-    alerts,
-    audit,
-    credentials,
-    decommission,
-    enrollment,
-    node_agent_image,
-    nodes,
-    readiness,
-    telemetry,
-)
-from ..clock import isoformat
-from ..console import sessions
-from ..errors import Invalid, StoreUnavailable
-from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ..validation import EXECUTE_FIELDS, IMAGE_CHECK_FIELDS, MINT_FIELDS
-from .http import ApiContext, json_response, query_int, request_header, request_origin
+from .. import lifecycle
+from ..core.clock import isoformat
+from ..core.errors import Invalid, StoreUnavailable
+from ..core.validation import EXECUTE_FIELDS, IMAGE_CHECK_FIELDS, MINT_FIELDS
+from ..fleet import alerts, node_agent_image, nodes, readiness, telemetry
+from ..identity import admin_tokens, credentials, enrollment, sessions
+from ..store import audit
+from ..web.http import ApiContext, json_response, query_int, request_header, request_origin
+from ..web.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 STATE_CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
@@ -179,19 +170,19 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     def revoke_node_credential(node_id: str):
         actor = admin()
         node = nodes.get_node(store, node_id)
-        revocation = credentials.revoke_node_credential(store, node, actor)
+        revocation = lifecycle.revoke_node_credential(store, node, actor)
         return json_response({"node_id": node_id, **revocation})
 
     @app.post(PATH_ADMIN_NODE_DECOMMISSION_PREVIEW)
     def decommission_preview(node_id: str):
         actor = admin()
-        return json_response(decommission.preview(store, node_id, actor))
+        return json_response(lifecycle.preview_decommission(store, node_id, actor))
 
     @app.post(PATH_ADMIN_NODE_DECOMMISSION_EXECUTE)
     def decommission_execute(node_id: str):
         actor = admin()
         confirmation = context.body(EXECUTE_FIELDS)["confirmation"]
-        return json_response(decommission.execute(store, node_id, confirmation, actor))
+        return json_response(lifecycle.execute_decommission(store, node_id, confirmation, actor))
 
     @app.post(PATH_ADMIN_NODE_CORDON)
     def cordon(node_id: str):

@@ -6,11 +6,11 @@ import bottle
 
 from modelforge_contract import PATH_ADMIN_WORK, PATH_ADMIN_WORK_CANCEL, PATH_ADMIN_WORK_ITEM
 
-from .. import work
-from ..validation import SUBMIT_WORK_FIELDS
+from ..core.validation import SUBMIT_WORK_FIELDS
+from ..web.http import ApiContext, json_response, query_int
+from ..work import items
 from .admin import admin_actor
 from .agent_work import expire_leases
-from .http import ApiContext, json_response, query_int
 
 
 def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
@@ -19,11 +19,11 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     @app.post(PATH_ADMIN_WORK)
     def submit():
         actor = admin_actor(context)
-        submission = work.submission_from(
+        submission = items.submission_from(
             context.body(SUBMIT_WORK_FIELDS), settings.work_input_max_bytes
         )
-        submitted = work.submit_work(store, submission, actor)
-        return json_response(work.work_view(submitted.item), 201 if submitted.created else 200)
+        submitted = items.submit_work(store, submission, actor)
+        return json_response(items.work_view(submitted.item), 201 if submitted.created else 200)
 
     @app.get(PATH_ADMIN_WORK)
     def list_work():
@@ -31,7 +31,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         expire_leases(context)
         query = bottle.request.query
         return json_response(
-            work.list_work(
+            items.list_work(
                 store,
                 state=query.get("state") or None,
                 limit=query_int("limit", 50, 1, 500),
@@ -43,10 +43,10 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     def show(work_id: str):
         admin_actor(context)
         expire_leases(context)
-        return json_response(work.work_view(work.get_work(store, work_id)))
+        return json_response(items.work_view(items.get_work(store, work_id)))
 
     @app.post(PATH_ADMIN_WORK_CANCEL)
     def cancel(work_id: str):
         actor = admin_actor(context)
         expire_leases(context)
-        return json_response(work.work_view(work.cancel_work(store, work_id, actor)))
+        return json_response(items.work_view(items.cancel_work(store, work_id, actor)))

@@ -19,11 +19,12 @@ from modelforge_contract import (
     compatibility_of,
 )
 
-from .. import credentials, enrollment, nodes
-from ..clock import isoformat
-from ..errors import ApiError, UpgradeRequired
-from ..validation import ENROLL_FIELDS, HEARTBEAT_FIELDS, INVENTORY_FIELDS, TELEMETRY_FIELDS
-from .http import ApiContext, json_response, request_header, request_origin
+from ..core.clock import isoformat
+from ..core.errors import ApiError, UpgradeRequired
+from ..core.validation import ENROLL_FIELDS, HEARTBEAT_FIELDS, INVENTORY_FIELDS, TELEMETRY_FIELDS
+from ..fleet import nodes
+from ..identity import credentials, enrollment
+from ..web.http import ApiContext, json_response, request_header, request_origin
 
 
 def agent_protocol() -> int:

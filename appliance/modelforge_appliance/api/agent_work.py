@@ -16,11 +16,11 @@ from modelforge_contract import (
     PATH_AGENT_WORK_RENEW,
 )
 
-from .. import leases
-from ..clock import isoformat
-from ..validation import CLAIM_FIELDS, COMPLETE_FIELDS, RENEW_FIELDS
+from ..core.clock import isoformat
+from ..core.validation import CLAIM_FIELDS, COMPLETE_FIELDS, RENEW_FIELDS
+from ..web.http import ApiContext, json_response
+from ..work import leases
 from .agent import agent_caller, agent_protocol
-from .http import ApiContext, json_response
 
 
 def expire_leases(context: ApiContext) -> None:

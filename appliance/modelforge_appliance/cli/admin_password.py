@@ -14,8 +14,8 @@ import click
 
 from modelforge_contract import EXIT_CHECK_FAILED
 
-from .. import audit
-from ..console.sessions import PasswordRefused, check_new_password, set_admin_password
+from ..identity.sessions import PasswordRefused, check_new_password, set_admin_password
+from ..store import audit
 from .errors import CliError
 from .support import JSON_OPTION, Context, emit
 

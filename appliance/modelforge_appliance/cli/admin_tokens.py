@@ -6,8 +6,9 @@ import click
 
 from modelforge_contract import EXIT_NOT_FOUND
 
-from .. import admin_tokens, audit
-from ..errors import NotFound
+from ..core.errors import NotFound
+from ..identity import admin_tokens
+from ..store import audit
 from .errors import CliError
 from .support import Context, emit
 

@@ -6,8 +6,9 @@ import json
 
 import click
 
-from .. import audit
+from ..store import audit
 from .completion import complete_nodes
+from .nodes import find_node
 from .support import JSON_OPTION, Context, emit
 
 
@@ -30,8 +31,6 @@ def audit_command(
     obj: Context, node: str | None, limit: int, before: int | None, as_json: bool
 ) -> None:
     """Who did what to which node, and when; never a secret."""
-    from .nodes import find_node
-
     node_id = find_node(obj, node).node_id if node else None
     page = audit.list_events(obj.store(), limit=limit, before=before, node_id=node_id)
     lines = [f"{'ID':>6} {'AT':24} {'ACTOR':26} {'ACTION':28} NODE / DETAIL"]

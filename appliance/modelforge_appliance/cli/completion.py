@@ -21,8 +21,8 @@ SHELLS = ("bash", "zsh", "fish")
 
 
 def _node_rows(env_file: Path | None) -> list[tuple[str, str]]:
-    from ..doctor import sqlite_file
-    from ..settings import load_settings
+    from ..core.settings import load_settings
+    from ..runtime.doctor import sqlite_file
     from .locate import venv_settings_file
 
     settings = load_settings(env_file=env_file or venv_settings_file())

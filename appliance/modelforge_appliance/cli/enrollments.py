@@ -12,8 +12,10 @@ from modelforge_contract import (
     ENROLLMENT_EXPIRY_MIN_SECONDS,
 )
 
-from .. import audit, enrollment, join, serving
-from ..errors import NotFound
+from ..core.errors import NotFound
+from ..identity import enrollment, join_commands
+from ..runtime import serving
+from ..store import audit
 from .errors import CliError
 from .support import JSON_OPTION, Context, emit
 
@@ -75,10 +77,10 @@ def enroll(
         f" (from {locked.source}), expires {response['expires_at']}.\n\n"
         f"Token (single use, shown once):\n\n    {minted.token}\n\n"
         "Join the node with one command; it asks for the token without echo:\n\n"
-        f"{join.describe(response['join_commands'])}\n"
+        f"{join_commands.describe(response['join_commands'])}\n"
         "The node is ready only while its Runtime Worker answers beside the agent "
         "(docs/work.md). From a checkout, start it first:\n\n"
-        f"    {join.checkout_worker_command(accelerator)}",
+        f"    {join_commands.checkout_worker_command(accelerator)}",
     )
 
 

@@ -28,8 +28,8 @@ from modelforge_contract import (
     mask_secrets,
 )
 
-from ..errors import ApiError, NotFound, StoreUnavailable
-from ..store import redact_url
+from ..core.errors import ApiError, NotFound, StoreUnavailable
+from ..store.database import redact_url
 
 PROG = "modelforge"
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..clock import Clock
-from ..doctor import sqlite_file
-from ..migrations import SCHEMA_VERSION
-from ..settings import Settings
-from ..store import Store, redact_url
+from ..core.clock import Clock
+from ..core.settings import Settings
+from ..runtime.doctor import sqlite_file
+from ..store.database import Store, redact_url
+from ..store.migrations import SCHEMA_VERSION
 from .errors import CliError
 
 VENV_SETTINGS_NAME = "modelforge.env"

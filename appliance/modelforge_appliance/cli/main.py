@@ -1,10 +1,10 @@
-"""The ``modelforge`` command line (click). Exit codes: see cli/errors.py and README.md."""
+"""The ``modelforge`` command line (click): the root group, its one error handler, and the one
+place that registers every command module on it. Exit codes: see cli/errors.py and docs/cli.md.
+"""
 
 from __future__ import annotations
 
 import os
-import signal
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,16 +12,22 @@ import click
 
 from modelforge_contract import PROTOCOL_VERSION, __version__
 
-from .. import admin_tokens, audit, serving
-from ..backup import RestoreRefused
-from ..doctor import doctor
-from ..settings import ConfigError, Settings, parse_listen
-from ..statelock import StateBusy
-from ..store import Store, StoreVersionError
+from ..core.settings import ConfigError
+from ..store.backup import RestoreRefused
+from ..store.database import StoreVersionError
+from ..store.statelock import StateBusy
+from .admin_password import admin_password
+from .admin_tokens import admin_token
+from .audit import audit_command
+from .completion import completion
+from .doctor import doctor
+from .enrollments import enroll, enrollments_group
 from .errors import report
-from .support import Context, emit, fail
-
-FIRST_TOKEN_NAME = "first admin"
+from .nodes import alerts_command, nodes_group
+from .serve import init, serve
+from .store import backup_command, restore_command, restore_finality_command, save_finality_command
+from .support import Context, fail
+from .work import work_group
 
 
 class Group(click.Group):
@@ -69,104 +75,9 @@ def main(ctx: click.Context, env_file: Path | None, debug: bool) -> None:
     ctx.call_on_close(ctx.obj.close)  # the state lock is held until the command ends
 
 
-@main.command()
-@click.option("--json", "as_json", is_flag=True, help='Print {"admin_token": …} as JSON.')
-@click.pass_obj
-def init(obj: Context, as_json: bool) -> None:
-    """Create the state directory and store; print the first admin token once."""
-    store = obj.store(create=True)
-    if admin_tokens.has_admin_tokens(store):
-        emit(
-            as_json,
-            {"admin_token": None, "already_initialised": True},
-            f"ModelForge is already initialised in {obj.settings.state_dir}.\n"
-            "The first admin token was shown when it was created and cannot be shown again;\n"
-            "create another with: modelforge admin-token create --name NAME",
-        )
-        return
-    row, secret = admin_tokens.create_admin_token(store, FIRST_TOKEN_NAME, audit.CLI_ACTOR)
-    emit(
-        as_json,
-        {"admin_token": secret, "token_id": row.token_id},
-        f"Initialised ModelForge in {obj.settings.state_dir}.\n\n"
-        f"First admin token (shown once, store it now):\n\n    {secret}\n\n"
-        "Send it as the X-ModelForge-Admin-Token header.",
-    )
-
-
-@main.command()
-@click.option("--listen", help="HOST:PORT to serve on (overrides MODELFORGE_LISTEN).")
-@click.pass_obj
-def serve(obj: Context, listen: str | None) -> None:
-    """Serve the control plane (default 127.0.0.1:8000, SQLite under the state directory)."""
-    import logging
-
-    from ..server import create_server, run_until
-
-    settings = obj.settings
-    host, port = (
-        parse_listen(listen, "--listen") if listen else (settings.listen_host, settings.listen_port)
-    )
-    store = obj.store(create=True)  # takes the state lock before it migrates; held until we stop
-    if not admin_tokens.has_admin_tokens(store):
-        click.echo("modelforge: no admin token exists yet; run `modelforge init` first.", err=True)
-    try:
-        server = create_server(settings, store, host, port)
-    except OSError as exc:
-        fail(f"cannot listen on {host}:{port}: {exc.strerror}")
-    log = logging.getLogger("modelforge")
-    listening = f"{host}:{server.effective_port}"
-    log.info("serving on %s", listening)
-    warning = serving.wildcard_warning(settings, host)
-    if warning:
-        log.warning("%s", warning)
-    click.echo(_banner(settings, store, host, server.effective_port), err=True)
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    # What the CLI on this host reads to lock tokens to the origin really served. The state
-    # lock (obj.store) is held until we stop, so `modelforge restore` waits for us.
-    record = serving.record_serving(settings, host, server.effective_port)
-    try:
-        run_until(server, stop)
-    finally:
-        serving.clear_serving(settings, record)
-    log.info("stopped")
-
-
-def _banner(settings: Settings, store: Store, host: str, port: int) -> str:
-    kind = "SQLite" if store.is_sqlite else "PostgreSQL"
-    if settings.public_api_origin:
-        url, origin = settings.public_api_origin, settings.public_api_origin
-    elif serving.is_unspecified(host):
-        url, origin = f"http://<this host's address>:{port}", None
-    else:
-        url = origin = serving.origin_for(host, port)
-    shown = f"listening on {host}:{port}" + (f", agents use {origin}" if origin else "")
-    return (
-        f"ModelForge control plane {shown} (store: {kind})\n"
-        "Enroll a node: modelforge enroll --name NAME --expires 15m, or\n"
-        f'  curl -s -X POST -H "X-ModelForge-Admin-Token: $KEY" -H "Content-Type: application/json" \\\n'
-        f'    -d \'{{"display_name":"GPU Node","expires_in_seconds":900}}\' \\\n'
-        f"    {url}/api/v1/admin/node-enrollments"
-    )
-
-
-from .admin_password import admin_password  # noqa: E402
-from .admin_tokens import admin_token  # noqa: E402
-from .audit import audit_command  # noqa: E402
-from .completion import completion  # noqa: E402
-from .enrollments import enroll, enrollments_group  # noqa: E402
-from .nodes import alerts_command, nodes_group  # noqa: E402
-from .store import (  # noqa: E402
-    backup_command,
-    restore_command,
-    restore_finality_command,
-    save_finality_command,
-)
-from .work import work_group  # noqa: E402
-
 for command in (
+    init,
+    serve,
     admin_password,
     admin_token,
     enroll,
@@ -183,6 +94,8 @@ for command in (
     work_group,
 ):
     main.add_command(command)
+
+__all__ = ["main"]
 
 if __name__ == "__main__":
     main()

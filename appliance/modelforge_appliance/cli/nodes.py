@@ -12,9 +12,12 @@ import click
 
 from modelforge_contract import DECOMMISSIONED, EXIT_CHECK_FAILED
 
-from .. import alerts, audit, credentials, decommission, nodes, readiness
-from ..errors import NotFound
-from ..models import Node
+from .. import lifecycle
+from ..core.errors import NotFound
+from ..fleet import alerts, nodes, readiness
+from ..identity import credentials
+from ..store import audit
+from ..store.tables import Node
 from .completion import complete_nodes
 from .errors import CliError
 from .support import JSON_OPTION, Context, confirm_or_refuse, emit, fail
@@ -219,7 +222,7 @@ def credentials_command(obj: Context, node: str, as_json: bool) -> None:
 def revoke(obj: Context, node: str, as_json: bool) -> None:
     """Revoke a node's credential permanently (re-enroll the agent afterwards)."""
     row = find_node(obj, node)
-    revocation = credentials.revoke_node_credential(obj.store(), row, audit.CLI_ACTOR)
+    revocation = lifecycle.revoke_node_credential(obj.store(), row, audit.CLI_ACTOR)
     emit(
         as_json,
         {"node_id": row.node_id, **revocation},
@@ -279,7 +282,7 @@ def decommission_command(obj: Context, node: str, yes: bool, as_json: bool) -> N
     node_id = find_node(obj, node).node_id
     if as_json and not yes:  # refused before the preview records anything
         fail("--json does not ask questions: add --yes to go ahead")
-    plan = decommission.preview(store, node_id, audit.CLI_ACTOR)
+    plan = lifecycle.preview_decommission(store, node_id, audit.CLI_ACTOR)
     effects = plan["effects"]
     if not as_json:
         click.echo(
@@ -290,7 +293,7 @@ def decommission_command(obj: Context, node: str, yes: bool, as_json: bool) -> N
             f"  free hostname:      {effects['hostname_freed']}"
         )
     confirm_or_refuse("Execute?", yes, as_json)
-    done = decommission.execute(store, node_id, plan["confirmation"], audit.CLI_ACTOR)
+    done = lifecycle.execute_decommission(store, node_id, plan["confirmation"], audit.CLI_ACTOR)
     emit(as_json, done, f"Node {node_id} decommissioned at {done['decommissioned_at']}.")
 
 

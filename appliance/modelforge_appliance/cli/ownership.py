@@ -14,7 +14,7 @@ from pathlib import Path
 
 from modelforge_contract import EXIT_USAGE
 
-from ..settings import Settings
+from ..core.settings import Settings
 from .errors import CliError
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import click
 
-from .. import backup
-from ..clock import Clock
+from ..core.clock import Clock
+from ..store import backup
 from .locate import require_store_file
 from .ownership import require_state_owner
 from .support import JSON_OPTION, Context, confirm_or_refuse, emit

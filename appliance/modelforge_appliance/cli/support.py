@@ -12,9 +12,11 @@ import click
 from modelforge_contract import EXIT_CHECK_FAILED, EXIT_USAGE
 from modelforge_contract.logs import configure_logging
 
-from .. import statelock
-from ..settings import Settings, load_settings
-from ..store import Store
+from ..core.settings import Settings, load_settings
+from ..runtime.server import open_store
+from ..store import statelock
+from ..store.backup import clear_interrupted_restore
+from ..store.database import Store
 from . import locate
 from .ownership import require_state_owner
 
@@ -54,9 +56,6 @@ class Context:
         refused (exit 2) before it reads, migrates or writes anything. Says on stderr which
         store it uses.
         """
-        from ..backup import clear_interrupted_restore
-        from ..server import open_store
-
         if self._store is None:
             require_state_owner(self.settings)
             if not create:

@@ -18,9 +18,10 @@ from modelforge_contract import (
     WORK_SUCCEEDED,
 )
 
-from .. import audit, leases, work
-from ..errors import ApiError, NotFound
-from ..validation import SUBMIT_WORK_FIELDS, check_object
+from ..core.errors import ApiError, NotFound
+from ..core.validation import SUBMIT_WORK_FIELDS, check_object
+from ..store import audit
+from ..work import items, leases
 from .completion import complete_nodes
 from .errors import CliError
 from .nodes import find_node
@@ -90,9 +91,9 @@ def _summary(item: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _table(items: list[dict[str, Any]]) -> str:
+def _table(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'WORK ID':38} {'CAPABILITY':10} {'STATE':10} {'ATTEMPTS':8} {'NODE':38} CREATED"]
-    for item in items:
+    for item in rows:
         lines.append(
             f"{item['work_id']:38} {item['capability']:10} {item['state']:10} "
             f"{item['attempts']:>3}/{item['max_attempts']:<4} {item['node_id'] or '-':38} "
@@ -158,11 +159,11 @@ def submit(
     store = obj.store()
     try:
         fields = check_object({k: v for k, v in body.items() if v is not None}, SUBMIT_WORK_FIELDS)
-        submission = work.submission_from(fields, obj.settings.work_input_max_bytes)
-        submitted = work.submit_work(store, submission, audit.CLI_ACTOR)
+        submission = items.submission_from(fields, obj.settings.work_input_max_bytes)
+        submitted = items.submit_work(store, submission, audit.CLI_ACTOR)
     except ApiError as exc:
         raise _refused(exc) from None
-    item = work.work_view(submitted.item)
+    item = items.work_view(submitted.item)
     if not wait:
         note = "" if submitted.created else " (already submitted with this idempotency key)"
         emit(as_json, item, f"Queued work {item['work_id']}{note}.")
@@ -180,7 +181,7 @@ def _wait(obj: Context, work_id: str) -> dict[str, Any]:
     last = None
     while True:
         leases.expire_leases(store)
-        item = work.work_view(work.get_work(store, work_id))
+        item = items.work_view(items.get_work(store, work_id))
         if item["state"] != last:
             if last is not None:
                 click.echo(f"  {item['state']} (node {item['node_id'] or '-'})", err=True)
@@ -199,7 +200,7 @@ def list_command(obj: Context, state: str | None, limit: int, as_json: bool) -> 
     """Work items, newest first."""
     store = obj.store()
     leases.expire_leases(store)
-    answer = work.list_work(store, state=state, limit=limit)
+    answer = items.list_work(store, state=state, limit=limit)
     emit(as_json, answer, _table(answer["work"]) if answer["work"] else "No work items.")
 
 
@@ -212,7 +213,7 @@ def show(obj: Context, work_id: str, as_json: bool) -> None:
     store = obj.store()
     leases.expire_leases(store)
     try:
-        item = work.work_view(work.get_work(store, work_id))
+        item = items.work_view(items.get_work(store, work_id))
     except ApiError as exc:
         raise _refused(exc) from None
     emit(as_json, item, _summary(item))
@@ -227,7 +228,7 @@ def cancel(obj: Context, work_id: str, as_json: bool) -> None:
     store = obj.store()
     leases.expire_leases(store)
     try:
-        item = work.work_view(work.cancel_work(store, work_id, audit.CLI_ACTOR))
+        item = items.work_view(items.cancel_work(store, work_id, audit.CLI_ACTOR))
     except ApiError as exc:
         raise _refused(exc) from None
     emit(as_json, item, f"Work {work_id} is {item['state']}.")

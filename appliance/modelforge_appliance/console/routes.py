@@ -16,11 +16,11 @@ import bottle
 
 from modelforge_contract import HEADER_CSRF_TOKEN, SESSION_COOKIE, __version__
 
-from .. import node_agent_image, nodes
-from ..api.http import ApiContext, json_response, request_header, request_origin
-from ..errors import ApiError, NotFound
-from ..validation import Field
-from . import sessions
+from ..core.errors import ApiError, NotFound
+from ..core.validation import Field
+from ..fleet import node_agent_image, nodes
+from ..identity import sessions
+from ..web.http import ApiContext, json_response, request_header, request_origin
 
 log = logging.getLogger(__name__)
 

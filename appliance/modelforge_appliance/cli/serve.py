@@ -1,0 +1,98 @@
+"""``modelforge init`` and ``modelforge serve``: create the store, run the control plane."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import click
+
+from ..core.settings import Settings, is_unspecified, parse_listen
+from ..identity import admin_tokens
+from ..runtime import serving
+from ..runtime.server import create_server, run_until
+from ..store import audit
+from ..store.database import Store
+from .support import Context, emit, fail
+
+FIRST_TOKEN_NAME = "first admin"
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help='Print {"admin_token": …} as JSON.')
+@click.pass_obj
+def init(obj: Context, as_json: bool) -> None:
+    """Create the state directory and store; print the first admin token once."""
+    store = obj.store(create=True)
+    if admin_tokens.has_admin_tokens(store):
+        emit(
+            as_json,
+            {"admin_token": None, "already_initialised": True},
+            f"ModelForge is already initialised in {obj.settings.state_dir}.\n"
+            "The first admin token was shown when it was created and cannot be shown again;\n"
+            "create another with: modelforge admin-token create --name NAME",
+        )
+        return
+    row, secret = admin_tokens.create_admin_token(store, FIRST_TOKEN_NAME, audit.CLI_ACTOR)
+    emit(
+        as_json,
+        {"admin_token": secret, "token_id": row.token_id},
+        f"Initialised ModelForge in {obj.settings.state_dir}.\n\n"
+        f"First admin token (shown once, store it now):\n\n    {secret}\n\n"
+        "Send it as the X-ModelForge-Admin-Token header.",
+    )
+
+
+@click.command()
+@click.option("--listen", help="HOST:PORT to serve on (overrides MODELFORGE_LISTEN).")
+@click.pass_obj
+def serve(obj: Context, listen: str | None) -> None:
+    """Serve the control plane (default 127.0.0.1:8000, SQLite under the state directory)."""
+    settings = obj.settings
+    host, port = (
+        parse_listen(listen, "--listen") if listen else (settings.listen_host, settings.listen_port)
+    )
+    store = obj.store(create=True)  # takes the state lock before it migrates; held until we stop
+    if not admin_tokens.has_admin_tokens(store):
+        click.echo("modelforge: no admin token exists yet; run `modelforge init` first.", err=True)
+    try:
+        server = create_server(settings, store, host, port)
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port}: {exc.strerror}")
+    log = logging.getLogger("modelforge")
+    listening = f"{host}:{server.effective_port}"
+    log.info("serving on %s", listening)
+    warning = serving.wildcard_warning(settings, host)
+    if warning:
+        log.warning("%s", warning)
+    click.echo(_banner(settings, store, host, server.effective_port), err=True)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    # What the CLI on this host reads to lock tokens to the origin really served. The state
+    # lock (obj.store) is held until we stop, so `modelforge restore` waits for us.
+    record = serving.record_serving(settings, host, server.effective_port)
+    try:
+        run_until(server, stop)
+    finally:
+        serving.clear_serving(settings, record)
+    log.info("stopped")
+
+
+def _banner(settings: Settings, store: Store, host: str, port: int) -> str:
+    kind = "SQLite" if store.is_sqlite else "PostgreSQL"
+    if settings.public_api_origin:
+        url, origin = settings.public_api_origin, settings.public_api_origin
+    elif is_unspecified(host):
+        url, origin = f"http://<this host's address>:{port}", None
+    else:
+        url = origin = serving.origin_for(host, port)
+    shown = f"listening on {host}:{port}" + (f", agents use {origin}" if origin else "")
+    return (
+        f"ModelForge control plane {shown} (store: {kind})\n"
+        "Enroll a node: modelforge enroll --name NAME --expires 15m, or\n"
+        f'  curl -s -X POST -H "X-ModelForge-Admin-Token: $KEY" -H "Content-Type: application/json" \\\n'
+        f'    -d \'{{"display_name":"GPU Node","expires_in_seconds":900}}\' \\\n'
+        f"    {url}/api/v1/admin/node-enrollments"
+    )

@@ -1,0 +1,384 @@
+"""Control-plane settings: the only module that reads ``os.environ``.
+
+Every setting is declared once in ``SETTINGS`` with its default and meaning;
+``docs/configuration.md`` must list each of them (a test checks).
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from modelforge_contract import EXIT_USAGE, INVENTORY_REFRESH_SECONDS
+from modelforge_contract.envfile import read_env_file
+
+# Prefixes that belong to other ModelForge programs (the agent, the worker,
+# compose files); the control plane leaves them alone.
+FOREIGN_PREFIXES = (
+    "MODELFORGE_AGENT_",
+    "MODELFORGE_NODE_AGENT_",
+    "MODELFORGE_RUNTIME_WORKER_",
+    "MODELFORGE_RELEASE_",
+    "MODELFORGE_WORKER_",
+)
+# Variables of docker-compose.yml (not read by the control plane itself).
+FOREIGN_NAMES = frozenset({"MODELFORGE_CONTROL_PLANE_IMAGE", "MODELFORGE_CONTROL_PLANE_PUBLISH"})
+
+
+@dataclass(frozen=True)
+class SettingSpec:
+    name: str
+    default: str | None
+    meaning: str
+
+
+SETTINGS: tuple[SettingSpec, ...] = (
+    SettingSpec(
+        "MODELFORGE_STATE_DIR",
+        None,
+        "Directory for the SQLite store and other state. Defaults to $STATE_DIRECTORY "
+        "(systemd StateDirectory=) or /var/lib/modelforge; scripts/run uses ./var.",
+    ),
+    SettingSpec(
+        "MODELFORGE_DATABASE_URL",
+        None,
+        "sqlite:///PATH or postgresql://USER:PASSWORD@HOST:PORT/DB. Defaults to "
+        "sqlite:///$MODELFORGE_STATE_DIR/modelforge.sqlite3.",
+    ),
+    SettingSpec("MODELFORGE_LISTEN", "127.0.0.1:8000", "HOST:PORT the control plane serves on."),
+    SettingSpec(
+        "MODELFORGE_PUBLIC_API_ORIGIN",
+        None,
+        "scheme://host[:port] agents use to reach the API. Enrollment tokens are locked to "
+        "it; when unset, a token is locked to the origin the minting request used, or, from "
+        "the CLI, the address the running server bound (never a wildcard address).",
+    ),
+    SettingSpec(
+        "MODELFORGE_TRUSTED_PROXY",
+        None,
+        "IP address of a TLS-terminating reverse proxy in front of the control plane (e.g. "
+        "127.0.0.1), or several separated by commas. Only from them are X-Forwarded-Proto and "
+        "X-Forwarded-Host believed, so requests keep the origin the agents addressed; from "
+        "anyone else they are dropped. Host names, networks and * are refused.",
+    ),
+    SettingSpec(
+        "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS",
+        "10",
+        "Interval the control plane tells agents to heartbeat at.",
+    ),
+    SettingSpec(
+        "MODELFORGE_NODE_STALE_AFTER_SECONDS",
+        "30",
+        "A node without a heartbeat for this long is stale. Must exceed the heartbeat interval.",
+    ),
+    SettingSpec(
+        "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS",
+        "90",
+        "A node without a heartbeat for this long is offline. Must exceed the stale threshold.",
+    ),
+    SettingSpec(
+        "MODELFORGE_INVENTORY_MAX_AGE_SECONDS",
+        "3600",
+        "Readiness and placement treat an inventory older than this as stale; agents "
+        "republish theirs well within it.",
+    ),
+    SettingSpec(
+        "MODELFORGE_TELEMETRY_MAX_AGE_SECONDS",
+        "120",
+        "Readiness of an NVIDIA node needs telemetry younger than this.",
+    ),
+    SettingSpec(
+        "MODELFORGE_MAX_BODY_BYTES",
+        "1048576",
+        "Largest request body accepted; larger bodies are refused with 413 BODY_TOO_LARGE.",
+    ),
+    SettingSpec(
+        "MODELFORGE_TELEMETRY_RETENTION_SECONDS",
+        "86400",
+        "How long per-GPU telemetry samples are kept for the console's charts; older ones "
+        "are pruned in bounded batches.",
+    ),
+    SettingSpec(
+        "MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS",
+        "1800",
+        "A console session unused for this long is signed out.",
+    ),
+    SettingSpec(
+        "MODELFORGE_CONSOLE_SESSION_MAX_SECONDS",
+        "43200",
+        "A console session ends this long after sign-in, however busy. Must be at least the "
+        "idle limit.",
+    ),
+    SettingSpec(
+        "MODELFORGE_RELEASE_MANIFEST",
+        None,
+        "Path of the release manifest (modelforge-VERSION-manifest.json). When set, the Enroll "
+        "node wizard accepts only a node-agent image entry equal to that release's entry.",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORK_LEASE_SECONDS",
+        "60",
+        "How long a claimed work item stays leased to its node without a renewal; agents "
+        "renew at a third of it. An expired lease returns the item to the queue.",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORK_INPUT_MAX_BYTES",
+        "65536",
+        "Largest work item input accepted, measured as compact JSON.",
+    ),
+    SettingSpec("MODELFORGE_THREADS", "8", "Worker threads of the waitress server."),
+    SettingSpec(
+        "MODELFORGE_CONNECTION_LIMIT",
+        "10000",
+        "Client connections held open at once (every agent keeps one). Beyond it new "
+        "connections wait in the listen backlog. The process needs this many file descriptors "
+        "plus a margin; serve raises its own soft limit or refuses to start.",
+    ),
+    SettingSpec(
+        "MODELFORGE_IDLE_TIMEOUT_SECONDS",
+        "60",
+        "A keep-alive connection with no request for this long is closed. Must exceed the "
+        "heartbeat interval, so agents keep their connection between heartbeats.",
+    ),
+    SettingSpec(
+        "MODELFORGE_REQUEST_TIMEOUT_SECONDS",
+        "30",
+        "Time a client gets to send a whole request, headers and body, counted from its first "
+        "byte (or from the connection's opening, for its first request); a slower client is "
+        "disconnected.",
+    ),
+    SettingSpec("MODELFORGE_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
+)
+KNOWN_NAMES = frozenset(spec.name for spec in SETTINGS)
+_DEFAULTS = {spec.name: spec.default for spec in SETTINGS}
+
+
+class ConfigError(Exception):
+    """A setting is wrong; the CLI prints the one-line message and exits 2."""
+
+    exit_code = EXIT_USAGE
+
+
+@dataclass(frozen=True)
+class Settings:
+    state_dir: Path
+    database_url: str
+    listen_host: str
+    listen_port: int
+    public_api_origin: str | None
+    trusted_proxies: tuple[str, ...]
+    heartbeat_interval_seconds: int
+    stale_after_seconds: int
+    offline_after_seconds: int
+    inventory_max_age_seconds: int
+    telemetry_max_age_seconds: int
+    max_body_bytes: int
+    work_lease_seconds: int
+    work_input_max_bytes: int
+    threads: int
+    log_level: str
+    connection_limit: int
+    idle_timeout_seconds: int
+    request_timeout_seconds: int
+    telemetry_retention_seconds: int = 86400
+    session_idle_seconds: int = 1800
+    session_max_seconds: int = 43200
+    release_manifest: Path | None = None
+
+    @property
+    def listen(self) -> str:
+        return f"{self.listen_host}:{self.listen_port}"
+
+
+def nearest_setting(name: str) -> str | None:
+    matches = difflib.get_close_matches(name, sorted(KNOWN_NAMES), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+_HOSTNAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?)*")
+_IPV6 = re.compile(r"[0-9a-f:.]+")
+
+
+def is_unspecified(host: str) -> bool:
+    """0.0.0.0, ::, an empty host: "every address", which no agent can dial."""
+    host = host.strip().strip("[]")
+    if not host:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def normalize_origin(value: str) -> str:
+    """Lower-case scheme://host[:port], dropping the scheme's default port."""
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("expected scheme://host[:port] with scheme http or https")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise ValueError("an origin has no path, query, fragment or user")
+    host = parts.hostname.lower()
+    if ":" in host:
+        if not _IPV6.fullmatch(host):
+            raise ValueError(f"{host!r} is not an IPv6 address")
+        host = f"[{host}]"
+    elif not _HOSTNAME.fullmatch(host):
+        raise ValueError(f"{host!r} is not a host name or address")
+    port = parts.port
+    if port is None or (parts.scheme, port) in (("http", 80), ("https", 443)):
+        return f"{parts.scheme}://{host}"
+    return f"{parts.scheme}://{host}:{port}"
+
+
+def parse_listen(value: str, name: str = "MODELFORGE_LISTEN") -> tuple[str, int]:
+    host, sep, port_text = value.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{name}={value!r} is not HOST:PORT (for example 127.0.0.1:8000)")
+    return host, int(port_text)
+
+
+def parse_trusted_proxies(raw: str | None) -> tuple[str, ...]:
+    """MODELFORGE_TRUSTED_PROXY: IP addresses separated by commas, each in canonical form.
+
+    waitress compares a request's peer address with these exactly, so only literal
+    addresses make sense: a name, a network or ``*`` would trust anyone (or no one).
+    """
+    name = "MODELFORGE_TRUSTED_PROXY"
+    if raw is None or not raw.strip():
+        return ()
+    addresses = []
+    for part in raw.split(","):
+        text = part.strip()
+        try:
+            addresses.append(str(ipaddress.ip_address(text)))
+        except ValueError:
+            raise ConfigError(
+                f"{name}={raw!r}: {text!r} is not an IP address; list the proxy's own "
+                "address(es), separated by commas (e.g. 127.0.0.1); names, networks and * "
+                "are refused"
+            ) from None
+    return tuple(dict.fromkeys(addresses))
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int, maximum: int) -> int:
+    raw = env.get(name, _DEFAULTS[name])
+    try:
+        value = int(raw.strip())
+    except (ValueError, AttributeError):
+        raise ConfigError(f"{name}={raw!r} is not a whole number") from None
+    if not minimum <= value <= maximum:
+        raise ConfigError(f"{name}={value} is outside {minimum}..{maximum}")
+    return value
+
+
+def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = None) -> Settings:
+    """Parse and validate every MODELFORGE_* variable once; raise ConfigError.
+
+    Values from ``env_file`` apply unless the environment sets the same name.
+    """
+    env = dict(os.environ if env is None else env)
+    if env_file is not None:
+        env = {**read_env_file(env_file, ConfigError), **env}
+    for name in sorted(env):
+        if name.startswith("MODELFORGE_") and name not in KNOWN_NAMES:
+            if name.startswith(FOREIGN_PREFIXES) or name in FOREIGN_NAMES:
+                continue
+            hint = nearest_setting(name)
+            suffix = f"; did you mean {hint}?" if hint else "; see docs/configuration.md"
+            raise ConfigError(f"unknown setting {name}{suffix}")
+
+    state_raw = (
+        env.get("MODELFORGE_STATE_DIR") or env.get("STATE_DIRECTORY") or ("/var/lib/modelforge")
+    )
+    state_dir = Path(state_raw.split(":")[0]).expanduser().absolute()
+
+    database_url = env.get("MODELFORGE_DATABASE_URL") or f"sqlite:///{state_dir}/modelforge.sqlite3"
+    scheme = urlsplit(database_url).scheme
+    if scheme not in ("sqlite", "postgresql", "postgres"):
+        raise ConfigError(
+            "MODELFORGE_DATABASE_URL must start with sqlite:/// or postgresql:// "
+            f"(got scheme {scheme or 'none'!r})"
+        )
+
+    host, port = parse_listen(env.get("MODELFORGE_LISTEN", _DEFAULTS["MODELFORGE_LISTEN"]))
+
+    origin = env.get("MODELFORGE_PUBLIC_API_ORIGIN") or None
+    if origin is not None:
+        try:
+            origin = normalize_origin(origin)
+        except ValueError as exc:
+            raise ConfigError(f"MODELFORGE_PUBLIC_API_ORIGIN={origin!r}: {exc}") from None
+
+    interval = _int(env, "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS", 1, 3600)
+    stale = _int(env, "MODELFORGE_NODE_STALE_AFTER_SECONDS", 1, 86400)
+    offline = _int(env, "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS", 1, 7 * 86400)
+    # Invariant 7: offline must exceed stale, and stale must exceed the interval.
+    if offline <= stale:
+        raise ConfigError(
+            f"MODELFORGE_NODE_OFFLINE_AFTER_SECONDS ({offline}) must be greater than "
+            f"MODELFORGE_NODE_STALE_AFTER_SECONDS ({stale})"
+        )
+    if stale <= interval:
+        raise ConfigError(
+            f"MODELFORGE_NODE_STALE_AFTER_SECONDS ({stale}) must be greater than "
+            f"MODELFORGE_HEARTBEAT_INTERVAL_SECONDS ({interval})"
+        )
+
+    idle_timeout = _int(env, "MODELFORGE_IDLE_TIMEOUT_SECONDS", 2, 86400)
+    if idle_timeout <= interval:
+        raise ConfigError(
+            f"MODELFORGE_IDLE_TIMEOUT_SECONDS ({idle_timeout}) must be greater than "
+            f"MODELFORGE_HEARTBEAT_INTERVAL_SECONDS ({interval}), or every heartbeat reconnects"
+        )
+
+    log_level = env.get("MODELFORGE_LOG_LEVEL", "INFO").strip().upper()
+    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(
+            f"MODELFORGE_LOG_LEVEL={log_level!r} is not DEBUG, INFO, WARNING or ERROR"
+        )
+
+    session_idle = _int(env, "MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS", 60, 86400)
+    session_max = _int(env, "MODELFORGE_CONSOLE_SESSION_MAX_SECONDS", 300, 30 * 86400)
+    if session_max < session_idle:
+        raise ConfigError(
+            f"MODELFORGE_CONSOLE_SESSION_MAX_SECONDS ({session_max}) must be at least "
+            f"MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS ({session_idle})"
+        )
+    manifest = env.get("MODELFORGE_RELEASE_MANIFEST") or None
+
+    return Settings(
+        state_dir=state_dir,
+        database_url=database_url,
+        listen_host=host,
+        listen_port=port,
+        public_api_origin=origin,
+        trusted_proxies=parse_trusted_proxies(env.get("MODELFORGE_TRUSTED_PROXY")),
+        heartbeat_interval_seconds=interval,
+        stale_after_seconds=stale,
+        offline_after_seconds=offline,
+        inventory_max_age_seconds=_int(
+            env, "MODELFORGE_INVENTORY_MAX_AGE_SECONDS", INVENTORY_REFRESH_SECONDS + 1, 7 * 86400
+        ),
+        telemetry_max_age_seconds=_int(env, "MODELFORGE_TELEMETRY_MAX_AGE_SECONDS", 10, 86400),
+        max_body_bytes=_int(env, "MODELFORGE_MAX_BODY_BYTES", 1024, 64 * 1024 * 1024),
+        work_lease_seconds=_int(env, "MODELFORGE_WORK_LEASE_SECONDS", 5, 3600),
+        work_input_max_bytes=_int(env, "MODELFORGE_WORK_INPUT_MAX_BYTES", 256, 1024 * 1024),
+        threads=_int(env, "MODELFORGE_THREADS", 1, 256),
+        log_level=log_level,
+        connection_limit=_int(env, "MODELFORGE_CONNECTION_LIMIT", 10, 1_000_000),
+        idle_timeout_seconds=idle_timeout,
+        request_timeout_seconds=_int(env, "MODELFORGE_REQUEST_TIMEOUT_SECONDS", 1, 3600),
+        telemetry_retention_seconds=_int(
+            env, "MODELFORGE_TELEMETRY_RETENTION_SECONDS", 300, 90 * 86400
+        ),
+        session_idle_seconds=session_idle,
+        session_max_seconds=session_max,
+        release_manifest=Path(manifest).expanduser().absolute() if manifest else None,
+    )

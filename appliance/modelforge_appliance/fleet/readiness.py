@@ -1,0 +1,219 @@
+"""Readiness of one node: is it really able to take work, and if not, what to do next.
+
+A node is not ready merely because it connected: each check must pass on its own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from modelforge_contract import (
+    ACCEPTED_PROTOCOL_VERSIONS,
+    COMPATIBLE,
+    ONLINE,
+    READINESS_CHECKS,
+    WORKER_COMPATIBILITY_NEXT_STEPS,
+    compatibility_of,
+    worker_compatibility_of,
+)
+
+from ..core.settings import Settings
+from ..store.database import Store
+from ..store.tables import Credential, Node
+from .nodes import get_node, liveness_of
+
+
+def worker_answer(health: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
+    """The compatibility of the worker the agent reported, and what it reported."""
+    worker = (health or {}).get("worker")
+    if not worker or not worker.get("reachable"):
+        return "UNREACHABLE" if worker else "UNREPORTED", worker
+    return worker_compatibility_of(worker.get("protocol")), worker
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    next_step: str | None = None
+
+
+def _connection(node: Node, active: Credential | None, now: float, settings: Settings) -> Check:
+    liveness = liveness_of(node, now, settings)
+    if active is None:
+        return Check(
+            "connection",
+            False,
+            "the node has no active credential",
+            "Re-enroll the agent with a fresh enrollment token; it keeps its node id.",
+        )
+    if (
+        active.last_used_at is None
+        or node.last_heartbeat_at is None
+        or (active.last_used_at < node.last_heartbeat_at)
+    ):
+        return Check(
+            "connection",
+            False,
+            "no heartbeat with the current credential yet",
+            "Start the agent with its state volume and check its log for "
+            "'HTTP 401' or 'ConnectError' lines.",
+        )
+    if liveness != ONLINE:
+        return Check(
+            "connection",
+            False,
+            f"the node is {liveness}: its last heartbeat is too old",
+            "Check that the agent runs and reaches the control plane (docs/runbooks/node-loss.md).",
+        )
+    return Check("connection", True, "heartbeating with the current credential")
+
+
+def _inventory(node: Node, now: float, settings: Settings) -> Check:
+    if node.inventory_at is None or node.inventory_at < node.enrolled_at:
+        return Check(
+            "inventory_age",
+            False,
+            "no inventory measured since the node's enrollment or the last restore",
+            "Wait for the agent to publish its inventory; restart it if none arrives.",
+        )
+    age = now - node.inventory_at
+    if age > settings.inventory_max_age_seconds:
+        return Check(
+            "inventory_age",
+            False,
+            f"the inventory is {age:.0f}s old",
+            "Restart the agent so it measures and publishes its inventory again.",
+        )
+    return Check("inventory_age", True, f"inventory measured {age:.0f}s ago")
+
+
+def _protocol(node: Node) -> Check:
+    answer = compatibility_of(str(node.protocol_version))
+    if node.protocol_version not in ACCEPTED_PROTOCOL_VERSIONS:
+        return Check(
+            "protocol",
+            False,
+            f"agent protocol {node.protocol_version} is {answer}",
+            "Run a node agent release that speaks agent protocol 1.",
+        )
+    return Check("protocol", True, f"agent protocol {node.protocol_version} is {answer}")
+
+
+def _agent_health(node: Node) -> Check:
+    health = json.loads(node.health) if node.health else None
+    if health is None:
+        return Check(
+            "agent_health",
+            False,
+            "the agent has not reported its health",
+            "Wait for the first heartbeat.",
+        )
+    preflight = health.get("preflight")
+    if health["status"] != "ok" or health["gpu_probe"] == "failed" or preflight == "failed":
+        message = health.get("message") or "no message"
+        return Check(
+            "agent_health",
+            False,
+            f"agent reports {health['status']}, GPU probe {health['gpu_probe']}: {message}",
+            "Run the agent's --preflight on the node and fix what it names.",
+        )
+    return Check("agent_health", True, f"agent reports ok, GPU probe {health['gpu_probe']}")
+
+
+def needs_telemetry(node: Node) -> bool:
+    if node.accelerator_mode == "nvidia":
+        return True
+    inventory = json.loads(node.inventory) if node.inventory else {}
+    return node.accelerator_mode == "auto" and bool(inventory.get("accelerators"))
+
+
+def _telemetry(node: Node, now: float, settings: Settings) -> Check:
+    if not needs_telemetry(node):
+        return Check("telemetry_age", True, "not applicable: the node has no NVIDIA GPU")
+    if node.telemetry_at is None or node.telemetry_at < node.enrolled_at:
+        return Check(
+            "telemetry_age",
+            False,
+            "no telemetry since the node's enrollment",
+            "Check the agent's log for NVML errors; run --preflight on the node.",
+        )
+    age = now - node.telemetry_at
+    if age > settings.telemetry_max_age_seconds:
+        return Check(
+            "telemetry_age",
+            False,
+            f"the last telemetry is {age:.0f}s old",
+            "Check the agent's log for telemetry errors; restart the agent.",
+        )
+    return Check("telemetry_age", True, f"telemetry {age:.0f}s old")
+
+
+def _worker(node: Node) -> Check:
+    """The runtime worker beside the agent, as the agent last reported it (issue 13)."""
+    answer, worker = worker_answer(json.loads(node.health) if node.health else None)
+    if answer == "UNREPORTED":
+        return Check(
+            "worker",
+            False,
+            "the agent has not reported a runtime worker (UNKNOWN)",
+            WORKER_COMPATIBILITY_NEXT_STEPS["UNKNOWN"],
+        )
+    if answer == "UNREACHABLE":
+        return Check(
+            "worker",
+            False,
+            "the runtime worker does not answer on its socket (UNKNOWN)",
+            "Start modelforge-runtime-worker on the node and check that "
+            "MODELFORGE_AGENT_WORKER_SOCKET and MODELFORGE_WORKER_SOCKET name the same path.",
+        )
+    version = worker.get("version") or "unknown version"
+    detail = f"worker {version}, protocol {worker.get('protocol')} is {answer}"
+    if answer != COMPATIBLE:
+        return Check("worker", False, detail, WORKER_COMPATIBILITY_NEXT_STEPS[answer])
+    capabilities = ", ".join(worker.get("capabilities") or []) or "none"
+    return Check("worker", True, f"{detail}; capabilities: {capabilities}")
+
+
+def _cordoned(node: Node) -> Check:
+    if node.cordoned:
+        return Check(
+            "cordoned",
+            False,
+            "the node is cordoned: it is monitored but gets no new work",
+            f"Uncordon it when it may take work again: modelforge nodes uncordon {node.node_id}",
+        )
+    return Check("cordoned", True, "the node is not cordoned")
+
+
+def readiness_of(store: Store, settings: Settings, node_id: str) -> dict[str, Any]:
+    """The readiness answer for exactly this node id (DESIGN §3)."""
+    node = get_node(store, node_id)
+    with store.connection():
+        active = (
+            Credential.select()
+            .where((Credential.node == node) & Credential.revoked_at.is_null())
+            .order_by(Credential.created_at.desc())
+            .first()
+        )
+    now = store.clock.now()
+    if node.decommissioned_at is not None:
+        checks = [Check(name, False, "the node is decommissioned") for name in READINESS_CHECKS]
+    else:
+        checks = [
+            _connection(node, active, now, settings),
+            _inventory(node, now, settings),
+            _protocol(node),
+            _agent_health(node),
+            _telemetry(node, now, settings),
+            _worker(node),
+            _cordoned(node),
+        ]
+    return {
+        "node_id": node.node_id,
+        "ready": all(check.ok for check in checks),
+        "checks": [asdict(check) for check in checks],
+    }

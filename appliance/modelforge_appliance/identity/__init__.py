@@ -1,0 +1,1 @@
+"""Who may call: enrollment tokens, node credentials, admin tokens, console sessions and the join commands."""

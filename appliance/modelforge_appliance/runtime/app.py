@@ -1,0 +1,45 @@
+"""The one WSGI application: the JSON API (admin and agent routes) and the console, both
+standing on the web layer (answer shapes, the error and auth plugins)."""
+
+from __future__ import annotations
+
+import bottle
+
+from ..api import admin, admin_work, agent, agent_work
+from ..console import routes as console_routes
+from ..core.settings import Settings
+from ..fleet.heartbeats import HeartbeatBuffer
+from ..fleet.telemetry import TelemetryHistory
+from ..store.audit import RefusalLog
+from ..store.database import Store
+from ..web.http import ApiContext, answering, framework_error, security_headers
+from ..web.metrics import Metrics
+
+
+def make_app(settings: Settings, store: Store) -> bottle.Bottle:
+    """Build the WSGI application for these settings and this store.
+
+    ``app.heartbeats`` is the heartbeat buffer; whoever serves the app starts and stops it
+    (``server.run_until``), and writes ``app.refusals``' pending counts when it stops.
+    """
+    app = bottle.Bottle(catchall=True)
+    heartbeats = app.heartbeats = HeartbeatBuffer(store)
+    metrics = app.metrics = Metrics(store, settings)
+    app.default_error_handler = framework_error
+    app.install(answering(metrics))
+    app.add_hook("after_request", security_headers)
+    refusals = app.refusals = RefusalLog(store)
+    context = ApiContext(
+        settings=settings,
+        store=store,
+        heartbeats=heartbeats,
+        metrics=metrics,
+        telemetry=TelemetryHistory(store, settings),
+        refusals=refusals,
+    )
+    admin.add_routes(app, context)
+    admin_work.add_routes(app, context)
+    agent.add_routes(app, context)
+    agent_work.add_routes(app, context)
+    console_routes.add_routes(app, context)
+    return app

@@ -1,0 +1,208 @@
+"""Run the control plane on waitress, sized for a fleet and bounded against slow clients.
+
+Every agent keeps one keep-alive connection open between heartbeats, so the server
+holds thousands of connections (``MODELFORGE_CONNECTION_LIMIT``) on an epoll loop
+(``connections.EventLoop``); a connection that does not send a whole request within
+``MODELFORGE_REQUEST_TIMEOUT_SECONDS``, or says nothing for
+``MODELFORGE_IDLE_TIMEOUT_SECONDS``, is closed. Bodies are refused by waitress itself
+beyond ``MODELFORGE_MAX_BODY_BYTES``, before a byte of them is buffered.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from waitress.adjustments import Adjustments
+from waitress.proxy_headers import (
+    PROXY_HEADERS,
+    MalformedProxyHeader,
+    clear_untrusted_headers,
+    parse_proxy_headers,
+)
+from waitress.task import ThreadedTaskDispatcher
+
+from modelforge_contract import REQUEST_MALFORMED
+
+from ..core.clock import Clock
+from ..core.errors import Invalid
+from ..core.settings import ConfigError, Settings
+from ..store.database import Store
+from ..web.http import JSON_HEADERS
+from .app import make_app
+from .connections import EventLoop, Server
+
+log = logging.getLogger(__name__)
+wsgi_log = logging.getLogger("modelforge_appliance.wsgi")
+
+# Headers (request line included) beyond this get 431; agents send well under 1 KiB.
+MAX_HEADER_BYTES = 32 * 1024
+# Descriptors beyond the client connections: listeners, triggers, the store, log files.
+SPARE_DESCRIPTORS = 64
+LISTEN_BACKLOG = 4096
+# How often idle connections and request deadlines are checked.
+MAINTENANCE_SECONDS = 1
+
+
+def open_store(settings: Settings, clock: Clock | None = None) -> Store:
+    """The store for these settings, migrated to this program's schema."""
+    settings.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    store = Store(settings.database_url, clock or Clock())
+    store.migrate()
+    return store
+
+
+def waitress_options(settings: Settings) -> dict[str, Any]:
+    return {
+        "threads": settings.threads,
+        "ident": "modelforge",
+        # waitress itself refuses a larger body (413, JSON) from its Content-Length, or
+        # as soon as a chunked one passes the limit; what it accepts stays in memory,
+        # never in a temporary file.
+        "max_request_body_size": settings.max_body_bytes + 1,
+        "inbuf_overflow": settings.max_body_bytes + 1,
+        "max_request_header_size": MAX_HEADER_BYTES,
+        # Connections the kernel completes while the loop is busy wait here (Linux caps it
+        # at net.core.somaxconn).
+        "backlog": LISTEN_BACKLOG,
+        "channel_timeout": settings.idle_timeout_seconds,
+        "cleanup_interval": MAINTENANCE_SECONDS,
+        "asyncore_use_poll": True,
+        # Forwarded headers are handled by ``forwarded_headers`` (a list of proxies, and
+        # refusals in the JSON shape), so waitress must leave them to it.
+        "clear_untrusted_proxy_headers": False,
+    }
+
+
+def ensure_file_descriptors(connection_limit: int) -> int:
+    """Raise this process's soft open-files limit to fit the connections; ConfigError if it
+    cannot. Returns the limit now in force."""
+    needed = connection_limit + SPARE_DESCRIPTORS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return soft
+    if hard == resource.RLIM_INFINITY or hard >= needed:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+            return needed
+        except (ValueError, OSError):
+            pass  # e.g. a seccomp filter that forbids setrlimit: report the limit as it is
+    raise ConfigError(
+        f"MODELFORGE_CONNECTION_LIMIT={connection_limit} needs {needed} open files, but this "
+        f"process may open only {soft} (hard limit {hard}); lower MODELFORGE_CONNECTION_LIMIT "
+        "or raise the limit (LimitNOFILE= in the systemd unit, --ulimit nofile= for docker, "
+        "ulimit -n in a shell)"
+    )
+
+
+class _LogStream:
+    """``wsgi.errors`` as a logger: bottle's catch-all writes tracebacks here, and they
+    reach the log through the secret mask like every other line."""
+
+    def write(self, text: str) -> int:
+        if text.strip():
+            wsgi_log.error("%s", text.rstrip())
+        return len(text)
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        self.write("".join(lines))
+
+    def flush(self) -> None:
+        pass
+
+
+_LOG_STREAM = _LogStream()
+# X-Forwarded-For too: console sign-in throttling counts failures by the real client.
+_FORWARDED = frozenset({"x-forwarded-proto", "x-forwarded-host", "x-forwarded-for"})
+
+
+def forwarded_headers(app: Callable, trusted: Iterable[str]) -> Callable:
+    """Believe X-Forwarded-Proto/-Host/-For only from the trusted proxies; drop them from anyone
+    else. waitress's own parser reads them; a malformed one is a JSON 400."""
+    trusted = frozenset(trusted)
+
+    def application(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+        environ["wsgi.errors"] = _LOG_STREAM
+        untrusted = PROXY_HEADERS
+        if environ.get("REMOTE_ADDR") in trusted:
+            try:
+                untrusted = parse_proxy_headers(
+                    environ, trusted_proxy_count=1, trusted_proxy_headers=_FORWARDED, logger=log
+                )
+            except MalformedProxyHeader as bad:
+                log.warning("malformed %s header from the trusted proxy", bad.header)
+                refusal = Invalid(
+                    f"the proxy sent a malformed {bad.header} header",
+                    code=REQUEST_MALFORMED,
+                    next_step="Check the reverse proxy's configuration (docs/reverse-proxy.md).",
+                )
+                raw = json.dumps(refusal.body()).encode()
+                start_response(
+                    "400 Bad Request", [*JSON_HEADERS.items(), ("Content-Length", str(len(raw)))]
+                )
+                return [raw]
+        clear_untrusted_headers(environ, untrusted)
+        return app(environ, start_response)
+
+    return application
+
+
+def create_server(settings: Settings, store: Store, host: str, port: int) -> Server:
+    """A waitress server bound to host:port (port 0 picks a free one); serve with run_until."""
+    ensure_file_descriptors(settings.connection_limit)
+    app = make_app(settings, store)
+    adj = Adjustments(host=host, port=port, **waitress_options(settings))
+    # waitress counts its listening sockets and their wake-up pipes as connections too.
+    adj.connection_limit = settings.connection_limit + 2 * len(adj.listen)
+    dispatcher = ThreadedTaskDispatcher()
+    dispatcher.set_thread_count(adj.threads)
+    socket_map: dict[int, Any] = {}
+    application = forwarded_headers(app, settings.trusted_proxies)
+    servers = [
+        Server(application, socket_map, dispatcher=dispatcher, adj=adj, sockinfo=sockinfo)
+        for sockinfo in adj.listen
+    ]
+    closed = app.metrics.connections_closed
+    for server in servers:
+        server.request_timeout = settings.request_timeout_seconds
+        server.on_close = lambda reason: closed.labels(reason).inc()
+    server = servers[0]
+    app.metrics.connections_open.set_function(
+        lambda: sum(len(each.active_channels) for each in servers)
+    )
+    app.metrics.requests_queued.set_function(lambda: len(dispatcher.queue))
+    # waitress warns on every request that waits for a thread; with a fleet reconnecting
+    # at once that is thousands of lines. The queue depth is a metric instead.
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)
+    server.app = app  # the bottle application (tests mount a failing route on it)
+    server.heartbeats = app.heartbeats  # started and stopped by run_until
+    server.refusals = app.refusals  # its pending counts are written when run_until stops
+    return server
+
+
+def run_until(server: Server, stop: threading.Event) -> None:
+    """Serve until ``stop`` is set, then close the server from the serving thread itself.
+
+    Closing from another thread while the loop waits in epoll races on the file
+    descriptors; polling a stop flag between short loop turns does not.
+    """
+    heartbeats = server.heartbeats
+    heartbeats.start()
+    loop = EventLoop(server._map)
+    try:
+        while not stop.is_set():
+            loop.turn(0.1)
+    finally:
+        for dispatcher in list(server._map.values()):  # listeners, and open connections too
+            dispatcher.close()
+        loop.close()
+        server.task_dispatcher.shutdown(timeout=5)
+        heartbeats.stop()  # acknowledged heartbeats reach the store before we exit
+        try:
+            server.refusals.flush()
+        except Exception as exc:  # the store may be gone; the counts were in the metrics
+            log.warning("could not write the counts of repeated refusals: %s", type(exc).__name__)

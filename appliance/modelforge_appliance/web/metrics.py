@@ -1,0 +1,135 @@
+"""Prometheus metrics of one control plane, served at ``GET /metrics`` to admins.
+
+Each app has its own registry, so several apps in one process (tests) never share
+counters. Nodes by liveness are computed at scrape time, like every other liveness.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from modelforge_contract import LIVENESS_STATES
+
+from ..core.settings import Settings
+from ..fleet.nodes import liveness_of
+from ..store.database import Store
+from ..store.tables import Node
+from ..work import items
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _NodesByLiveness(Collector):
+    def __init__(self, store: Store, settings: Settings) -> None:
+        self.store, self.settings = store, settings
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "modelforge_nodes", "Nodes by liveness, computed at scrape time.", labels=["liveness"]
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """Names only: registering must not query the store."""
+        yield self._family()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self.store.connection():
+            rows = list(Node.select(Node.last_heartbeat_at, Node.decommissioned_at))
+        now = self.store.clock.now()
+        tally = Tally(liveness_of(row, now, self.settings) for row in rows)
+        family = self._family()
+        for state in LIVENESS_STATES:
+            family.add_metric([state], tally.get(state, 0))
+        yield family
+
+
+class _WorkByState(Collector):
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "modelforge_work_items", "Work items by state (queue depth).", labels=["state"]
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        for state, count in items.counts_by_state(self.store).items():
+            family.add_metric([state], count)
+        yield family
+
+
+class Metrics:
+    """The counters the web layer moves, and the registry that exposes them."""
+
+    def __init__(self, store: Store, settings: Settings) -> None:
+        self.registry = CollectorRegistry()
+        self.heartbeats = Counter(
+            "modelforge_heartbeats_received",
+            "Heartbeats accepted from agents.",
+            registry=self.registry,
+        )
+        self.enrollments = Counter(
+            "modelforge_enrollment_outcomes",
+            "Enrollment attempts by outcome code.",
+            ["code"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "modelforge_request_duration_seconds",
+            "Time to answer a request, by route.",
+            ["method", "route", "status"],
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        )
+        # Set by the server that serves this app (server.create_server).
+        self.connections_open = Gauge(
+            "modelforge_connections_open",
+            "Client connections open now.",
+            registry=self.registry,
+        )
+        self.requests_queued = Gauge(
+            "modelforge_requests_queued",
+            "Requests received and waiting for a worker thread (MODELFORGE_THREADS).",
+            registry=self.registry,
+        )
+        self.connections_closed = Counter(
+            "modelforge_connections_closed",
+            "Connections the control plane closed: idle too long, or a request not received "
+            "within MODELFORGE_REQUEST_TIMEOUT_SECONDS.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.work_claims = Counter(
+            "modelforge_work_claims",
+            "Claims by agents: 'leased', or the reason nothing was leased.",
+            ["result"],
+            registry=self.registry,
+        )
+        self.lease_expiries = Counter(
+            "modelforge_work_lease_expiries",
+            "Leases that expired without a completion.",
+            registry=self.registry,
+        )
+        self.work_completion = Histogram(
+            "modelforge_work_completion_seconds",
+            "Time from submission to completion of a work item, by outcome.",
+            ["outcome"],
+            registry=self.registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600),
+        )
+        self.registry.register(_NodesByLiveness(store, settings))
+        self.registry.register(_WorkByState(store))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

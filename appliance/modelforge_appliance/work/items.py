@@ -1,0 +1,281 @@
+"""Work items: submitted by admins, claimed by nodes (leases.py), followed to their end.
+
+States (DESIGN §5): ``queued`` → ``leased`` → ``succeeded`` | ``failed``; ``queued`` or
+``leased`` → ``cancelled``; an expired lease goes back to ``queued`` (or ``failed`` once
+``max_attempts`` leases were spent). Every transition is audited in the transaction that
+makes it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import peewee as pw
+
+from modelforge_contract import (
+    FIELD_FORMAT,
+    FIELD_RANGE,
+    WORK_CANCELLED,
+    WORK_FINISHED,
+    WORK_LEASED,
+    WORK_QUEUED,
+    WORK_STATES,
+)
+
+from ..core.clock import isoformat
+from ..core.errors import Conflict, Invalid, NotFound
+from ..core.validation import CAPABILITY_INPUT_FIELDS, check_object
+from ..store import audit
+from ..store.database import Store
+from ..store.tables import WorkItem, WorkLease
+
+DEFAULT_TIMEOUT_SECONDS = 600
+DEFAULT_MAX_ATTEMPTS = 3
+_IMAGE_ID = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def dump(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _load(value: str | None) -> Any:
+    return json.loads(value) if value else None
+
+
+@dataclass(frozen=True)
+class Submission:
+    capability: str
+    input: dict[str, Any]
+    constraints: dict[str, Any]
+    timeout_seconds: int
+    max_attempts: int
+    idempotency_key: str | None
+
+
+def submission_from(fields: dict[str, Any], input_max_bytes: int) -> Submission:
+    """Check a submit body (already shape-checked) for what the shape cannot say."""
+    capability = fields["capability"]
+    given = fields.get("input") or {}
+    if len(dump(given).encode()) > input_max_bytes:
+        raise Invalid(
+            f"input: at most {input_max_bytes} bytes of JSON",
+            code=FIELD_RANGE,
+            next_step="Send a smaller input (MODELFORGE_WORK_INPUT_MAX_BYTES sets the limit).",
+        )
+    checked = check_object(given, CAPABILITY_INPUT_FIELDS[capability], "input")
+    if capability == "container":
+        _check_container_input(checked)
+    constraints = normalise_constraints(fields.get("constraints") or {})
+    return Submission(
+        capability=capability,
+        input=checked,
+        constraints=constraints,
+        timeout_seconds=fields.get("timeout_seconds") or DEFAULT_TIMEOUT_SECONDS,
+        max_attempts=fields.get("max_attempts") or DEFAULT_MAX_ATTEMPTS,
+        idempotency_key=fields.get("idempotency_key"),
+    )
+
+
+def _check_container_input(given: dict[str, Any]) -> None:
+    if not _IMAGE_ID.fullmatch(given["image_id"]):
+        raise Invalid(
+            "input.image_id: must be sha256:<64 hex digits>, the id `docker image inspect` shows",
+            code=FIELD_FORMAT,
+            next_step="Pin the image by its id: docker image inspect --format '{{.Id}}' IMAGE",
+        )
+    for name, value in (given.get("env") or {}).items():
+        if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", name):
+            raise Invalid(
+                f"input.env.{name}: names must be shell-style and values strings",
+                code=FIELD_FORMAT,
+                next_step='Send env as {"NAME": "value", …}.',
+            )
+
+
+def normalise_constraints(given: dict[str, Any]) -> dict[str, Any]:
+    """The constraints with defaults filled in: naming a GPU memory or model implies one GPU."""
+    min_memory = given.get("min_gpu_memory_bytes")
+    gpu_name = given.get("gpu_name")
+    implied = 1 if (min_memory is not None or gpu_name is not None) else 0
+    node_ids = given.get("node_ids")
+    return {
+        "gpu_count": given.get("gpu_count", implied) or implied,
+        "min_gpu_memory_bytes": min_memory,
+        "gpu_name": gpu_name,
+        "node_ids": sorted(set(node_ids)) if node_ids else None,
+    }
+
+
+def work_view(row: WorkItem) -> dict[str, Any]:
+    return {
+        "work_id": row.work_id,
+        "capability": row.capability,
+        "state": row.state,
+        "attempts": row.attempts,
+        "max_attempts": row.max_attempts,
+        "node_id": row.node_id,
+        "lease_id": row.lease_id if row.state == WORK_LEASED else None,
+        "lease_expires_at": isoformat(row.lease_expires_at) if row.state == WORK_LEASED else None,
+        "input": _load(row.input),
+        "constraints": _load(row.constraints),
+        "timeout_seconds": row.timeout_seconds,
+        "idempotency_key": row.idempotency_key,
+        "created_by": row.created_by,
+        "created_at": isoformat(row.created_at),
+        "started_at": isoformat(row.started_at),
+        "finished_at": isoformat(row.finished_at),
+        "result": _load(row.result),
+        "error": _load(row.error),
+        "log_tail": row.log_tail,
+    }
+
+
+@dataclass(frozen=True)
+class Submitted:
+    item: WorkItem
+    created: bool  # False: the idempotency key named an item that already existed
+
+
+def submit_work(store: Store, submission: Submission, actor: str) -> Submitted:
+    """Queue an item; the same idempotency key again returns the first item, never a second."""
+    key = submission.idempotency_key
+    if key is not None:
+        existing = _by_key(store, key)
+        if existing is not None:
+            return Submitted(existing, created=False)
+    constraints = submission.constraints
+    now = store.clock.now()
+    work_id = str(uuid.uuid4())
+    try:
+        with store.write():
+            row = WorkItem.create(
+                work_id=work_id,
+                capability=submission.capability,
+                input=dump(submission.input),
+                constraints=dump(constraints),
+                gpu_count=constraints["gpu_count"],
+                min_gpu_memory_bytes=constraints["min_gpu_memory_bytes"],
+                gpu_name=constraints["gpu_name"],
+                node_ids=dump(constraints["node_ids"]) if constraints["node_ids"] else None,
+                timeout_seconds=submission.timeout_seconds,
+                max_attempts=submission.max_attempts,
+                idempotency_key=key,
+                state=WORK_QUEUED,
+                attempts=0,
+                created_by=actor,
+                created_at=now,
+            )
+            audit.record(
+                store,
+                actor,
+                "work.submitted",
+                work_id=work_id,
+                capability=submission.capability,
+                constraints=constraints,
+                idempotency_key=key,
+            )
+    except pw.IntegrityError:
+        # Invariant: the unique index on the key decides; the loser answers with the winner.
+        existing = _by_key(store, key) if key is not None else None
+        if existing is None:
+            raise
+        return Submitted(existing, created=False)
+    return Submitted(row, created=True)
+
+
+def _by_key(store: Store, key: str) -> WorkItem | None:
+    with store.connection():
+        return WorkItem.get_or_none(WorkItem.idempotency_key == key)
+
+
+def get_work(store: Store, work_id: str) -> WorkItem:
+    with store.connection():
+        row = WorkItem.get_or_none(WorkItem.work_id == work_id)
+    if row is None:
+        raise NotFound(
+            f"no work item {work_id}", next_step="List work with GET /api/v1/admin/work."
+        )
+    return row
+
+
+def list_work(
+    store: Store, *, state: str | None = None, limit: int = 50, before: str | None = None
+) -> dict[str, Any]:
+    """Newest first; ``next_before`` (a work id) pages further back."""
+    if state is not None and state not in WORK_STATES:
+        raise Invalid(
+            f"state must be one of {', '.join(WORK_STATES)}",
+            code="QUERY_INVALID",
+            next_step="Use ?state=queued|leased|succeeded|failed|cancelled.",
+        )
+    query = WorkItem.select().order_by(WorkItem.created_at.desc(), WorkItem.work_id.desc())
+    with store.connection():
+        if state is not None:
+            query = query.where(WorkItem.state == state)
+        if before is not None:
+            anchor = WorkItem.get_or_none(WorkItem.work_id == before)
+            if anchor is None:
+                raise Invalid(f"before: no work item {before}", code="QUERY_INVALID")
+            query = query.where(
+                (WorkItem.created_at < anchor.created_at)
+                | ((WorkItem.created_at == anchor.created_at) & (WorkItem.work_id < before))
+            )
+        rows = list(query.limit(limit))
+    items = [work_view(row) for row in rows]
+    return {"work": items, "next_before": items[-1]["work_id"] if len(items) == limit else None}
+
+
+def counts_by_state(store: Store) -> dict[str, int]:
+    with store.connection():
+        rows = WorkItem.select(WorkItem.state, pw.fn.COUNT(WorkItem.work_id)).group_by(
+            WorkItem.state
+        )
+        tally = {state: count for state, count in rows.tuples()}
+    return {state: tally.get(state, 0) for state in WORK_STATES}
+
+
+def cancel_work(store: Store, work_id: str, actor: str) -> WorkItem:
+    """Cancel a queued or leased item; its node learns at its next renewal (409 LEASE_LOST)."""
+    now = store.clock.now()
+    with store.write():
+        row = WorkItem.get_or_none(WorkItem.work_id == work_id)
+        if row is None:
+            raise NotFound(f"no work item {work_id}")
+        if row.state == WORK_CANCELLED:
+            return row
+        # Conditional, like every transition: a completion that commits first wins.
+        unchanged = (WorkItem.work_id == work_id) & (WorkItem.state == row.state)
+        if row.state == WORK_LEASED:
+            unchanged &= WorkItem.lease_id == row.lease_id
+        cancelled = 0
+        if row.state in (WORK_QUEUED, WORK_LEASED):
+            cancelled = (
+                WorkItem.update(state=WORK_CANCELLED, finished_at=now, lease_expires_at=None)
+                .where(unchanged)
+                .execute()
+            )
+        if cancelled != 1:
+            current = WorkItem.get_by_id(work_id)
+            raise Conflict(
+                f"work item {work_id} already finished ({current.state})",
+                code=WORK_FINISHED,
+                next_step="Nothing to cancel; submit a new item if it should run again.",
+            )
+        if row.state == WORK_LEASED:
+            WorkLease.update(ended_at=now, end_reason="cancelled").where(
+                (WorkLease.lease_id == row.lease_id) & WorkLease.ended_at.is_null()
+            ).execute()
+        audit.record(
+            store,
+            actor,
+            "work.cancelled",
+            node_id=row.node_id if row.state == WORK_LEASED else None,
+            work_id=work_id,
+            previous_state=row.state,
+            lease_id=row.lease_id if row.state == WORK_LEASED else None,
+        )
+    return WorkItem.get_by_id(work_id)

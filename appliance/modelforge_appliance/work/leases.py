@@ -1,0 +1,410 @@
+"""Leases on work items: claims, renewals, completions, expiry and returns (placement.py
+says who may claim what).
+
+Every transition is a conditional ``UPDATE`` whose row count decides, on SQLite and
+PostgreSQL alike (the same rule as invariant 2's token claim): two nodes racing for one
+item, a completion racing an expiry or a cancel — exactly one of them changes the row,
+and only that one writes its lease row and audit event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from modelforge_contract import (
+    FIELD_RANGE,
+    LEASE_EXPIRED,
+    LEASE_LOST,
+    WORK_FAILED,
+    WORK_LEASED,
+    WORK_LOG_TAIL_MAX_CHARS,
+    WORK_QUEUED,
+    WORK_RESULT_MAX_BYTES,
+)
+
+from ..core.clock import isoformat
+from ..core.errors import Conflict, Invalid
+from ..core.settings import Settings
+from ..identity.credentials import Caller
+from ..store import audit
+from ..store.database import Store
+from ..store.tables import Node, WorkItem, WorkLease
+from .items import dump
+from .placement import Candidate, fits, ineligibility, node_gpus, reported_by, scan_candidates
+
+log = logging.getLogger(__name__)
+
+
+def node_actor(node_id: str) -> str:
+    return f"node:{node_id}"
+
+
+# -- claim, renew, complete ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Lease:
+    work_id: str
+    lease_id: str
+    expires_at: float
+    lease_seconds: int
+    attempt: int
+    capability: str
+    input: dict[str, Any]
+    timeout_seconds: int
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "work_id": self.work_id,
+            "lease_id": self.lease_id,
+            "expires_at": isoformat(self.expires_at),
+            "lease_seconds": self.lease_seconds,
+            "attempt": self.attempt,
+            "capability": self.capability,
+            "input": self.input,
+            "timeout_seconds": self.timeout_seconds,
+        }
+
+
+def claim_work(
+    store: Store,
+    settings: Settings,
+    caller: Caller,
+    capabilities: list[str],
+    pending: tuple[float, str] | None = None,
+) -> Lease | str:
+    """Lease the oldest queued item this node fits, or say (as a claim reason) why none.
+
+    ``pending`` is the node's newest heartbeat (time, health JSON) not yet in the store.
+    """
+    now = store.clock.now()
+    with store.connection():
+        node = Node.get_by_id(caller.node_id)
+    pending_at, pending_health = pending or (None, None)
+    reported = reported_by(node, pending_at, pending_health)
+    reason = ineligibility(node, reported, now, settings)
+    if reason is not None:
+        return reason
+    offered = set((reported.health or {}).get("worker", {}).get("capabilities") or capabilities)
+    wanted = sorted(set(capabilities) & offered)
+    if not wanted:
+        return "no_fitting_item"
+    gpus = node_gpus(node)
+    # Look before locking: most claims of an idle fleet find nothing, and must not queue
+    # behind (or hold up) the writers. What is found is only a hint; the conditional
+    # update inside the write transaction decides.
+    with store.connection():
+        hint = next(
+            (
+                c
+                for c in scan_candidates(store, node.node_id, wanted, gpus)
+                if fits(c, node.node_id, gpus)
+            ),
+            None,
+        )
+    if hint is None:
+        return "no_fitting_item"
+    # Not flushed: a claim lost to a power cut only makes the item run again.
+    with store.write(flushed=False):
+        lease = _lease(store, settings, node.node_id, hint, now)
+        if lease is not None:
+            return lease
+        for item in scan_candidates(
+            store, node.node_id, wanted, gpus
+        ):  # another node took the hint
+            if fits(item, node.node_id, gpus):
+                lease = _lease(store, settings, node.node_id, item, now)
+                if lease is not None:
+                    return lease
+    return "no_fitting_item"
+
+
+_LEASE_SQL = (
+    "UPDATE work_item SET state = 'leased', node_id = ?, lease_id = ?, lease_expires_at = ?, "
+    "attempts = attempts + 1, started_at = COALESCE(started_at, ?) "
+    "WHERE work_id = ? AND state = 'queued'"
+)
+# PostgreSQL: a claim never waits for a row another transaction holds (it tries the next
+# item instead), so it can never be part of a lock cycle with a completion group or an
+# expiry, which take their rows in work_id order. The row count still decides.
+_LEASE_SQL_PG = _LEASE_SQL.replace(
+    "WHERE work_id = ? AND state = 'queued'",
+    "WHERE work_id = (SELECT work_id FROM work_item WHERE work_id = ? AND state = 'queued' "
+    "FOR UPDATE SKIP LOCKED)",
+)
+_LEASED_SQL = "SELECT capability, input, timeout_seconds, attempts FROM work_item WHERE work_id = ?"
+_NEW_LEASE_SQL = (
+    "INSERT INTO work_lease (lease_id, work_id, node_id, attempt, granted_at, expires_at) "
+    "VALUES (?, ?, ?, ?, ?, ?)"
+)
+
+
+def _execute(store: Store, sql: str, params: tuple) -> Any:
+    """A prepared statement of the hot paths, with the store's placeholder."""
+    return store.db.execute_sql(sql.replace("?", store.db.param), params)
+
+
+def _lease(
+    store: Store, settings: Settings, node_id: str, item: Candidate, now: float
+) -> Lease | None:
+    lease_id = uuid.uuid4().hex
+    expires_at = now + settings.work_lease_seconds
+    # The conditional update whose row count picks the one winner.
+    sql = _LEASE_SQL if store.is_sqlite else _LEASE_SQL_PG
+    won = _execute(store, sql, (node_id, lease_id, expires_at, now, item.work_id)).rowcount
+    if won != 1:
+        return None
+    capability, given, timeout_seconds, attempt = _execute(
+        store, _LEASED_SQL, (item.work_id,)
+    ).fetchone()
+    _execute(store, _NEW_LEASE_SQL, (lease_id, item.work_id, node_id, attempt, now, expires_at))
+    audit.record(
+        store,
+        node_actor(node_id),
+        "work.leased",
+        node_id=node_id,
+        work_id=item.work_id,
+        lease_id=lease_id,
+        attempt=attempt,
+        expires_at=isoformat(expires_at),
+    )
+    return Lease(
+        work_id=item.work_id,
+        lease_id=lease_id,
+        expires_at=expires_at,
+        lease_seconds=settings.work_lease_seconds,
+        attempt=attempt,
+        capability=capability,
+        input=json.loads(given),
+        timeout_seconds=timeout_seconds,
+    )
+
+
+# Both only while the item is still leased to this node under this lease, and it is alive.
+_RENEW_SQL = (
+    "UPDATE work_item SET lease_expires_at = ? WHERE work_id = ? AND lease_id = ? "
+    "AND node_id = ? AND state = 'leased' AND lease_expires_at > ?"
+)
+_RENEW_LEASE_SQL = "UPDATE work_lease SET expires_at = ? WHERE lease_id = ?"
+_COMPLETE_SQL = (
+    "UPDATE work_item SET state = ?, finished_at = ?, result = ?, log_tail = ?, error = ?, "
+    "lease_expires_at = NULL WHERE work_id = ? AND lease_id = ? AND node_id = ? "
+    "AND state = 'leased' AND lease_expires_at > ?"
+)
+_END_LEASE_SQL = (
+    "UPDATE work_lease SET ended_at = ?, end_reason = ? WHERE lease_id = ? AND ended_at IS NULL"
+)
+
+
+def _lease_lost(work_id: str) -> Conflict:
+    return Conflict(
+        f"the lease on work item {work_id} is no longer held by this node: it expired, was "
+        "cancelled, returned or completed, or the item was leased again",
+        code=LEASE_LOST,
+        next_step="Stop working on this item and claim new work; nothing was changed.",
+    )
+
+
+def renew_lease(
+    store: Store, settings: Settings, caller: Caller, work_id: str, lease_id: str
+) -> float:
+    """Extend a live lease by the lease period; 409 LEASE_LOST otherwise."""
+    now = store.clock.now()
+    expires_at = now + settings.work_lease_seconds
+    with store.write(flushed=False):
+        held = (work_id, lease_id, caller.node_id, now)
+        if _execute(store, _RENEW_SQL, (expires_at, *held)).rowcount != 1:
+            raise _lease_lost(work_id)
+        _execute(store, _RENEW_LEASE_SQL, (expires_at, lease_id))
+    return expires_at
+
+
+def trimmed_log(log_tail: str | None) -> str | None:
+    if log_tail is None:
+        return None
+    return log_tail[-WORK_LOG_TAIL_MAX_CHARS:]
+
+
+def complete_work(
+    store: Store,
+    caller: Caller,
+    work_id: str,
+    lease_id: str,
+    *,
+    outcome: str,
+    result: dict[str, Any] | None,
+    log_tail: str | None,
+    error: dict[str, Any] | None,
+) -> Completed:
+    """Record the outcome under a live lease; a lost lease changes nothing (409 LEASE_LOST)."""
+    result_json = dump(result) if result is not None else None
+    if result_json is not None and len(result_json.encode()) > WORK_RESULT_MAX_BYTES:
+        raise Invalid(
+            f"result: at most {WORK_RESULT_MAX_BYTES} bytes of JSON",
+            code=FIELD_RANGE,
+            next_step="Put large output in the log tail or in storage, not in the result.",
+        )
+    now = store.clock.now()
+    values = (outcome, now, result_json, trimmed_log(log_tail), dump(error) if error else None)
+
+    def complete() -> Completed:
+        held = (work_id, lease_id, caller.node_id, now)
+        if _execute(store, _COMPLETE_SQL, (*values, *held)).rowcount != 1:
+            raise _lease_lost(work_id)
+        _execute(store, _END_LEASE_SQL, (now, "completed", lease_id))
+        audit.record(
+            store,
+            node_actor(caller.node_id),
+            "work.completed",
+            node_id=caller.node_id,
+            work_id=work_id,
+            lease_id=lease_id,
+            outcome=outcome,
+            error_code=(error or {}).get("code"),
+        )
+        (created_at,) = _execute(
+            store, "SELECT created_at FROM work_item WHERE work_id = ?", (work_id,)
+        ).fetchone()
+        return Completed(work_id, outcome, created_at, now)
+
+    # Flushed before the agent hears 200, and one flush serves every completion waiting.
+    return store.grouped(complete, order=work_id)
+
+
+@dataclass(frozen=True)
+class Completed:
+    work_id: str
+    state: str
+    created_at: float
+    finished_at: float
+
+
+# -- expiry and returns ---------------------------------------------------------------
+
+
+_EXPIRED_SQL = (
+    "SELECT work_id, lease_id, node_id, attempts, max_attempts FROM work_item "
+    "WHERE state = 'leased' AND lease_expires_at <= ?"
+)
+
+
+@dataclass(frozen=True)
+class Expired:
+    work_id: str
+    lease_id: str
+    node_id: str
+    attempts: int
+    max_attempts: int
+
+
+def expire_leases(store: Store) -> list[dict[str, Any]]:
+    """Return every item whose lease ran out to the queue, or fail it after max_attempts.
+
+    Called before claims and admin reads, so the answer is the same whichever
+    control-plane process (or CLI) looks first; the conditional update decides who records it.
+    """
+    now = store.clock.now()
+    with store.connection():
+        expired = sorted(  # rows are taken in work_id order (see _LEASE_SQL_PG)
+            (Expired(*row) for row in _execute(store, _EXPIRED_SQL, (now,)).fetchall()),
+            key=lambda row: row.work_id,
+        )
+    if not expired:
+        return []
+    done = []
+    with store.write(flushed=False):  # recomputed from the lease times if lost
+        for row in expired:
+            exhausted = row.attempts >= row.max_attempts
+            if exhausted:
+                message = f"the lease expired on attempt {row.attempts} of {row.max_attempts}"
+                values = {
+                    "state": WORK_FAILED,
+                    "finished_at": now,
+                    "error": dump({"code": LEASE_EXPIRED, "message": message}),
+                }
+            else:
+                values = {"state": WORK_QUEUED, "node": None}
+            changed = (
+                WorkItem.update(lease_expires_at=None, **values)
+                .where(
+                    (WorkItem.work_id == row.work_id)
+                    & (WorkItem.lease_id == row.lease_id)
+                    & (WorkItem.state == WORK_LEASED)
+                    & (WorkItem.lease_expires_at <= now)
+                )
+                .execute()
+            )
+            if changed != 1:
+                continue
+            WorkLease.update(ended_at=now, end_reason="expired").where(
+                (WorkLease.lease_id == row.lease_id) & WorkLease.ended_at.is_null()
+            ).execute()
+            entry = {
+                "work_id": row.work_id,
+                "lease_id": row.lease_id,
+                "state": values["state"],
+            }
+            audit.record(store, "control-plane", "work.lease_expired", node_id=row.node_id, **entry)
+            done.append(entry)
+    if done:
+        log.info("%d lease(s) expired", len(done))
+    return done
+
+
+def leased_work_ids(node: Node) -> list[str]:
+    """Items currently leased to node (inside the caller's connection)."""
+    return [
+        row.work_id
+        for row in WorkItem.select(WorkItem.work_id)
+        .where((WorkItem.node == node.node_id) & (WorkItem.state == WORK_LEASED))
+        .order_by(WorkItem.work_id)
+    ]
+
+
+def return_node_leases(store: Store, node: Node, actor: str, reason: str) -> list[str]:
+    """Put the node's leased items back in the queue (inside the caller's transaction).
+
+    The node was taken away by an administrator, so the attempt does not count.
+    """
+    now = store.clock.now()
+    returned = []
+    rows = list(
+        WorkItem.select(WorkItem.work_id, WorkItem.lease_id)
+        .where((WorkItem.node == node.node_id) & (WorkItem.state == WORK_LEASED))
+        .order_by(WorkItem.work_id)  # rows are taken in work_id order (see _LEASE_SQL_PG)
+    )
+    for row in rows:
+        changed = (
+            WorkItem.update(
+                state=WORK_QUEUED,
+                node=None,
+                lease_expires_at=None,
+                attempts=WorkItem.attempts - 1,
+            )
+            .where(
+                (WorkItem.work_id == row.work_id)
+                & (WorkItem.lease_id == row.lease_id)
+                & (WorkItem.state == WORK_LEASED)
+            )
+            .execute()
+        )
+        if changed != 1:
+            continue
+        WorkLease.update(ended_at=now, end_reason="returned").where(
+            (WorkLease.lease_id == row.lease_id) & WorkLease.ended_at.is_null()
+        ).execute()
+        audit.record(
+            store,
+            actor,
+            "work.lease_returned",
+            node_id=node.node_id,
+            work_id=row.work_id,
+            lease_id=row.lease_id,
+            reason=reason,
+        )
+        returned.append(row.work_id)
+    return sorted(returned)

@@ -1,0 +1,134 @@
+"""Placement: which node may claim now, and which queued items its measured inventory fits.
+
+A node claims only while it is online, uncordoned, speaks an accepted agent protocol, reports
+a compatible runtime worker and healthy agent, and holds an inventory measured since its
+enrollment (never a restored snapshot) within MODELFORGE_INVENTORY_MAX_AGE_SECONDS
+(DESIGN §5; invariants 7 and 8). Reading only: the claim itself is in leases.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from modelforge_contract import (
+    ACCEPTED_PROTOCOL_VERSIONS,
+    COMPATIBLE,
+    ONLINE,
+)
+
+from ..core.settings import Settings
+from ..fleet.nodes import liveness_of
+from ..fleet.readiness import worker_answer
+from ..store.database import Store
+from ..store.tables import Node, WorkItem
+
+FIRST_BATCH = 8
+CANDIDATE_BATCH = 256
+
+
+@dataclass(frozen=True)
+class Reported:
+    """What the node last said about itself: its heartbeat time and health."""
+
+    last_heartbeat_at: float | None
+    health: dict[str, Any] | None
+
+
+def reported_by(node: Node, pending_at: float | None, pending_health: str | None) -> Reported:
+    """The node's newest heartbeat: the stored one, or one still waiting in the buffer."""
+    if pending_at is not None and (
+        node.last_heartbeat_at is None or pending_at >= node.last_heartbeat_at
+    ):
+        return Reported(pending_at, json.loads(pending_health) if pending_health else None)
+    return Reported(node.last_heartbeat_at, json.loads(node.health) if node.health else None)
+
+
+def ineligibility(node: Node, reported: Reported, now: float, settings: Settings) -> str | None:
+    """Why this node may not claim now (one of CLAIM_REASONS), or None when it may."""
+    seen = Node(**{**node.__data__, "last_heartbeat_at": reported.last_heartbeat_at})
+    if liveness_of(seen, now, settings) != ONLINE:  # invariant 7
+        return "not_online"
+    if node.cordoned:
+        return "cordoned"
+    if node.protocol_version not in ACCEPTED_PROTOCOL_VERSIONS:  # invariant 8
+        return "protocol"
+    if worker_answer(reported.health)[0] != COMPATIBLE:
+        return "worker"
+    health = reported.health or {}
+    if health.get("status") != "ok" or health.get("gpu_probe") == "failed":
+        return "agent_health"
+    # Freshly measured, never a restored snapshot (a restore clears inventory_at).
+    if (
+        node.inventory_at is None
+        or node.inventory_at < node.enrolled_at
+        or now - node.inventory_at > settings.inventory_max_age_seconds
+    ):
+        return "inventory_age"
+    return None
+
+
+def node_gpus(node: Node) -> list[dict[str, Any]]:
+    inventory = json.loads(node.inventory) if node.inventory else {}
+    return list(inventory.get("accelerators") or [])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The columns placement reads: a queued item's constraints, nothing heavier."""
+
+    work_id: str
+    gpu_count: int
+    min_gpu_memory_bytes: int | None
+    gpu_name: str | None
+    node_ids: str | None
+    attempts: int
+
+
+def fits(item: Candidate | WorkItem, node_id: str, gpus: list[dict[str, Any]]) -> bool:
+    """Whether the node's measured GPUs meet every constraint of the item."""
+    if item.node_ids and node_id not in json.loads(item.node_ids):
+        return False
+    if item.gpu_count == 0:
+        return True
+    fitting = [
+        gpu
+        for gpu in gpus
+        if (
+            item.min_gpu_memory_bytes is None
+            or gpu.get("memory_total_bytes", 0) >= item.min_gpu_memory_bytes
+        )
+        and (item.gpu_name is None or item.gpu_name.lower() in str(gpu.get("name", "")).lower())
+    ]
+    return len(fitting) >= item.gpu_count
+
+
+_CANDIDATES_SQL = (
+    "SELECT work_id, gpu_count, min_gpu_memory_bytes, gpu_name, node_ids, attempts "
+    "FROM work_item WHERE state = 'queued' AND capability IN ({capabilities}) "
+    "AND gpu_count <= ? AND (min_gpu_memory_bytes IS NULL OR min_gpu_memory_bytes <= ?) "
+    "AND (node_ids IS NULL OR node_ids LIKE ? ESCAPE '!') "
+    "ORDER BY created_at, work_id LIMIT ? OFFSET ?"
+)
+
+
+def scan_candidates(
+    store: Store, node_id: str, capabilities: list[str], gpus: list[dict[str, Any]]
+) -> Iterator[Candidate]:
+    """Queued items the node might fit, oldest first, in growing batches (the first one
+    usually fits, and a long queue is never read whole); ``fits`` makes the exact decision."""
+    largest = max((gpu.get("memory_total_bytes", 0) for gpu in gpus), default=0)
+    quoted = json.dumps(node_id).replace("!", "!!").replace("%", "!%").replace("_", "!_")
+    sql = _CANDIDATES_SQL.format(capabilities=", ".join("?" * len(capabilities)))
+    sql = sql.replace("?", store.db.param)
+    offset, size = 0, FIRST_BATCH
+    while True:
+        params = (*capabilities, len(gpus), largest, f"%{quoted}%", size, offset)
+        batch = [Candidate(*row) for row in store.db.execute_sql(sql, params).fetchall()]
+        yield from batch
+        if len(batch) < size:
+            return
+        offset += size
+        size = min(size * 4, CANDIDATE_BATCH)
