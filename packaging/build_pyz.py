@@ -105,7 +105,7 @@ class Target:
     entry_point: str
     requirements: str
     packages: tuple[str, ...]
-    # Top-level names that must not be in the archive (DESIGN §1: the split).
+    # Top-level names that must not be in the archive (docs/architecture.md §1: the split).
     forbidden: tuple[str, ...]
     # None: implementation-independent wheels only, no compiled module anywhere.
     machine: Machine | None = None

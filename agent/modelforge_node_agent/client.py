@@ -1,6 +1,6 @@
 """Calls to the control plane's agent API, and what a refusal means for the agent.
 
-Invariant 10 (DESIGN §2): a failed call is described by status or exception,
+Invariant 10: a failed call is described by status or exception,
 method and path only. A refusal body is read for its error *code* (and the
 ``compatibility`` answer), which decides what the agent does; the body itself,
 its message and next step are never logged, because a body can echo what the

@@ -1,6 +1,6 @@
 """The node's persisted identity: identity id and secret, node id and credential.
 
-Invariant 6 (DESIGN §2): the identity is generated on first start and written
+Invariant 6: the identity is generated on first start and written
 to the state volume *before* enrolling, so a re-enrollment with a fresh token
 lands on the same node. The file is replaced atomically (temp file, fsync,
 rename) with mode 0600. A file that cannot be read or parsed stops the agent:

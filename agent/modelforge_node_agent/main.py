@@ -42,7 +42,7 @@ from .logs import configure_logging
 from .nvidia import PreflightFailure, PreflightResult, run_preflight
 from .publisher import DEFAULT_HEARTBEAT_INTERVAL, Publisher
 from .refusals import AgentExit
-from .settings import SETTINGS, AgentSettings, ConfigError, load_settings
+from .settings import TABLE, AgentSettings, ConfigError, load_settings
 from .signals import Stopping, install_signal_handlers
 from .status import RecordingClient, StatusRecorder, status_command
 from .transport import make_session
@@ -90,16 +90,7 @@ class AgentGroup(click.Group):
     """Adds every setting and exit status to ``--help``; turns any failure into one line."""
 
     def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        with formatter.section("Environment variables"):
-            formatter.write_dl(
-                [
-                    (
-                        spec.name,
-                        spec.meaning + (f" [default: {spec.default}]" if spec.default else ""),
-                    )
-                    for spec in SETTINGS
-                ]
-            )
+        TABLE.write_help(formatter)
         with formatter.section("Exit statuses"):
             formatter.write_dl([(str(code), meaning) for code, meaning in EXIT_STATUSES])
 

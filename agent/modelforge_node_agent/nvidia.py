@@ -1,6 +1,6 @@
 """NVIDIA inventory and telemetry through NVML (the nvidia-ml-py bindings), failing closed.
 
-Invariant 9 (DESIGN §2): in ``nvidia`` mode the preflight needs NVML, at least
+Invariant 9: in ``nvidia`` mode the preflight needs NVML, at least
 one GPU and telemetry that matches the inventory, or the agent exits 3 with
 exactly one code word. Every value published comes from NVML; a field NVML
 reports as unsupported is left out (or null where the contract requires the

@@ -1,13 +1,13 @@
 """Node Agent settings: the only agent module that reads ``os.environ``.
 
-Every variable is declared once in ``SETTINGS`` with its default and meaning;
-``--help`` prints them and ``docs/node-agent.md`` must list each (a test checks).
+Every variable is declared once in ``SETTINGS`` with its default and meaning, against the
+toolkit in ``modelforge_contract.settings`` (the unknown-name check, the parsers, the one rule
+for blank values); ``--help`` prints them and ``docs/node-agent.md`` must list each (a test checks).
 A bad value raises ``ConfigError`` naming the variable; the CLI exits 2.
 """
 
 from __future__ import annotations
 
-import difflib
 import os
 import socket
 from collections.abc import Mapping
@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from modelforge_contract import ACCELERATOR_MODES, EXIT_USAGE, KIND_ENROLLMENT, split_secret
 from modelforge_contract.envfile import read_env_file
+from modelforge_contract.settings import SettingSpec, SettingTable
 
 PREFIX = "MODELFORGE_AGENT_"
 # The host name the documentation uses in examples; an agent pointed at it was copied
@@ -24,13 +25,6 @@ PREFIX = "MODELFORGE_AGENT_"
 PLACEHOLDER_HOST = "modelforge.example.internal"
 DEFAULT_STATE_VOLUME = "/var/lib/modelforge-node-agent"
 DEFAULT_WORKER_SOCKET = "/run/modelforge/worker.sock"
-
-
-@dataclass(frozen=True)
-class SettingSpec:
-    name: str
-    default: str | None
-    meaning: str
 
 
 SETTINGS: tuple[SettingSpec, ...] = (
@@ -125,16 +119,17 @@ SETTINGS: tuple[SettingSpec, ...] = (
     ),
     SettingSpec("MODELFORGE_AGENT_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
 )
-KNOWN_NAMES = frozenset(spec.name for spec in SETTINGS)
-_DEFAULTS = {spec.name: spec.default for spec in SETTINGS}
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 class ConfigError(Exception):
     """A setting is wrong; the CLI prints the one-line message and exits 2."""
 
     exit_code = EXIT_USAGE
+
+
+TABLE = SettingTable(
+    SETTINGS, prefixes=(PREFIX,), error=ConfigError, unknown_hint="see --help for the known names"
+)
 
 
 @dataclass(frozen=True)
@@ -180,47 +175,7 @@ class AgentSettings:
         return self.control_plane_url
 
 
-def nearest_setting(name: str) -> str | None:
-    matches = difflib.get_close_matches(name, sorted(KNOWN_NAMES), n=1, cutoff=0.6)
-    return matches[0] if matches else None
-
-
-def _value(env: Mapping[str, str], name: str) -> str | None:
-    raw = env.get(name)
-    if raw is None or not raw.strip():
-        return _DEFAULTS[name]
-    return raw.strip()
-
-
-def _bool(env: Mapping[str, str], name: str) -> bool:
-    raw = (_value(env, name) or "").lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ConfigError(f"{name}={raw!r} is not true or false")
-
-
-def _int(env: Mapping[str, str], name: str, minimum: int, maximum: int) -> int:
-    raw = _value(env, name) or ""
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a whole number") from None
-    if not minimum <= value <= maximum:
-        raise ConfigError(f"{name}={value} is outside {minimum}..{maximum}")
-    return value
-
-
-def _float(env: Mapping[str, str], name: str, minimum: float, maximum: float) -> float:
-    raw = _value(env, name) or ""
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if not minimum <= value <= maximum:
-        raise ConfigError(f"{name}={value:g} is outside {minimum:g}..{maximum:g}")
-    return value
+_value, _int, _float, _bool = TABLE.value, TABLE.integer, TABLE.number, TABLE.boolean
 
 
 def parse_control_plane_url(raw: str) -> str:
@@ -278,14 +233,6 @@ def _hostname(raw: str | None) -> str:
     return hostname
 
 
-def check_names(env: Mapping[str, str]) -> None:
-    for name in sorted(env):
-        if name.startswith(PREFIX) and name not in KNOWN_NAMES:
-            hint = nearest_setting(name)
-            suffix = f"; did you mean {hint}?" if hint else "; see --help for the known names"
-            raise ConfigError(f"unknown setting {name}{suffix}")
-
-
 TOKEN_VARIABLE = "MODELFORGE_AGENT_ENROLLMENT_TOKEN"
 
 
@@ -308,7 +255,7 @@ def load_settings(
     env = dict(env)
     if env_file is not None:
         env = {**read_env_file(env_file, ConfigError), **env}
-    check_names(env)
+    TABLE.check_names(env)
 
     url = _value(env, "MODELFORGE_AGENT_CONTROL_PLANE_URL")
     mode = (_value(env, "MODELFORGE_AGENT_ACCELERATOR_MODE") or "").lower()
@@ -336,11 +283,7 @@ def load_settings(
                 "MODELFORGE_AGENT_CA_CERT_PATH is set but MODELFORGE_AGENT_TLS_VERIFY=false "
                 "would ignore it; set MODELFORGE_AGENT_TLS_VERIFY=true"
             )
-    log_level = (_value(env, "MODELFORGE_AGENT_LOG_LEVEL") or "").upper()
-    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise ConfigError(
-            f"MODELFORGE_AGENT_LOG_LEVEL={log_level!r} is not DEBUG, INFO, WARNING or ERROR"
-        )
+    log_level = TABLE.log_level(env, "MODELFORGE_AGENT_LOG_LEVEL")
     state_raw = _value(env, "MODELFORGE_AGENT_STATE_VOLUME") or DEFAULT_STATE_VOLUME
     return AgentSettings(
         control_plane_url=parse_control_plane_url(url) if url else None,

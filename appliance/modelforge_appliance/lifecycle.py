@@ -1,4 +1,4 @@
-"""Actions that cross domains, in one place above them (docs/architecture.md, the layer map).
+"""Actions that cross domains, in one place above them (docs/architecture.md §8).
 
 Revoking a node's credential (identity) gives its leased work back to the queue (work), and
 decommissioning a node is an audited two-step retirement: preview exactly what will happen,

@@ -2,7 +2,7 @@
 
 Dependency-free on purpose: the agent pyz imports it without bottle or peewee.
 Paths, headers, protocol versions, error codes, exit codes and the secret
-formats live here once (DESIGN §3).
+formats live here once (docs/architecture.md §3).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 API_PREFIX = "/api/v1"
 
-# -- protocol (DESIGN §2.8) -------------------------------------------------
+# -- protocol (invariant 8) -------------------------------------------------
 
 PROTOCOL_VERSION = 1
 ACCEPTED_PROTOCOL_VERSIONS = frozenset({1})
@@ -112,7 +112,7 @@ INVENTORY_REFRESH_SECONDS = 1800
 ENROLLMENT_EXPIRY_MIN_SECONDS = 300
 ENROLLMENT_EXPIRY_MAX_SECONDS = 86400
 
-# -- error codes (DESIGN §2.11; documented in docs/api.md) -------------------
+# -- error codes (invariant 11; documented in docs/api.md) -------------------
 
 ENROLLMENT_TOKEN_INVALID = "ENROLLMENT_TOKEN_INVALID"
 ENROLLMENT_TOKEN_CONSUMED = "ENROLLMENT_TOKEN_CONSUMED"
@@ -172,7 +172,7 @@ HEADERS_TOO_LARGE = "HEADERS_TOO_LARGE"  # 431
 TRANSFER_ENCODING_UNSUPPORTED = "TRANSFER_ENCODING_UNSUPPORTED"  # 501: not chunked
 
 
-# -- console and telemetry history (DESIGN §7a) ----------------------------------
+# -- console and telemetry history (docs/architecture.md §7a) --------------------
 # The console signs in with the admin password and then calls the same admin API with
 # its session cookie plus the CSRF token in a header; admin tokens keep working.
 
@@ -189,7 +189,7 @@ IMAGE_ENTRY_REJECTED = "IMAGE_ENTRY_REJECTED"
 RELEASE_MANIFEST_UNREADABLE = "RELEASE_MANIFEST_UNREADABLE"
 
 
-# -- work plane (DESIGN §5; issue 13) ------------------------------------------
+# -- work plane (docs/architecture.md §5; issue 13) ----------------------------
 # Additive: agents that predate the work plane keep heartbeating and publishing; they
 # simply never claim, and readiness shows their worker check as not reported.
 
@@ -262,7 +262,7 @@ def worker_compatibility_of(protocol: object) -> str:
     return _compatibility_in(str(protocol), ACCEPTED_WORKER_PROTOCOL_VERSIONS)
 
 
-# -- exit codes (DESIGN §4) ---------------------------------------------------
+# -- exit codes (docs/architecture.md §4) -------------------------------------
 
 EXIT_OK = 0
 # The node agent stops here when one of its own loops fails unexpectedly (a bug): better

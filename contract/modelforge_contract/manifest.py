@@ -1,4 +1,4 @@
-"""The release manifest (DESIGN §7): its shape, and how one image entry is checked.
+"""The release manifest (docs/architecture.md §7): its shape, and how one image entry is checked.
 
 Shared by the release tooling (``modelforge-release verify-bundle`` / ``verify-image``),
 which compares a manifest with real images, and the console's Enroll node wizard, which

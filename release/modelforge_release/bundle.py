@@ -1,7 +1,7 @@
 """``modelforge-release bundle``: the release directory.
 
     DIR/modelforge-<version>-images.tar     one docker save of the four images
-    DIR/modelforge-<version>-manifest.json  what each image is (DESIGN §7)
+    DIR/modelforge-<version>-manifest.json  what each image is (docs/architecture.md §7)
     DIR/modelforge-x86_64.pyz, modelforge-aarch64.pyz, modelforge-node-agent.pyz
     DIR/SHA256SUMS                          in SHA256SUMS.template's order
 

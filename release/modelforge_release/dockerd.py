@@ -55,7 +55,7 @@ def local_image(client: Any, tag: str) -> dict[str, Any] | None:
 
 
 def image_entry(attrs: dict[str, Any], tag: str) -> dict[str, Any]:
-    """A loaded image in the manifest's terms (DESIGN §7)."""
+    """A loaded image in the manifest's terms (docs/architecture.md §7)."""
     return {
         "tag": tag,
         "architecture": attrs.get("Architecture"),

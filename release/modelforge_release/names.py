@@ -1,4 +1,4 @@
-"""The file names of a release directory (DESIGN §7), kept apart so the verifiers can
+"""The file names of a release directory (docs/architecture.md §7), kept apart so the verifiers can
 import them without the build machinery."""
 
 from __future__ import annotations

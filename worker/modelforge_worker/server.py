@@ -1,7 +1,7 @@
 """``modelforge-runtime-worker``: HTTP on a unix socket the worker creates, never a port.
 
-Only the local agent talks to it (DESIGN §5): ``GET /v1/info`` says what this worker is,
-``POST /v1/run`` runs one capability to its end and answers its outcome. Every request
+Only the local agent talks to it (docs/architecture.md §5): ``GET /v1/info`` says what this
+worker is, ``POST /v1/run`` runs one capability to its end and answers its outcome. Every request
 names its worker protocol (invariant 8); a run with a protocol this worker does not
 accept is refused with 426 and the compatibility answer. Log lines name method, path,
 status and the capability, never a body.
@@ -45,7 +45,7 @@ from modelforge_contract.logs import configure_logging
 
 from . import __version__
 from .capabilities import CapabilityFailure, RunContext, failed, run_capability
-from .settings import SETTINGS, ConfigError, WorkerSettings, load_settings
+from .settings import TABLE, ConfigError, WorkerSettings, load_settings
 
 log = logging.getLogger("modelforge_worker")
 
@@ -265,16 +265,7 @@ class Handler(BaseHTTPRequestHandler):
 
 class WorkerCommand(click.Command):
     def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        with formatter.section("Environment variables"):
-            formatter.write_dl(
-                [
-                    (
-                        spec.name,
-                        spec.meaning + (f" [default: {spec.default}]" if spec.default else ""),
-                    )
-                    for spec in SETTINGS
-                ]
-            )
+        TABLE.write_help(formatter)
         with formatter.section("Exit statuses"):
             formatter.write_dl(
                 [

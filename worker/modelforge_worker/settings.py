@@ -1,12 +1,12 @@
 """Runtime Worker settings: the only worker module that reads ``os.environ``.
 
-Every variable is declared once in ``SETTINGS``; ``--help`` prints them and
+Every variable is declared once in ``SETTINGS``, against the toolkit in
+``modelforge_contract.settings`` (the unknown-name check, the one rule for blank values); ``--help`` prints them and
 docs/work.md lists each. A bad value raises ``ConfigError``; the command exits 2.
 """
 
 from __future__ import annotations
 
-import difflib
 import grp
 import os
 from collections.abc import Mapping
@@ -14,16 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelforge_contract import ACCELERATOR_MODES, EXIT_USAGE
+from modelforge_contract.settings import SettingSpec, SettingTable
 
 PREFIX = "MODELFORGE_WORKER_"
 DEFAULT_SOCKET = "/run/modelforge/worker.sock"
-
-
-@dataclass(frozen=True)
-class SettingSpec:
-    name: str
-    default: str | None
-    meaning: str
 
 
 SETTINGS: tuple[SettingSpec, ...] = (
@@ -51,8 +45,6 @@ SETTINGS: tuple[SettingSpec, ...] = (
     ),
     SettingSpec("MODELFORGE_WORKER_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
 )
-KNOWN_NAMES = frozenset(spec.name for spec in SETTINGS)
-_DEFAULTS = {spec.name: spec.default for spec in SETTINGS}
 _NO_VISIBLE_DEVICES = ("", "void", "none")
 
 
@@ -60,6 +52,9 @@ class ConfigError(Exception):
     """A setting is wrong; the command prints the one-line message and exits 2."""
 
     exit_code = EXIT_USAGE
+
+
+TABLE = SettingTable(SETTINGS, prefixes=(PREFIX,), error=ConfigError, unknown_hint="see --help")
 
 
 @dataclass(frozen=True)
@@ -70,9 +65,7 @@ class WorkerSettings:
     log_level: str
 
 
-def _value(env: Mapping[str, str], name: str) -> str | None:
-    raw = env.get(name)
-    return _DEFAULTS[name] if raw is None or not raw.strip() else raw.strip()
+_value = TABLE.value
 
 
 def _group(raw: str | None) -> int | None:
@@ -105,22 +98,14 @@ def _mode(env: Mapping[str, str]) -> str:
 def load_settings(env: Mapping[str, str] | None = None) -> WorkerSettings:
     """Parse and validate every MODELFORGE_WORKER_* variable once; raise ConfigError."""
     env = dict(os.environ if env is None else env)
-    for name in sorted(env):
-        if name.startswith(PREFIX) and name not in KNOWN_NAMES:
-            matches = difflib.get_close_matches(name, sorted(KNOWN_NAMES), n=1, cutoff=0.6)
-            hint = f"; did you mean {matches[0]}?" if matches else "; see --help"
-            raise ConfigError(f"unknown setting {name}{hint}")
+    TABLE.check_names(env)
     socket_raw = _value(env, "MODELFORGE_WORKER_SOCKET") or DEFAULT_SOCKET
     socket_path = Path(socket_raw).expanduser()
     if not socket_path.is_absolute():
         raise ConfigError(f"MODELFORGE_WORKER_SOCKET={socket_raw!r} must be an absolute path")
     if len(os.fsencode(socket_path)) > 107:
         raise ConfigError(f"MODELFORGE_WORKER_SOCKET={socket_raw!r} is too long for a socket")
-    log_level = (_value(env, "MODELFORGE_WORKER_LOG_LEVEL") or "").upper()
-    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise ConfigError(
-            f"MODELFORGE_WORKER_LOG_LEVEL={log_level!r} is not DEBUG, INFO, WARNING or ERROR"
-        )
+    log_level = TABLE.log_level(env, "MODELFORGE_WORKER_LOG_LEVEL")
     return WorkerSettings(
         socket_path=socket_path,
         socket_group=_group(_value(env, "MODELFORGE_WORKER_SOCKET_GROUP")),

@@ -1,6 +1,6 @@
 """Admin routes: enrollment tokens, the fleet, lifecycle actions, alerts, audit, metrics.
 
-Every handler authenticates first (``admin_actor``), then calls one service function.
+Each route declares its caller (web/auth.py authenticates it), then calls one service function.
 """
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ from __future__ import annotations
 import bottle
 
 from modelforge_contract import (
-    HEADER_ADMIN_TOKEN,
-    HEADER_CSRF_TOKEN,
     HOST_INVALID,
     PATH_ADMIN_ALERTS,
     PATH_ADMIN_AUDIT,
@@ -28,7 +26,6 @@ from modelforge_contract import (
     PATH_ADMIN_NODES,
     PATH_HEALTHZ,
     PATH_METRICS,
-    SESSION_COOKIE,
 )
 
 from .. import lifecycle
@@ -36,56 +33,25 @@ from ..core.clock import isoformat
 from ..core.errors import Invalid, StoreUnavailable
 from ..core.validation import EXECUTE_FIELDS, IMAGE_CHECK_FIELDS, MINT_FIELDS
 from ..fleet import alerts, node_agent_image, nodes, readiness, telemetry
-from ..identity import admin_tokens, credentials, enrollment, sessions
+from ..identity import credentials, enrollment
 from ..store import audit
-from ..web.http import ApiContext, json_response, query_int, request_header, request_origin
+from ..web.auth import ADMIN, PUBLIC, SCRAPER
+from ..web.http import ApiContext, json_response, query_int, request_origin
 from ..web.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-
-STATE_CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-
-
-def admin_actor(context: ApiContext) -> str:
-    """Authenticate the admin, then flush heartbeats so the answer sees the acknowledged ones.
-
-    In that order: a request without a valid credential causes no write at all. An admin
-    token (automation) wins; otherwise a console session cookie, which must carry its CSRF
-    token in ``X-CSRF-Token`` on every state-changing call (403, nothing changed).
-    """
-    request = bottle.request
-    header = request_header(HEADER_ADMIN_TOKEN)
-    cookie = request.get_cookie(SESSION_COOKIE)
-    if header or not cookie:
-        token = admin_tokens.authenticate_admin(context.store, header)
-        actor = audit.admin_actor(token.token_id)
-    else:
-        session = sessions.session_for(context.store, context.settings, cookie)
-        if request.method in STATE_CHANGING_METHODS:
-            sessions.check_csrf(session, request_header(HEADER_CSRF_TOKEN))
-        actor = session.actor
-    context.heartbeats.flush()
-    return actor
 
 
 def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
-    settings, store, heartbeats = context.settings, context.store, context.heartbeats
+    settings, store = context.settings, context.store
     clock = store.clock
 
-    def admin() -> str:
-        return admin_actor(context)
-
-    @app.get(PATH_METRICS)
+    @app.get(PATH_METRICS, auth=SCRAPER)
     def prometheus_metrics():
-        # Prometheus sends `authorization: {credentials: mfa_…}` as a Bearer header.
-        bearer = request_header("Authorization") or ""
-        header = request_header(HEADER_ADMIN_TOKEN) or bearer.removeprefix("Bearer ")
-        admin_tokens.authenticate_admin(store, header or None)
-        heartbeats.flush()
         return bottle.HTTPResponse(
             context.metrics.exposition(),
             headers={"Content-Type": METRICS_CONTENT_TYPE, "Cache-Control": "no-store"},
         )
 
-    @app.get(PATH_HEALTHZ)
+    @app.get(PATH_HEALTHZ, auth=PUBLIC)
     def healthz():
         if not store.ping():
             raise StoreUnavailable("the store did not answer")
@@ -93,9 +59,8 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
 
     # -- enrollment tokens -------------------------------------------------------
 
-    @app.post(PATH_ADMIN_ENROLLMENTS)
-    def mint():
-        actor = admin()
+    @app.post(PATH_ADMIN_ENROLLMENTS, auth=ADMIN)
+    def mint(actor: str):
         fields = context.body(MINT_FIELDS)
         origin = settings.public_api_origin or request_origin(bottle.request.environ)
         if origin == "unknown":
@@ -116,96 +81,81 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         )
         return json_response(minted.response(clock.now()), 201)
 
-    @app.get(PATH_ADMIN_ENROLLMENTS)
+    @app.get(PATH_ADMIN_ENROLLMENTS, auth=ADMIN)
     def list_enrollments():
-        admin()
         return json_response({"enrollments": enrollment.list_enrollments(store)})
 
-    @app.delete(PATH_ADMIN_ENROLLMENT)
-    def revoke_enrollment(enrollment_id: str):
-        actor = admin()
+    @app.delete(PATH_ADMIN_ENROLLMENT, auth=ADMIN)
+    def revoke_enrollment(enrollment_id: str, actor: str):
         return json_response(enrollment.revoke_enrollment(store, enrollment_id, actor))
 
     # -- fleet and lifecycle -------------------------------------------------------
 
-    @app.get(PATH_ADMIN_NODES)
+    @app.get(PATH_ADMIN_NODES, auth=ADMIN)
     def fleet():
-        admin()
         listed = nodes.list_nodes(store, settings)
         # server_time lets the console show ages on the control plane's clock, not the browser's.
         return json_response({"nodes": listed, "server_time": isoformat(clock.now())})
 
-    @app.get(PATH_ADMIN_NODE)
+    @app.get(PATH_ADMIN_NODE, auth=ADMIN)
     def one_node(node_id: str):
-        admin()
         node = nodes.get_node(store, node_id)
         return json_response(nodes.node_view(node, clock.now(), settings))
 
-    @app.get(PATH_ADMIN_NODE_READINESS)
+    @app.get(PATH_ADMIN_NODE_READINESS, auth=ADMIN)
     def node_readiness(node_id: str):
-        admin()
         return json_response(readiness.readiness_of(store, settings, node_id))
 
-    @app.get(PATH_ADMIN_NODE_TELEMETRY)
+    @app.get(PATH_ADMIN_NODE_TELEMETRY, auth=ADMIN)
     def node_telemetry(node_id: str):
-        admin()
         nodes.get_node(store, node_id)  # 404 for an unknown node
         now = clock.now()
         since = query_int("since", None, 0, 2**40)
         start = now - telemetry.DEFAULT_WINDOW_SECONDS if since is None else since
         return json_response(telemetry.history(store, node_id, start))
 
-    @app.post(PATH_ADMIN_NODE_AGENT_IMAGE_CHECK)
+    @app.post(PATH_ADMIN_NODE_AGENT_IMAGE_CHECK, auth=ADMIN)
     def check_node_agent_image():
-        admin()
         fields = context.body(IMAGE_CHECK_FIELDS)
         return json_response(node_agent_image.check(settings, fields))
 
-    @app.get(PATH_ADMIN_NODE_CREDENTIALS)
+    @app.get(PATH_ADMIN_NODE_CREDENTIALS, auth=ADMIN)
     def node_credentials(node_id: str):
-        admin()
         return json_response(credentials.credentials_of(store, nodes.get_node(store, node_id)))
 
-    @app.delete(PATH_ADMIN_NODE_CREDENTIAL)
-    def revoke_node_credential(node_id: str):
-        actor = admin()
+    @app.delete(PATH_ADMIN_NODE_CREDENTIAL, auth=ADMIN)
+    def revoke_node_credential(node_id: str, actor: str):
         node = nodes.get_node(store, node_id)
         revocation = lifecycle.revoke_node_credential(store, node, actor)
         return json_response({"node_id": node_id, **revocation})
 
-    @app.post(PATH_ADMIN_NODE_DECOMMISSION_PREVIEW)
-    def decommission_preview(node_id: str):
-        actor = admin()
+    @app.post(PATH_ADMIN_NODE_DECOMMISSION_PREVIEW, auth=ADMIN)
+    def decommission_preview(node_id: str, actor: str):
         return json_response(lifecycle.preview_decommission(store, node_id, actor))
 
-    @app.post(PATH_ADMIN_NODE_DECOMMISSION_EXECUTE)
-    def decommission_execute(node_id: str):
-        actor = admin()
+    @app.post(PATH_ADMIN_NODE_DECOMMISSION_EXECUTE, auth=ADMIN)
+    def decommission_execute(node_id: str, actor: str):
         confirmation = context.body(EXECUTE_FIELDS)["confirmation"]
         return json_response(lifecycle.execute_decommission(store, node_id, confirmation, actor))
 
-    @app.post(PATH_ADMIN_NODE_CORDON)
-    def cordon(node_id: str):
-        actor = admin()
+    @app.post(PATH_ADMIN_NODE_CORDON, auth=ADMIN)
+    def cordon(node_id: str, actor: str):
         node = nodes.set_cordoned(store, node_id, True, actor)
         return json_response(nodes.node_view(node, clock.now(), settings))
 
-    @app.post(PATH_ADMIN_NODE_UNCORDON)
-    def uncordon(node_id: str):
-        actor = admin()
+    @app.post(PATH_ADMIN_NODE_UNCORDON, auth=ADMIN)
+    def uncordon(node_id: str, actor: str):
         node = nodes.set_cordoned(store, node_id, False, actor)
         return json_response(nodes.node_view(node, clock.now(), settings))
 
     # -- alerts and audit ----------------------------------------------------------
 
-    @app.get(PATH_ADMIN_ALERTS)
+    @app.get(PATH_ADMIN_ALERTS, auth=ADMIN)
     def list_alerts():
-        admin()
         return json_response({"alerts": alerts.active_alerts(store, settings)})
 
-    @app.get(PATH_ADMIN_AUDIT)
+    @app.get(PATH_ADMIN_AUDIT, auth=ADMIN)
     def audit_events():
-        admin()
         limit = query_int("limit", 50, 1, 500)
         before = query_int("before", None, 1, 2**62)
         node_id = bottle.request.query.get("node_id") or None

@@ -1,4 +1,4 @@
-"""Admin work routes: submit, list, show, cancel (DESIGN §5)."""
+"""Admin work routes: submit, list, show, cancel (docs/architecture.md §5)."""
 
 from __future__ import annotations
 
@@ -7,27 +7,25 @@ import bottle
 from modelforge_contract import PATH_ADMIN_WORK, PATH_ADMIN_WORK_CANCEL, PATH_ADMIN_WORK_ITEM
 
 from ..core.validation import SUBMIT_WORK_FIELDS
+from ..web.auth import ADMIN
 from ..web.http import ApiContext, json_response, query_int
 from ..work import items
-from .admin import admin_actor
 from .agent_work import expire_leases
 
 
 def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     settings, store = context.settings, context.store
 
-    @app.post(PATH_ADMIN_WORK)
-    def submit():
-        actor = admin_actor(context)
+    @app.post(PATH_ADMIN_WORK, auth=ADMIN)
+    def submit(actor: str):
         submission = items.submission_from(
             context.body(SUBMIT_WORK_FIELDS), settings.work_input_max_bytes
         )
         submitted = items.submit_work(store, submission, actor)
         return json_response(items.work_view(submitted.item), 201 if submitted.created else 200)
 
-    @app.get(PATH_ADMIN_WORK)
+    @app.get(PATH_ADMIN_WORK, auth=ADMIN)
     def list_work():
-        admin_actor(context)
         expire_leases(context)
         query = bottle.request.query
         return json_response(
@@ -39,14 +37,12 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             )
         )
 
-    @app.get(PATH_ADMIN_WORK_ITEM)
+    @app.get(PATH_ADMIN_WORK_ITEM, auth=ADMIN)
     def show(work_id: str):
-        admin_actor(context)
         expire_leases(context)
         return json_response(items.work_view(items.get_work(store, work_id)))
 
-    @app.post(PATH_ADMIN_WORK_CANCEL)
-    def cancel(work_id: str):
-        actor = admin_actor(context)
+    @app.post(PATH_ADMIN_WORK_CANCEL, auth=ADMIN)
+    def cancel(work_id: str, actor: str):
         expire_leases(context)
         return json_response(items.work_view(items.cancel_work(store, work_id, actor)))

@@ -9,41 +9,20 @@ from __future__ import annotations
 import bottle
 
 from modelforge_contract import (
-    COMPATIBILITY_NEXT_STEPS,
     COMPATIBLE,
-    HEADER_AGENT_PROTOCOL,
     PATH_AGENT_ENROLL,
     PATH_AGENT_HEARTBEAT,
     PATH_AGENT_INVENTORY,
     PATH_AGENT_TELEMETRY,
-    compatibility_of,
 )
 
 from ..core.clock import isoformat
-from ..core.errors import ApiError, UpgradeRequired
+from ..core.errors import ApiError
 from ..core.validation import ENROLL_FIELDS, HEARTBEAT_FIELDS, INVENTORY_FIELDS, TELEMETRY_FIELDS
 from ..fleet import nodes
-from ..identity import credentials, enrollment
-from ..web.http import ApiContext, json_response, request_header, request_origin
-
-
-def agent_protocol() -> int:
-    """Invariant 8: every agent call names its protocol; anything else gets 426."""
-    header = request_header(HEADER_AGENT_PROTOCOL)
-    answer = compatibility_of(header)
-    if answer != COMPATIBLE:
-        shown = header if header is None else header[:32]
-        raise UpgradeRequired(
-            f"agent protocol {shown!r} is not accepted ({answer})",
-            next_step=COMPATIBILITY_NEXT_STEPS[answer],
-            extra={"compatibility": answer},
-        )
-    return int(header)
-
-
-def agent_caller(context: ApiContext, node_id: str) -> credentials.Caller:
-    """The node whose credential this request carries (401/403 otherwise, invariant 4)."""
-    return credentials.authenticate_node(context.store, request_header("Authorization"), node_id)
+from ..identity import enrollment
+from ..web.auth import AGENT, ENROLLING, AgentCall, Body
+from ..web.http import ApiContext, json_response, request_origin
 
 
 def source_address() -> str | None:
@@ -69,9 +48,8 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         metrics.enrollments.labels("REENROLLED" if enrolled.reenrolled else "ENROLLED").inc()
         return enrolled
 
-    @app.post(PATH_AGENT_ENROLL)
-    def enroll():
-        protocol = agent_protocol()
+    @app.post(PATH_AGENT_ENROLL, auth=ENROLLING)
+    def enroll(protocol: int):
         fields = context.body(ENROLL_FIELDS)
         identity = fields.get("identity") or {}
         enrolled = claim(
@@ -98,11 +76,10 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             201,
         )
 
-    @app.post(PATH_AGENT_HEARTBEAT)
-    def heartbeat():
-        protocol = agent_protocol()
-        fields = context.body(HEARTBEAT_FIELDS)
-        caller = agent_caller(context, fields["node_id"])
+    @app.post(PATH_AGENT_HEARTBEAT, auth=AGENT, body=Body(HEARTBEAT_FIELDS))
+    def heartbeat(agent: AgentCall):
+        fields, caller = agent.fields, agent.caller
+        protocol = agent.protocol
         metrics.heartbeats.inc()
         at = heartbeats.record(
             caller,
@@ -120,18 +97,14 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             }
         )
 
-    @app.put(PATH_AGENT_INVENTORY)
-    def inventory():
-        agent_protocol()
-        fields = context.body(INVENTORY_FIELDS)
-        caller = agent_caller(context, fields["node_id"])
+    @app.put(PATH_AGENT_INVENTORY, auth=AGENT, body=Body(INVENTORY_FIELDS))
+    def inventory(agent: AgentCall):
+        fields, caller = agent.fields, agent.caller
         at = nodes.record_inventory(store, caller, fields, source_address())
         return json_response({"server_time": isoformat(at), "compatibility": COMPATIBLE})
 
-    @app.post(PATH_AGENT_TELEMETRY)
-    def telemetry():
-        agent_protocol()
-        fields = context.body(TELEMETRY_FIELDS)
-        caller = agent_caller(context, fields["node_id"])
+    @app.post(PATH_AGENT_TELEMETRY, auth=AGENT, body=Body(TELEMETRY_FIELDS))
+    def telemetry(agent: AgentCall):
+        fields, caller = agent.fields, agent.caller
         at = context.telemetry.record(caller, fields["samples"], source_address())
         return json_response({"server_time": isoformat(at), "compatibility": COMPATIBLE})

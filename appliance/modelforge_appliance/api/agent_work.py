@@ -1,4 +1,4 @@
-"""Agent work routes: claim, renew, complete (DESIGN §5).
+"""Agent work routes: claim, renew, complete (docs/architecture.md §5).
 
 Agents ask; the control plane never dials a node (invariant 1). A claim that leases
 nothing answers 204 with the reason in ``X-ModelForge-Claim-Reason``.
@@ -18,9 +18,9 @@ from modelforge_contract import (
 
 from ..core.clock import isoformat
 from ..core.validation import CLAIM_FIELDS, COMPLETE_FIELDS, RENEW_FIELDS
+from ..web.auth import AGENT, AgentCall, Body
 from ..web.http import ApiContext, json_response
 from ..work import leases
-from .agent import agent_caller, agent_protocol
 
 
 def expire_leases(context: ApiContext) -> None:
@@ -33,11 +33,9 @@ def expire_leases(context: ApiContext) -> None:
 def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     settings, store, metrics = context.settings, context.store, context.metrics
 
-    @app.post(PATH_AGENT_WORK_CLAIM)
-    def claim():
-        agent_protocol()
-        fields = context.body(CLAIM_FIELDS)
-        caller = agent_caller(context, fields["node_id"])
+    @app.post(PATH_AGENT_WORK_CLAIM, auth=AGENT, body=Body(CLAIM_FIELDS))
+    def claim(agent: AgentCall):
+        fields, caller = agent.fields, agent.caller
         expire_leases(context)
         lease = leases.claim_work(
             store,
@@ -54,11 +52,9 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         metrics.work_claims.labels("leased").inc()
         return json_response({"lease": lease.view(), "compatibility": COMPATIBLE})
 
-    @app.post(PATH_AGENT_WORK_RENEW)
-    def renew(work_id: str):
-        agent_protocol()
-        fields = context.body(RENEW_FIELDS)
-        caller = agent_caller(context, fields["node_id"])
+    @app.post(PATH_AGENT_WORK_RENEW, auth=AGENT, body=Body(RENEW_FIELDS))
+    def renew(work_id: str, agent: AgentCall):
+        fields, caller = agent.fields, agent.caller
         expires_at = leases.renew_lease(store, settings, caller, work_id, fields["lease_id"])
         return json_response(
             {
@@ -70,11 +66,9 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             }
         )
 
-    @app.post(PATH_AGENT_WORK_COMPLETE)
-    def complete(work_id: str):
-        agent_protocol()
-        fields = context.body(COMPLETE_FIELDS)
-        caller = agent_caller(context, fields["node_id"])
+    @app.post(PATH_AGENT_WORK_COMPLETE, auth=AGENT, body=Body(COMPLETE_FIELDS))
+    def complete(work_id: str, agent: AgentCall):
+        fields, caller = agent.fields, agent.caller
         completed = leases.complete_work(
             store,
             caller,

@@ -14,13 +14,14 @@ from typing import Any
 
 import bottle
 
-from modelforge_contract import HEADER_CSRF_TOKEN, SESSION_COOKIE, __version__
+from modelforge_contract import SESSION_COOKIE, __version__
 
 from ..core.errors import ApiError, NotFound
 from ..core.validation import Field
 from ..fleet import node_agent_image, nodes
 from ..identity import sessions
-from ..web.http import ApiContext, json_response, request_header, request_origin
+from ..web.auth import PUBLIC, SESSION, SIGN_IN_PATH
+from ..web.http import ApiContext, json_response, request_origin
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 TEMPLATES = str(HERE / "templates")
 STATIC = str(HERE / "static")
 CONSOLE = "/console/"
-SIGN_IN = "/console/sign-in"
+SIGN_IN = SIGN_IN_PATH
 PAGE_HEADERS = {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"}
 SIGN_IN_FIELDS = {"password": Field(str, low=1, high=1024)}
 EXPIRY_CHOICES = ((300, "5 minutes"), (900, "15 minutes"), (3600, "1 hour"), (86400, "24 hours"))
@@ -66,19 +67,19 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         except ApiError:
             return None
 
-    @app.get("/")
+    @app.get("/", auth=PUBLIC)
     def root():
         return redirect(CONSOLE)
 
-    @app.get("/favicon.ico")
+    @app.get("/favicon.ico", auth=PUBLIC)
     def favicon():
         return bottle.HTTPResponse(status=204, headers={"Cache-Control": "max-age=86400"})
 
-    @app.get("/console")
+    @app.get("/console", auth=PUBLIC)
     def console_without_slash():
         return redirect(CONSOLE)
 
-    @app.get(SIGN_IN)
+    @app.get(SIGN_IN, auth=PUBLIC)
     def sign_in_page():
         if current_session() is not None:
             return redirect(CONSOLE)
@@ -89,7 +90,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             session=None,
         )
 
-    @app.post(SIGN_IN)
+    @app.post(SIGN_IN, auth=PUBLIC)
     def sign_in():
         password = context.body(SIGN_IN_FIELDS)["password"]
         address = client_address()
@@ -113,10 +114,8 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         )
         return response
 
-    @app.post("/console/sign-out")
-    def sign_out():
-        session = sessions.session_for(store, settings, bottle.request.get_cookie(SESSION_COOKIE))
-        sessions.check_csrf(session, request_header(HEADER_CSRF_TOKEN))
+    @app.post("/console/sign-out", auth=SESSION)
+    def sign_out(session: sessions.Session):
         sessions.sign_out(store, session)
         response = json_response({"signed_out": True, "next": SIGN_IN})
         response.delete_cookie(
@@ -124,11 +123,8 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         )
         return response
 
-    @app.get(CONSOLE)
-    def hardware_page():
-        session = current_session()
-        if session is None:
-            return redirect(SIGN_IN)
+    @app.get(CONSOLE, auth=SESSION)
+    def hardware_page(session: sessions.Session):
         origin = settings.public_api_origin or request_origin(bottle.request.environ)
         return page(
             "hardware",
@@ -140,18 +136,15 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             recreate_command=node_agent_image.RECREATE_COMMAND,
         )
 
-    @app.get("/console/nodes/<node_id>")
-    def node_page(node_id: str):
-        session = current_session()
-        if session is None:
-            return redirect(SIGN_IN)
+    @app.get("/console/nodes/<node_id>", auth=SESSION)
+    def node_page(node_id: str, session: sessions.Session):
         try:
             node = nodes.get_node(store, node_id)
         except NotFound:
             return page("not_found", status=404, session=session, what=f"node {node_id}")
         return page("node", session=session, node_id=node.node_id, display_name=node.display_name)
 
-    @app.get("/console/static/<path:path>")
+    @app.get("/console/static/<path:path>", auth=PUBLIC)
     def static(path: str):
         response = bottle.static_file(path, root=STATIC)
         if response.status_code == 200:

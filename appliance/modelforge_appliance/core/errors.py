@@ -1,7 +1,7 @@
 """One error tree: each error knows its HTTP status, stable code and next step.
 
 The web layer renders every one of them as
-``{"error": {"code", "message", "next_step"}}`` (DESIGN §2.11).
+``{"error": {"code", "message", "next_step"}}`` (invariant 11).
 """
 
 from __future__ import annotations

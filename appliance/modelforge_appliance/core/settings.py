@@ -1,12 +1,12 @@
 """Control-plane settings: the only module that reads ``os.environ``.
 
-Every setting is declared once in ``SETTINGS`` with its default and meaning;
-``docs/configuration.md`` must list each of them (a test checks).
+Every setting is declared once in ``SETTINGS`` with its default and meaning, against the
+toolkit in ``modelforge_contract.settings`` (the unknown-name check, the parsers, the one
+rule for blank values); ``docs/configuration.md`` must list each of them (a test checks).
 """
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import os
 import re
@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from modelforge_contract import EXIT_USAGE, INVENTORY_REFRESH_SECONDS
 from modelforge_contract.envfile import read_env_file
+from modelforge_contract.settings import SettingSpec, SettingTable
 
 # Prefixes that belong to other ModelForge programs (the agent, the worker,
 # compose files); the control plane leaves them alone.
@@ -29,13 +30,6 @@ FOREIGN_PREFIXES = (
 )
 # Variables of docker-compose.yml (not read by the control plane itself).
 FOREIGN_NAMES = frozenset({"MODELFORGE_CONTROL_PLANE_IMAGE", "MODELFORGE_CONTROL_PLANE_PUBLISH"})
-
-
-@dataclass(frozen=True)
-class SettingSpec:
-    name: str
-    default: str | None
-    meaning: str
 
 
 SETTINGS: tuple[SettingSpec, ...] = (
@@ -155,14 +149,23 @@ SETTINGS: tuple[SettingSpec, ...] = (
     ),
     SettingSpec("MODELFORGE_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
 )
-KNOWN_NAMES = frozenset(spec.name for spec in SETTINGS)
-_DEFAULTS = {spec.name: spec.default for spec in SETTINGS}
 
 
 class ConfigError(Exception):
     """A setting is wrong; the CLI prints the one-line message and exits 2."""
 
     exit_code = EXIT_USAGE
+
+
+TABLE = SettingTable(
+    SETTINGS,
+    prefixes=("MODELFORGE_",),
+    foreign_prefixes=FOREIGN_PREFIXES,
+    foreign_names=FOREIGN_NAMES,
+    error=ConfigError,
+    unknown_hint="see docs/configuration.md",
+)
+KNOWN_NAMES = TABLE.names
 
 
 @dataclass(frozen=True)
@@ -194,11 +197,6 @@ class Settings:
     @property
     def listen(self) -> str:
         return f"{self.listen_host}:{self.listen_port}"
-
-
-def nearest_setting(name: str) -> str | None:
-    matches = difflib.get_close_matches(name, sorted(KNOWN_NAMES), n=1, cutoff=0.6)
-    return matches[0] if matches else None
 
 
 _HOSTNAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?)*")
@@ -267,17 +265,6 @@ def parse_trusted_proxies(raw: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(addresses))
 
 
-def _int(env: Mapping[str, str], name: str, minimum: int, maximum: int) -> int:
-    raw = env.get(name, _DEFAULTS[name])
-    try:
-        value = int(raw.strip())
-    except (ValueError, AttributeError):
-        raise ConfigError(f"{name}={raw!r} is not a whole number") from None
-    if not minimum <= value <= maximum:
-        raise ConfigError(f"{name}={value} is outside {minimum}..{maximum}")
-    return value
-
-
 def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = None) -> Settings:
     """Parse and validate every MODELFORGE_* variable once; raise ConfigError.
 
@@ -286,20 +273,19 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
     env = dict(os.environ if env is None else env)
     if env_file is not None:
         env = {**read_env_file(env_file, ConfigError), **env}
-    for name in sorted(env):
-        if name.startswith("MODELFORGE_") and name not in KNOWN_NAMES:
-            if name.startswith(FOREIGN_PREFIXES) or name in FOREIGN_NAMES:
-                continue
-            hint = nearest_setting(name)
-            suffix = f"; did you mean {hint}?" if hint else "; see docs/configuration.md"
-            raise ConfigError(f"unknown setting {name}{suffix}")
+    TABLE.check_names(env)
+    value, integer = TABLE.value, TABLE.integer
 
     state_raw = (
-        env.get("MODELFORGE_STATE_DIR") or env.get("STATE_DIRECTORY") or ("/var/lib/modelforge")
+        value(env, "MODELFORGE_STATE_DIR")
+        or (env.get("STATE_DIRECTORY") or "").strip()
+        or "/var/lib/modelforge"
     )
     state_dir = Path(state_raw.split(":")[0]).expanduser().absolute()
 
-    database_url = env.get("MODELFORGE_DATABASE_URL") or f"sqlite:///{state_dir}/modelforge.sqlite3"
+    database_url = (
+        value(env, "MODELFORGE_DATABASE_URL") or f"sqlite:///{state_dir}/modelforge.sqlite3"
+    )
     scheme = urlsplit(database_url).scheme
     if scheme not in ("sqlite", "postgresql", "postgres"):
         raise ConfigError(
@@ -307,18 +293,18 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
             f"(got scheme {scheme or 'none'!r})"
         )
 
-    host, port = parse_listen(env.get("MODELFORGE_LISTEN", _DEFAULTS["MODELFORGE_LISTEN"]))
+    host, port = parse_listen(value(env, "MODELFORGE_LISTEN") or "")
 
-    origin = env.get("MODELFORGE_PUBLIC_API_ORIGIN") or None
+    origin = value(env, "MODELFORGE_PUBLIC_API_ORIGIN")
     if origin is not None:
         try:
             origin = normalize_origin(origin)
         except ValueError as exc:
             raise ConfigError(f"MODELFORGE_PUBLIC_API_ORIGIN={origin!r}: {exc}") from None
 
-    interval = _int(env, "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS", 1, 3600)
-    stale = _int(env, "MODELFORGE_NODE_STALE_AFTER_SECONDS", 1, 86400)
-    offline = _int(env, "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS", 1, 7 * 86400)
+    interval = integer(env, "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS", 1, 3600)
+    stale = integer(env, "MODELFORGE_NODE_STALE_AFTER_SECONDS", 1, 86400)
+    offline = integer(env, "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS", 1, 7 * 86400)
     # Invariant 7: offline must exceed stale, and stale must exceed the interval.
     if offline <= stale:
         raise ConfigError(
@@ -331,27 +317,23 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
             f"MODELFORGE_HEARTBEAT_INTERVAL_SECONDS ({interval})"
         )
 
-    idle_timeout = _int(env, "MODELFORGE_IDLE_TIMEOUT_SECONDS", 2, 86400)
+    idle_timeout = integer(env, "MODELFORGE_IDLE_TIMEOUT_SECONDS", 2, 86400)
     if idle_timeout <= interval:
         raise ConfigError(
             f"MODELFORGE_IDLE_TIMEOUT_SECONDS ({idle_timeout}) must be greater than "
             f"MODELFORGE_HEARTBEAT_INTERVAL_SECONDS ({interval}), or every heartbeat reconnects"
         )
 
-    log_level = env.get("MODELFORGE_LOG_LEVEL", "INFO").strip().upper()
-    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise ConfigError(
-            f"MODELFORGE_LOG_LEVEL={log_level!r} is not DEBUG, INFO, WARNING or ERROR"
-        )
+    log_level = TABLE.log_level(env, "MODELFORGE_LOG_LEVEL")
 
-    session_idle = _int(env, "MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS", 60, 86400)
-    session_max = _int(env, "MODELFORGE_CONSOLE_SESSION_MAX_SECONDS", 300, 30 * 86400)
+    session_idle = integer(env, "MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS", 60, 86400)
+    session_max = integer(env, "MODELFORGE_CONSOLE_SESSION_MAX_SECONDS", 300, 30 * 86400)
     if session_max < session_idle:
         raise ConfigError(
             f"MODELFORGE_CONSOLE_SESSION_MAX_SECONDS ({session_max}) must be at least "
             f"MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS ({session_idle})"
         )
-    manifest = env.get("MODELFORGE_RELEASE_MANIFEST") or None
+    manifest = value(env, "MODELFORGE_RELEASE_MANIFEST")
 
     return Settings(
         state_dir=state_dir,
@@ -359,23 +341,23 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         listen_host=host,
         listen_port=port,
         public_api_origin=origin,
-        trusted_proxies=parse_trusted_proxies(env.get("MODELFORGE_TRUSTED_PROXY")),
+        trusted_proxies=parse_trusted_proxies(value(env, "MODELFORGE_TRUSTED_PROXY")),
         heartbeat_interval_seconds=interval,
         stale_after_seconds=stale,
         offline_after_seconds=offline,
-        inventory_max_age_seconds=_int(
+        inventory_max_age_seconds=integer(
             env, "MODELFORGE_INVENTORY_MAX_AGE_SECONDS", INVENTORY_REFRESH_SECONDS + 1, 7 * 86400
         ),
-        telemetry_max_age_seconds=_int(env, "MODELFORGE_TELEMETRY_MAX_AGE_SECONDS", 10, 86400),
-        max_body_bytes=_int(env, "MODELFORGE_MAX_BODY_BYTES", 1024, 64 * 1024 * 1024),
-        work_lease_seconds=_int(env, "MODELFORGE_WORK_LEASE_SECONDS", 5, 3600),
-        work_input_max_bytes=_int(env, "MODELFORGE_WORK_INPUT_MAX_BYTES", 256, 1024 * 1024),
-        threads=_int(env, "MODELFORGE_THREADS", 1, 256),
+        telemetry_max_age_seconds=integer(env, "MODELFORGE_TELEMETRY_MAX_AGE_SECONDS", 10, 86400),
+        max_body_bytes=integer(env, "MODELFORGE_MAX_BODY_BYTES", 1024, 64 * 1024 * 1024),
+        work_lease_seconds=integer(env, "MODELFORGE_WORK_LEASE_SECONDS", 5, 3600),
+        work_input_max_bytes=integer(env, "MODELFORGE_WORK_INPUT_MAX_BYTES", 256, 1024 * 1024),
+        threads=integer(env, "MODELFORGE_THREADS", 1, 256),
         log_level=log_level,
-        connection_limit=_int(env, "MODELFORGE_CONNECTION_LIMIT", 10, 1_000_000),
+        connection_limit=integer(env, "MODELFORGE_CONNECTION_LIMIT", 10, 1_000_000),
         idle_timeout_seconds=idle_timeout,
-        request_timeout_seconds=_int(env, "MODELFORGE_REQUEST_TIMEOUT_SECONDS", 1, 3600),
-        telemetry_retention_seconds=_int(
+        request_timeout_seconds=integer(env, "MODELFORGE_REQUEST_TIMEOUT_SECONDS", 1, 3600),
+        telemetry_retention_seconds=integer(
             env, "MODELFORGE_TELEMETRY_RETENTION_SECONDS", 300, 90 * 86400
         ),
         session_idle_seconds=session_idle,

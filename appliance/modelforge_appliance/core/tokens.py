@@ -1,4 +1,4 @@
-"""Minting, digesting and checking secrets (DESIGN §2.3).
+"""Minting, digesting and checking secrets (invariant 3).
 
 Every secret is ``<kind>_<lookup id>_<256-bit random>``; only the SHA-256
 digest of the whole value is stored and compared in constant time.

@@ -164,7 +164,7 @@ def parse_body(environ: dict[str, Any], max_bytes: int, fields: dict[str, Field]
     return check_object(read_json_object(environ, max_bytes), fields)
 
 
-# -- the request shapes of DESIGN §3 ------------------------------------------
+# -- the request shapes (docs/architecture.md §3) -----------------------------
 
 _NAME = DISPLAY_NAME = Field(str, low=1, high=120)
 _VERSION = Field(str, low=1, high=64)
@@ -284,7 +284,7 @@ IMAGE_CHECK_FIELDS = {
     "registry_image": Field(str, required=False, low=1, high=500),
 }
 
-# -- the work plane (DESIGN §5) ------------------------------------------------
+# -- the work plane (docs/architecture.md §5) ----------------------------------
 
 _WORK_ID = Field(str, low=1, high=40)
 

@@ -190,7 +190,7 @@ def _cordoned(node: Node) -> Check:
 
 
 def readiness_of(store: Store, settings: Settings, node_id: str) -> dict[str, Any]:
-    """The readiness answer for exactly this node id (DESIGN §3)."""
+    """The readiness answer for exactly this node id (docs/architecture.md §3)."""
     node = get_node(store, node_id)
     with store.connection():
         active = (

@@ -116,7 +116,7 @@ _HISTORY_SQL = (
 
 
 def history(store: Store, node_id: str, since: float) -> dict[str, Any]:
-    """Samples of every GPU of the node taken at or after ``since`` (DESIGN §7a)."""
+    """Samples of every GPU of the node taken at or after ``since`` (docs/architecture.md §7a)."""
     with store.connection():
         rows = store.db.execute_sql(
             _HISTORY_SQL.replace("?", store.db.param), (node_id, since)

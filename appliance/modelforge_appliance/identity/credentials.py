@@ -114,11 +114,31 @@ def _republish(
     return tuple(wanted)
 
 
-def authenticate_node(store: Store, authorization: str | None, node_id: str) -> Caller:
-    """The credential for this request, authorised for node_id (DESIGN §2.4).
+@dataclass(frozen=True)
+class Credentialed:
+    """A request's credential that authenticated: known, its secret matching, not revoked,
+    its node not decommissioned. Which node it may speak for is :meth:`for_node`'s answer."""
 
-    401: unknown, malformed or revoked. 403: it authenticates but names another
-    node, or its node is decommissioned.
+    credential_id: str
+    owner: str
+    accelerator_mode: str
+    republish: tuple[str, ...]
+
+    def for_node(self, node_id: str) -> Caller:
+        """The caller, authorised for node_id (403 when the credential is another node's)."""
+        if self.owner != node_id:
+            raise Forbidden(
+                "the credential authenticates but belongs to another node",
+                code=CREDENTIAL_NODE_MISMATCH,
+            )
+        return Caller(self.credential_id, self.owner, self.accelerator_mode, self.republish)
+
+
+def authenticate_credential(store: Store, authorization: str | None) -> Credentialed:
+    """The credential this request carries (invariant 4).
+
+    401: unknown, malformed or revoked. 403: its node is decommissioned. Runs before the
+    request's body is read, so an unauthenticated caller never has its body parsed.
     """
     secret = bearer_secret(authorization)
     parsed = tokens.parse(secret, KIND_CREDENTIAL)
@@ -149,12 +169,15 @@ def authenticate_node(store: Store, authorization: str | None, node_id: str) -> 
             code=CREDENTIAL_REVOKED,
             next_step=_REENROLL,
         )
-    if owner != node_id:
-        raise Forbidden(
-            "the credential authenticates but belongs to another node",
-            code=CREDENTIAL_NODE_MISMATCH,
-        )
-    return Caller(credential_id, owner, accelerator_mode, _republish(accelerator_mode, *row[5:]))
+    return Credentialed(
+        credential_id, owner, accelerator_mode, _republish(accelerator_mode, *row[5:])
+    )
+
+
+def authenticate_node(store: Store, authorization: str | None, node_id: str) -> Caller:
+    """The credential for this request, authorised for node_id (invariant 4): 401 unknown,
+    malformed or revoked; 403 another node's, or its node decommissioned."""
+    return authenticate_credential(store, authorization).for_node(node_id)
 
 
 def credentials_of(store: Store, node: Node) -> dict:

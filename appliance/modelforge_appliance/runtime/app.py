@@ -12,6 +12,7 @@ from ..fleet.heartbeats import HeartbeatBuffer
 from ..fleet.telemetry import TelemetryHistory
 from ..store.audit import RefusalLog
 from ..store.database import Store
+from ..web.auth import Authentication, refuse_undeclared
 from ..web.http import ApiContext, answering, framework_error, security_headers
 from ..web.metrics import Metrics
 
@@ -26,7 +27,6 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     heartbeats = app.heartbeats = HeartbeatBuffer(store)
     metrics = app.metrics = Metrics(store, settings)
     app.default_error_handler = framework_error
-    app.install(answering(metrics))
     app.add_hook("after_request", security_headers)
     refusals = app.refusals = RefusalLog(store)
     context = ApiContext(
@@ -37,9 +37,13 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
         telemetry=TelemetryHistory(store, settings),
         refusals=refusals,
     )
+    # The error plugin wraps the auth plugin, so a refusal is answered in the one shape.
+    app.install(answering(metrics))
+    app.install(Authentication(context))
     admin.add_routes(app, context)
     admin_work.add_routes(app, context)
     agent.add_routes(app, context)
     agent_work.add_routes(app, context)
     console_routes.add_routes(app, context)
+    refuse_undeclared(app)  # a route that names no caller stops the app here
     return app

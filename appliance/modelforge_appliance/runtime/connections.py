@@ -87,7 +87,8 @@ class JsonErrorTask(ErrorTask):
         code, message, next_step = WAITRESS_REFUSALS.get(error.code, WAITRESS_REFUSALS[400])
         body: dict[str, Any] = {"error": {"code": code, "message": message, "next_step": next_step}}
         if (getattr(self.request, "path", "") or "").startswith(AGENT_PREFIX):
-            # Every agent answer carries compatibility, refusals included (DESIGN §3).
+            # Every agent answer carries compatibility, refusals included
+            # (docs/architecture.md §3).
             protocol = self.request.headers.get("X_MODELFORGE_AGENT_PROTOCOL")
             body["compatibility"] = compatibility_of(protocol)
         raw = json.dumps(body).encode()

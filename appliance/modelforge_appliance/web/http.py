@@ -135,7 +135,8 @@ def _api_errors(callback: Callable, args: tuple, kwargs: dict) -> bottle.HTTPRes
 
 
 def _with_compatibility(error: ApiError) -> ApiError:
-    """Every agent response carries ``compatibility``, refusals included (DESIGN §3)."""
+    """Every agent response carries ``compatibility``, refusals included
+    (docs/architecture.md §3)."""
     if bottle.request.path.startswith(AGENT_PREFIX) and "compatibility" not in error.extra:
         error.extra["compatibility"] = compatibility_of(request_header(HEADER_AGENT_PROTOCOL))
     return error

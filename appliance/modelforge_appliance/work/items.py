@@ -1,9 +1,9 @@
 """Work items: submitted by admins, claimed by nodes (leases.py), followed to their end.
 
-States (DESIGN §5): ``queued`` → ``leased`` → ``succeeded`` | ``failed``; ``queued`` or
-``leased`` → ``cancelled``; an expired lease goes back to ``queued`` (or ``failed`` once
-``max_attempts`` leases were spent). Every transition is audited in the transaction that
-makes it.
+States (docs/architecture.md §5): ``queued`` → ``leased`` → ``succeeded`` | ``failed``;
+``queued`` or ``leased`` → ``cancelled``; an expired lease goes back to ``queued`` (or
+``failed`` once ``max_attempts`` leases were spent). Every transition is audited in the
+transaction that makes it.
 """
 
 from __future__ import annotations

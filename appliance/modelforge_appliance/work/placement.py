@@ -3,7 +3,8 @@
 A node claims only while it is online, uncordoned, speaks an accepted agent protocol, reports
 a compatible runtime worker and healthy agent, and holds an inventory measured since its
 enrollment (never a restored snapshot) within MODELFORGE_INVENTORY_MAX_AGE_SECONDS
-(DESIGN §5; invariants 7 and 8). Reading only: the claim itself is in leases.py.
+(docs/architecture.md §5; invariant 7 and invariant 8). Reading only: the claim itself is
+in leases.py.
 """
 
 from __future__ import annotations

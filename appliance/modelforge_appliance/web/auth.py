@@ -1,0 +1,204 @@
+"""Authentication by declaration: every route says who may call it, one plugin enforces it.
+
+A route declares its caller with ``auth=`` (``app.post(PATH, auth=ADMIN)``); the plugin
+authenticates before the handler runs and hands it what it proved, as a keyword argument the
+handler names (``actor``, ``agent``, ``protocol``, ``session``). A route that declares
+nothing, or a caller this module does not know, refuses to install: ``runtime.app.make_app``
+prepares every route when it builds the app, so such an app never starts.
+
+The callers:
+
+- ``PUBLIC``: anyone (``/healthz``, the sign-in page, static files).
+- ``ENROLLING``: an agent without a credential yet: its protocol header is checked (426), and
+  the single-use token in the body is what the enrollment service authenticates.
+- ``AGENT``: a node credential (``Authorization: Bearer mfc_…``) and the protocol header. In
+  this order: protocol (426), credential (401, or 403 for a decommissioned node), body (400,
+  413), then the node the body names (403 when it is another node's; invariant 4).
+- ``ADMIN``: an admin token (``X-ModelForge-Admin-Token``) or a console session, whose CSRF
+  token must come with every state-changing call (403, nothing changed).
+- ``SCRAPER``: an admin token as ``X-ModelForge-Admin-Token`` or ``Authorization: Bearer``
+  (Prometheus sends its credentials that way).
+- ``SESSION``: a console session. A page without one redirects to the sign-in page; a
+  state-changing call without one is refused (401), without its CSRF token 403.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import bottle
+
+from modelforge_contract import (
+    COMPATIBILITY_NEXT_STEPS,
+    COMPATIBLE,
+    HEADER_ADMIN_TOKEN,
+    HEADER_AGENT_PROTOCOL,
+    HEADER_CSRF_TOKEN,
+    SESSION_COOKIE,
+    compatibility_of,
+)
+
+from ..core.errors import ApiError, UpgradeRequired
+from ..core.validation import Field
+from ..identity import admin_tokens, credentials, sessions
+from ..store import audit
+from .http import ApiContext, request_header
+
+PUBLIC = "public"
+ENROLLING = "enrolling"
+AGENT = "agent"
+ADMIN = "admin"
+SCRAPER = "scraper"
+SESSION = "session"
+CALLERS = frozenset({PUBLIC, ENROLLING, AGENT, ADMIN, SCRAPER, SESSION})
+
+STATE_CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+SIGN_IN_PATH = "/console/sign-in"
+
+
+class UndeclaredRoute(Exception):
+    """A route that does not say who may call it: the app refuses to install it."""
+
+
+@dataclass(frozen=True)
+class Body:
+    """An ``AGENT`` route's body fields, declared as ``body=Body(FIELDS)`` (bottle's route
+    config would flatten a bare dict into one key per field)."""
+
+    fields: dict[str, Field]
+
+
+@dataclass(frozen=True)
+class AgentCall:
+    """What an ``AGENT`` route's plugin proved: the protocol, the parsed body, the caller."""
+
+    protocol: int
+    fields: dict[str, Any]
+    caller: credentials.Caller
+
+
+def agent_protocol() -> int:
+    """Invariant 8: every agent call names its protocol; anything else gets 426."""
+    header = request_header(HEADER_AGENT_PROTOCOL)
+    answer = compatibility_of(header)
+    if answer != COMPATIBLE:
+        shown = header if header is None else header[:32]
+        raise UpgradeRequired(
+            f"agent protocol {shown!r} is not accepted ({answer})",
+            next_step=COMPATIBILITY_NEXT_STEPS[answer],
+            extra={"compatibility": answer},
+        )
+    return int(header)
+
+
+def admin_actor(context: ApiContext) -> str:
+    """Authenticate the admin, then flush heartbeats so the answer sees the acknowledged ones.
+
+    In that order: a request without a valid credential causes no write at all. An admin
+    token (automation) wins; otherwise a console session cookie, which must carry its CSRF
+    token in ``X-CSRF-Token`` on every state-changing call (403, nothing changed).
+    """
+    request = bottle.request
+    header = request_header(HEADER_ADMIN_TOKEN)
+    cookie = request.get_cookie(SESSION_COOKIE)
+    if header or not cookie:
+        token = admin_tokens.authenticate_admin(context.store, header)
+        actor = audit.admin_actor(token.token_id)
+    else:
+        session = sessions.session_for(context.store, context.settings, cookie)
+        if request.method in STATE_CHANGING_METHODS:
+            sessions.check_csrf(session, request_header(HEADER_CSRF_TOKEN))
+        actor = session.actor
+    context.heartbeats.flush()
+    return actor
+
+
+def scraper(context: ApiContext) -> None:
+    """An admin token in either header; heartbeats flushed, as for an admin."""
+    bearer = request_header("Authorization") or ""
+    header = request_header(HEADER_ADMIN_TOKEN) or bearer.removeprefix("Bearer ")
+    admin_tokens.authenticate_admin(context.store, header or None)
+    context.heartbeats.flush()
+
+
+def agent_call(context: ApiContext, body: dict[str, Field]) -> AgentCall:
+    protocol = agent_protocol()
+    credential = credentials.authenticate_credential(context.store, request_header("Authorization"))
+    fields = context.body(body)
+    return AgentCall(protocol, fields, credential.for_node(fields["node_id"]))
+
+
+def console_session(context: ApiContext) -> sessions.Session | bottle.HTTPResponse:
+    """The signed-in session; a page without one is sent to sign in."""
+    request = bottle.request
+    cookie = request.get_cookie(SESSION_COOKIE)
+    if request.method not in STATE_CHANGING_METHODS:
+        try:
+            return sessions.session_for(context.store, context.settings, cookie)
+        except ApiError:
+            return bottle.HTTPResponse(
+                status=303, headers={"Location": SIGN_IN_PATH, "Cache-Control": "no-store"}
+            )
+    session = sessions.session_for(context.store, context.settings, cookie)
+    sessions.check_csrf(session, request_header(HEADER_CSRF_TOKEN))
+    return session
+
+
+class Authentication:
+    """The bottle plugin that enforces each route's ``auth`` declaration."""
+
+    name = "modelforge-auth"
+    api = 2
+
+    def __init__(self, context: ApiContext) -> None:
+        self.context = context
+
+    def apply(self, callback: Callable, route: bottle.Route) -> Callable:
+        caller = route.config.get("auth")
+        if caller not in CALLERS:
+            raise UndeclaredRoute(
+                f"{route.method} {route.rule} declares no caller: give it auth= one of "
+                f"{', '.join(sorted(CALLERS))} (web/auth.py)"
+            )
+        wanted = inspect.signature(route.callback).parameters
+        context = self.context
+        if caller == AGENT:
+            body = route.config.get("body")
+            if not isinstance(body, Body):
+                raise UndeclaredRoute(
+                    f"{route.method} {route.rule}: an agent route needs body=Body(FIELDS)"
+                )
+
+        @functools.wraps(callback)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if caller == ADMIN:
+                actor = admin_actor(context)
+                if "actor" in wanted:
+                    kwargs["actor"] = actor
+            elif caller == SCRAPER:
+                scraper(context)
+            elif caller == AGENT:
+                kwargs["agent"] = agent_call(context, body.fields)
+            elif caller == ENROLLING:
+                protocol = agent_protocol()
+                if "protocol" in wanted:
+                    kwargs["protocol"] = protocol
+            elif caller == SESSION:
+                session = console_session(context)
+                if isinstance(session, bottle.HTTPResponse):
+                    return session
+                kwargs["session"] = session
+            return callback(*args, **kwargs)
+
+        return wrapper
+
+
+def refuse_undeclared(app: bottle.Bottle) -> None:
+    """Apply the plugins to every route now, so an undeclared one stops the app being built
+    instead of failing on its first request."""
+    for route in app.routes:
+        route.prepare()
