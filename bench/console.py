@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from modelforge_appliance.core.clock import ManualClock  # noqa: E402
 from modelforge_appliance.store.database import Store  # noqa: E402
 from modelforge_appliance.store.tables import GpuSample  # noqa: E402
-from tests.console.fleet import add_nodes  # noqa: E402
+from tests.harness.seeded_fleet import add_nodes  # noqa: E402
 
 PASSWORD = "bench password, long enough"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -6,8 +6,7 @@ import os
 import pytest
 
 from modelforge_appliance.core.clock import ManualClock
-
-from .support import fresh_postgres_database, make_settings, serve, unavailable
+from tests.harness.control_plane import fresh_postgres_database, make_settings, serve, unavailable
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .support import IN_CI, clean_env
+from tests.harness.control_plane import IN_CI, clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

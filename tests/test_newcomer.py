@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .support import free_port, unavailable, wait_until_answering
+from tests.harness.control_plane import free_port, unavailable, wait_until_answering
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = re.compile(r"mfe_[0-9a-f]{8,32}_[A-Za-z0-9_-]{20,}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .support import clean_env, free_port, wait_until_answering
+from tests.harness.control_plane import clean_env, free_port, wait_until_answering
 
 ROOT = Path(__file__).resolve().parents[1]
 # scripts/run writes this checkout's .venv/modelforge.env, which every interpreter's run of

@@ -7,10 +7,9 @@ import subprocess
 
 import pytest
 
-from tests.support import make_settings, unavailable
-
-from .nvml import CUDA_SOURCE, NVML_SOURCE
-from .processes import RestartableControlPlane
+from tests.harness.agent_process import RestartableControlPlane
+from tests.harness.control_plane import make_settings, unavailable
+from tests.harness.nvml import CUDA_SOURCE, NVML_SOURCE
 
 
 @pytest.fixture(scope="session")

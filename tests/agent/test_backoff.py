@@ -13,9 +13,8 @@ import requests
 from modelforge_node_agent.backoff import BACKOFF_STEPS, JITTER, Backoff
 from modelforge_node_agent.client import ControlPlaneClient
 from modelforge_node_agent.publisher import call_with_backoff
-
-from ..support import free_port
-from .servers import answer_json
+from tests.harness.control_plane import free_port
+from tests.harness.stand_in_server import answer_json
 
 LINE = re.compile(r"^(\S+) on POST /api/v1/agent/heartbeat \(backoff 1s…16s\): retry in (\d+)s")
 

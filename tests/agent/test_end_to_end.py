@@ -16,10 +16,9 @@ from modelforge_contract import (
     ONLINE,
     STALE,
 )
-
-from ..support import free_port
-from .nvml import h100_80g_x8
-from .processes import AgentProcess, agent_env, nvml_env, run_agent, wait_until
+from tests.harness.agent_process import AgentProcess, agent_env, nvml_env, run_agent, wait_until
+from tests.harness.control_plane import free_port
+from tests.harness.nvml import h100_80g_x8
 
 
 def nvidia_agent_env(cp, fake_nvml_dir, tmp_path, token, state="state"):

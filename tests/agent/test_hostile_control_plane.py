@@ -27,8 +27,7 @@ from modelforge_node_agent.nvidia import PreflightResult
 from modelforge_node_agent.publisher import Publisher
 from modelforge_node_agent.settings import load_settings
 from modelforge_node_agent.transport import make_session
-
-from .processes import AgentProcess, agent_env, wait_until
+from tests.harness.agent_process import AgentProcess, agent_env, wait_until
 
 CREDENTIAL = f"mfc_{secrets.token_hex(8)}_{secrets.token_urlsafe(32)}"
 TOKEN = f"mfe_{secrets.token_hex(8)}_{secrets.token_urlsafe(32)}"

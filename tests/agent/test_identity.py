@@ -16,9 +16,8 @@ from modelforge_node_agent.identity import (
     save_state,
     state_path,
 )
-
-from ..support import free_port
-from .processes import AgentProcess, agent_env, run_agent
+from tests.harness.agent_process import AgentProcess, agent_env, run_agent
+from tests.harness.control_plane import free_port
 
 CREDENTIAL = "mfc_0123456789abcdef_" + "C" * 43
 

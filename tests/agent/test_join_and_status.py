@@ -22,10 +22,9 @@ from modelforge_contract import (
     PATH_ADMIN_ENROLLMENTS,
 )
 from modelforge_node_agent import refusals, runtime
-
-from ..support import free_port
-from .nvml import h100_80g_x8, without_devices
-from .processes import AGENT_COMMAND, AgentProcess, agent_env, nvml_env, wait_until
+from tests.harness.agent_process import AGENT_COMMAND, AgentProcess, agent_env, nvml_env, wait_until
+from tests.harness.control_plane import free_port
+from tests.harness.nvml import h100_80g_x8, without_devices
 
 
 def join(

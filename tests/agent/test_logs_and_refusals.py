@@ -16,10 +16,9 @@ from modelforge_contract import (
     PROTOCOL_INCOMPATIBLE,
     TOO_NEW,
 )
-
-from .nvml import h100_80g_x8
-from .processes import AgentProcess, agent_env, nvml_env, run_agent
-from .servers import answer_json
+from tests.harness.agent_process import AgentProcess, agent_env, nvml_env, run_agent
+from tests.harness.nvml import h100_80g_x8
+from tests.harness.stand_in_server import answer_json
 
 PLAIN_CANARY = "CANARY-" + secrets.token_hex(12)
 SECRET_CANARY = f"mfc_feedfacefeedface_{secrets.token_urlsafe(32)}"

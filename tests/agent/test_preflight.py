@@ -9,9 +9,14 @@ import threading
 import pytest
 
 from modelforge_contract import EXIT_NVIDIA_PREFLIGHT, EXIT_OK
-
-from .nvml import a100_mig, consumer_rtx_4090, h100_80g_x8, with_failure, without_devices
-from .processes import AgentProcess, agent_env, nvml_env, run_agent, wait_until
+from tests.harness.agent_process import AgentProcess, agent_env, nvml_env, run_agent, wait_until
+from tests.harness.nvml import (
+    a100_mig,
+    consumer_rtx_4090,
+    h100_80g_x8,
+    with_failure,
+    without_devices,
+)
 
 CODE_WORDS = ("NVIDIA_NVML_UNAVAILABLE", "NVIDIA_DEVICE_NOT_FOUND", "NVIDIA_TELEMETRY_UNAVAILABLE")
 

@@ -18,11 +18,10 @@ from modelforge_appliance.runtime.app import make_app
 from modelforge_appliance.runtime.server import run_until, waitress_options
 from modelforge_appliance.store.database import Store
 from modelforge_contract import EXIT_CHECK_FAILED, PATH_AGENT_HEARTBEAT, PATH_AGENT_INVENTORY
-
-from ..support import make_settings, run_cli, store_env
-from ..worker.processes import WorkerProcess, worker_env
-from .processes import AgentProcess, RestartableControlPlane, agent_env, wait_until
-from .worknode import short_dir
+from tests.harness.agent_process import AgentProcess, RestartableControlPlane, agent_env, wait_until
+from tests.harness.control_plane import make_settings, run_cli, store_env
+from tests.harness.work_node import short_dir
+from tests.harness.worker_process import WorkerProcess, worker_env
 
 
 class RecordingControlPlane(RestartableControlPlane):

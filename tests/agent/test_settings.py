@@ -8,8 +8,7 @@ import pytest
 
 from modelforge_contract import EXIT_USAGE
 from modelforge_node_agent.settings import SETTINGS, ConfigError, load_settings
-
-from .processes import agent_env, run_agent
+from tests.harness.agent_process import agent_env, run_agent
 
 DOCS = Path(__file__).parents[2] / "docs" / "node-agent.md"
 TOKEN = "mfe_0123456789abcdef_" + "F" * 43

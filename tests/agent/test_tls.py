@@ -13,11 +13,10 @@ import pytest
 from modelforge_node_agent.client import ControlPlaneClient, TransportFailure
 from modelforge_node_agent.settings import load_settings
 from modelforge_node_agent.transport import make_session
-
-from ..pki import CA_EXTENSIONS, SERVER_EXTENSIONS, issue_server_cert, make_ca
-from ..support import free_port
-from .processes import AgentProcess, agent_env
-from .servers import answer_json
+from tests.harness.agent_process import AgentProcess, agent_env
+from tests.harness.control_plane import free_port
+from tests.harness.pki import CA_EXTENSIONS, SERVER_EXTENSIONS, issue_server_cert, make_ca
+from tests.harness.stand_in_server import answer_json
 
 NAME = "cp.modelforge.test"
 
@@ -151,7 +150,7 @@ def test_a_ca_made_with_openssl_defaults_is_named_as_the_cause_on_python_3_13(pk
 
 
 def test_the_documented_ca_is_the_one_these_tests_make():
-    """docs/node-agent.md shows the extensions and openssl options tests/pki.py uses."""
+    """docs/node-agent.md shows the extensions and openssl options tests/harness/pki.py uses."""
     docs = (Path(__file__).resolve().parents[2] / "docs" / "node-agent.md").read_text()
     for extension in (*CA_EXTENSIONS, *SERVER_EXTENSIONS):
         assert extension in docs, extension

@@ -18,11 +18,10 @@ from modelforge_contract import (
     WORKER_PATH_INFO,
     work_path,
 )
-
-from ..support import error_code, make_settings, run_cli, serve, store_env
-from .nvml import h100_80g_x8
-from .processes import wait_until
-from .worknode import WORK, short_dir, start_node, wait_for_state, wait_until_ready
+from tests.harness.agent_process import wait_until
+from tests.harness.control_plane import error_code, make_settings, run_cli, serve, store_env
+from tests.harness.nvml import h100_80g_x8
+from tests.harness.work_node import WORK, short_dir, start_node, wait_for_state, wait_until_ready
 
 NODES = "/api/v1/admin/hardware/nodes"
 
@@ -124,7 +123,7 @@ def test_an_agent_without_its_worker_reports_degraded_and_claims_nothing(
         submitted = cp.admin("POST", WORK, json={"capability": "smoke"}).json()
         assert "does not answer" in node.agent.log()
 
-        from tests.worker.processes import WorkerProcess, worker_env
+        from tests.harness.worker_process import WorkerProcess, worker_env
 
         started_at = cp.store.clock.now()
         node.worker = WorkerProcess(worker_env(sockets / "cpu-node-1.sock"), tmp_path / "w.log")

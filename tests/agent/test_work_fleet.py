@@ -11,10 +11,9 @@ import pytest
 
 from modelforge_appliance.store.tables import AuditEvent, WorkLease
 from modelforge_appliance.work import items, leases
-
-from ..support import serve
-from .processes import wait_until
-from .worknode import short_dir, start_node
+from tests.harness.agent_process import wait_until
+from tests.harness.control_plane import serve
+from tests.harness.work_node import short_dir, start_node
 
 ITEMS = 1000
 AGENTS = 10

@@ -17,8 +17,7 @@ from modelforge_contract import (
     ENROLLMENT_TOKEN_REVOKED,
     IDENTITY_SECRET_MISMATCH,
 )
-
-from ..support import error_code, new_identity
+from tests.harness.control_plane import error_code, new_identity
 
 
 def enroll_node(cp, hostname="gpu-node-1", identity=None):
@@ -141,3 +140,23 @@ def test_enroll_for_another_api_origin_is_refused(sqlite_control_plane, host):
     response = cp.enroll(minted["token"], headers={"Host": host.format(port=port)})
     assert (response.status_code, error_code(response)) == (403, ENROLLMENT_ORIGIN_MISMATCH)
     assert cp.enroll(minted["token"]).status_code == 201  # the refusal did not spend it
+
+
+def test_an_identity_secret_with_spaces_is_refused_instead_of_enrolling_once(sqlite_control_plane):
+    """An identity secret with a trailing space enrolled once, and the same identity could
+    then never re-enroll onto its node: it is refused as FIELD_FORMAT before the token is
+    spent, and the exact secret re-enrolls onto the same node."""
+    cp = sqlite_control_plane
+    identity = new_identity()
+    padded = {**identity, "identity_secret": identity["identity_secret"] + " "}
+    token = cp.mint()["token"]
+    refused = cp.enroll(token, identity=padded)
+    assert (refused.status_code, error_code(refused)) == (400, "FIELD_FORMAT")
+    first = cp.enroll(token, identity=identity)  # the same token was not spent
+    assert first.status_code == 201
+    again = cp.enroll(cp.mint()["token"], identity=identity)
+    assert again.status_code == 201
+    assert again.json()["node_id"] == first.json()["node_id"]
+    assert again.json()["reenrolled"] is True
+    padded_again = cp.enroll(cp.mint()["token"], identity=padded)
+    assert error_code(padded_again) == "FIELD_FORMAT"

@@ -16,8 +16,8 @@ from modelforge_appliance.store.tables import (
     WorkItem,
     WorkLease,
 )
+from tests.harness.control_plane import error_code, new_identity
 
-from ..support import new_identity
 from .test_agent_auth import enroll_node
 
 CODE = re.compile(r"^[A-Z][A-Z0-9_]+$")
@@ -131,7 +131,7 @@ def endpoints(cp, node, token):
 # Values that are right for these fields: no identity, a cpu node with no accelerators, and a
 # claim offering no capability (answered 204).
 ACCEPTABLE = {("identity", None), ("accelerators", ()), ("capabilities", ())}
-OPTIONAL = {"identity"}  # DESIGN §3: enroll optionally carries an identity
+OPTIONAL = {"identity"}  # docs/architecture.md §3: enroll optionally carries an identity
 WRONG_VALUES = [None, True, 7, -1, 1.5, "", "x" * 5000, [], {}, "\u0000"]
 
 
@@ -238,22 +238,6 @@ def test_framework_and_query_errors_share_the_shape(sqlite_control_plane, method
     assert_error_shape(response, path)
 
 
-def test_admin_endpoints_refuse_without_token(sqlite_control_plane):
-    cp = sqlite_control_plane
-    for method, path in [
-        ("GET", "/api/v1/admin/node-enrollments"),
-        ("POST", "/api/v1/admin/node-enrollments"),
-        ("DELETE", "/api/v1/admin/node-enrollments/abc"),
-        ("GET", "/api/v1/admin/hardware/nodes"),
-        ("GET", "/api/v1/admin/hardware/nodes/abc"),
-        ("GET", "/api/v1/admin/audit-events"),
-    ]:
-        for headers in ({}, {"X-ModelForge-Admin-Token": "mfa_0000000000000000_" + "x" * 43}):
-            response = requests.request(method, cp.url + path, headers=headers, timeout=10)
-            assert response.status_code == 401, (method, path)
-            assert assert_error_shape(response, path).startswith("ADMIN_TOKEN_")
-
-
 def test_revoking_a_consumed_enrollment_is_a_conflict(sqlite_control_plane):
     cp = sqlite_control_plane
     minted = cp.mint()
@@ -271,3 +255,71 @@ def test_nvidia_node_cannot_publish_an_empty_inventory(sqlite_control_plane):
     refused = cp.agent("PUT", "/api/v1/agent/inventory", node["credential"], json=body)
     assert refused.status_code == 400
     assert assert_error_shape(refused, "inventory") == "INVENTORY_EMPTY"
+
+
+def raw_heartbeat(cp, node: dict, fields: str):
+    """A heartbeat whose JSON text is written by hand: what json.dumps would never send."""
+    body = f'{{"node_id": "{node["node_id"]}", {fields}}}'
+    headers = {"Content-Type": "application/json"}
+    return cp.agent(
+        "POST", "/api/v1/agent/heartbeat", node["credential"], data=body, headers=headers
+    )
+
+
+def test_lone_surrogates_are_refused_and_cannot_stall_heartbeat_writes(sqlite_control_plane):
+    """A lone surrogate (\udfff, \ud800) in a heartbeat's agent_version or an enrollment's
+    hostname was accepted, and a heartbeat batch holding one could not be written, stalling
+    every node's heartbeat writes: both are refused with a 400 naming the field, and a
+    healthy node's heartbeat is still written."""
+    cp = sqlite_control_plane
+    bad, good = enroll_node(cp), enroll_node(cp, hostname="gpu-2")
+    refused = raw_heartbeat(
+        cp, bad, '"agent_version": "0.1.\\udfff", "health": {"status": "ok", "gpu_probe": "ok"}'
+    )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "FIELD_TYPE"
+    assert "agent_version" in refused.json()["error"]["message"]
+    enroll = cp.enroll(cp.mint()["token"], hostname="h\ud800")
+    assert enroll.status_code == 400
+    # The healthy node's heartbeat is written and admin reads still answer.
+    assert cp.heartbeat(good["credential"], good["node_id"]).status_code == 200
+    view = cp.admin("GET", f"/api/v1/admin/hardware/nodes/{good['node_id']}")
+    assert view.status_code == 200 and view.json()["liveness"] == "online"
+
+
+def test_infinite_uptime_is_refused_so_answers_stay_json(sqlite_control_plane):
+    """An uptime_seconds of 1e400 parses as infinity; it was accepted, and the admin
+    answers that show the node were no longer valid JSON. It is refused with a 400."""
+    cp = sqlite_control_plane
+    node = enroll_node(cp)
+    refused = raw_heartbeat(
+        cp,
+        node,
+        '"agent_version": "1", "health": {"status": "ok", '
+        '"gpu_probe": "ok", "uptime_seconds": 1e400}',
+    )
+    assert refused.status_code == 400
+    json.loads(cp.admin("GET", f"/api/v1/admin/hardware/nodes/{node['node_id']}").text)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["gpu\x7f1", "gpu\x851", "gpu\x9b[31m", "gpu\u202e1", "gpu\u20661", "gpu\u200f1", "gpu\u061c"],
+    ids=["DEL", "NEL", "CSI", "RLO", "LRI", "RLM", "ALM"],
+)
+def test_del_c1_controls_and_bidi_marks_are_refused(sqlite_control_plane, bad):
+    """DEL, C1 controls (NEL, CSI) and bidi marks (RLO, LRI, RLM, ALM) got through the text
+    checks in hostnames and display names, so a node could garble or disguise what
+    terminals and the console show: each is refused as FIELD_TYPE, and the refused
+    enrollment leaves its token unspent."""
+    cp = sqlite_control_plane
+    minted = cp.mint()
+    refused = cp.enroll(minted["token"], hostname=bad)
+    assert (refused.status_code, error_code(refused)) == (400, "FIELD_TYPE")
+    mint = cp.admin(
+        "POST",
+        "/api/v1/admin/node-enrollments",
+        json={"display_name": bad, "expires_in_seconds": 900},
+    )
+    assert (mint.status_code, error_code(mint)) == (400, "FIELD_TYPE")
+    assert cp.enroll(minted["token"], hostname="gpu-1").status_code == 201  # token unspent

@@ -23,8 +23,8 @@ import pytest
 import requests
 
 from modelforge_contract.logs import configure_logging
+from tests.harness.control_plane import make_settings, serve
 
-from ..support import make_settings, serve
 from .test_agent_auth import enroll_node
 
 AGENT_PATH = "/api/v1/agent/heartbeat"
@@ -278,8 +278,8 @@ def test_headers_that_are_not_utf8_are_wrong_values_on_every_route_family(sqlite
             "POST",
             AGENT_PATH,
             {"X-ModelForge-Agent-Protocol": b"1", "Authorization": b"Bearer " + NOT_UTF8},
-            400,  # the body is checked before the credential; {} has no node_id
-            "FIELD_REQUIRED",
+            401,  # the credential is checked before the body is read (web/auth.py)
+            "CREDENTIAL_INVALID",
         ),
         (
             "POST",
@@ -350,7 +350,7 @@ def test_a_route_that_raises_answers_500_and_logs_its_traceback_masked(tmp_path,
     try:
         with serve(make_settings(tmp_path / "state")) as cp:
 
-            @cp.server.app.get("/test-only/raise")
+            @cp.server.app.get("/test-only/raise", auth="public")
             def raise_with_a_secret():
                 raise RuntimeError(f"the store said {SECRET}")
 

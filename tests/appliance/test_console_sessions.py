@@ -19,9 +19,15 @@ import requests
 from modelforge_appliance.identity import sessions
 from modelforge_appliance.store.tables import AdminPassword, ConsoleSession
 from modelforge_contract import SESSION_COOKIE
-
-from ..console_support import PASSWORD, ConsoleClient, set_password
-from ..support import APPLIANCE_CLI, clean_env, error_code, make_settings, run_cli, serve
+from tests.harness.console_client import PASSWORD, ConsoleClient, set_password
+from tests.harness.control_plane import (
+    APPLIANCE_CLI,
+    clean_env,
+    error_code,
+    make_settings,
+    run_cli,
+    serve,
+)
 
 
 def test_sign_in_page_names_the_command_before_a_password_exists(sqlite_control_plane):

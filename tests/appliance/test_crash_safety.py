@@ -13,6 +13,7 @@ import signal
 import sqlite3
 import threading
 import time
+from dataclasses import replace
 from datetime import datetime
 
 import pytest
@@ -20,8 +21,8 @@ import requests
 
 from modelforge_appliance.fleet.heartbeats import FLUSH_INTERVAL_SECONDS
 from modelforge_appliance.store.tables import Node
+from tests.harness.control_plane import new_identity
 
-from ..support import new_identity
 from .test_agent_auth import enroll_node
 from .test_backup_restore import AGENT, Host
 
@@ -226,3 +227,21 @@ def test_heartbeat_bound_holds_without_the_flusher_thread(clocked_control_plane,
     assert cp.heartbeat(second["credential"], second["node_id"]).status_code == 200
     assert stored_heartbeat(cp, first) == first_at
     assert stored_heartbeat(cp, second) is not None
+
+
+def test_a_batch_the_store_refuses_is_dropped_not_retried_forever(sqlite_control_plane):
+    """A heartbeat batch the store refused stayed in the buffer and was retried on every
+    flush, forever, so no later heartbeat of any node was written: it is dropped (and
+    logged), and the next batch is written."""
+    cp = sqlite_control_plane
+    node = enroll_node(cp)
+    assert cp.heartbeat(node["credential"], node["node_id"]).status_code == 200
+    # Whatever makes the store refuse a batch, later batches must still be written.
+    buffer = cp.heartbeats
+    poisoned = next(iter(buffer._pending.values()))
+    buffer._pending[node["node_id"]] = replace(poisoned, health=object())
+    assert buffer.flush() == 1  # dropped, logged
+    assert cp.heartbeat(node["credential"], node["node_id"]).status_code == 200
+    assert buffer.flush() == 1
+    with cp.store.connection():
+        assert Node.get_by_id(node["node_id"]).last_heartbeat_at is not None

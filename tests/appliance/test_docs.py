@@ -8,8 +8,7 @@ from pathlib import Path
 
 import modelforge_contract as contract
 from modelforge_appliance.runtime.app import make_app
-
-from ..support import make_settings
+from tests.harness.control_plane import make_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,8 +9,7 @@ import requests
 
 from modelforge_appliance.store.tables import Credential, Node
 from modelforge_contract import ENROLLMENT_TOKEN_CONSUMED, HEADER_AGENT_PROTOCOL
-
-from ..support import new_identity
+from tests.harness.control_plane import new_identity
 
 CLAIMS = 60
 

@@ -16,9 +16,8 @@ from modelforge_appliance.store import backup, finality, tables
 from modelforge_appliance.store.database import Store
 from modelforge_appliance.store.migrations import MIGRATIONS
 from modelforge_appliance.store.tables import Finality
-
-from ..support import clean_env, make_settings, new_identity, run_cli
-from .old_schema import downgrade
+from tests.harness.control_plane import clean_env, make_settings, new_identity, run_cli
+from tests.harness.old_schema import downgrade
 
 ORIGIN = "http://127.0.0.1:8000"
 

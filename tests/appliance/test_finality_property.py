@@ -26,8 +26,7 @@ from modelforge_appliance.identity import admin_tokens, credentials, enrollment
 from modelforge_appliance.store import audit, backup
 from modelforge_appliance.store.database import Store
 from modelforge_appliance.store.tables import Credential
-
-from ..support import make_settings, new_identity
+from tests.harness.control_plane import make_settings, new_identity
 
 ORIGIN = "http://127.0.0.1:8000"
 PICK = st.integers(min_value=0, max_value=1_000)

@@ -18,8 +18,7 @@ import pytest
 import requests
 
 from bench._fleet import enroll_fleet, mint_tokens, raise_file_limit, run_fleet
-
-from ..support import free_port, wait_until_answering
+from tests.harness.control_plane import free_port, wait_until_answering
 
 AGENTS = 1000
 INTERVAL = 5.0

@@ -9,8 +9,7 @@ from collections import Counter
 import pytest
 
 from modelforge_contract import EXIT_CHECK_FAILED, EXIT_NOT_FOUND, EXIT_USAGE
-
-from .cli import fleet
+from tests.harness.cli_fleet import fleet
 
 
 def ids(result) -> list[str]:
@@ -241,7 +240,7 @@ def test_completion_scripts_and_node_completion(tmp_path, shell):
             "COMP_WORDS": "modelforge nodes show ",
             "COMP_CWORD": "3",
         }
-        from ..support import run_cli
+        from tests.harness.control_plane import run_cli
 
         completed = run_cli(env=env)
         assert completed.returncode == 0, completed.stderr

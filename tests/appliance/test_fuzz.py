@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ..support import make_settings, new_identity, serve
+from tests.harness.control_plane import make_settings, new_identity, serve
+
 from .test_bad_input import snapshot
 
 CODE = re.compile(r"^[A-Z][A-Z0-9_]+$")

@@ -7,8 +7,7 @@ import shlex
 
 from modelforge_contract import PATH_ADMIN_ENROLLMENTS
 from modelforge_contract.envfile import parse_env_file
-
-from ..support import error_code, new_identity
+from tests.harness.control_plane import error_code, new_identity
 
 
 def test_mint_answer_carries_join_commands_and_an_env_file_without_a_hostname(
@@ -92,3 +91,19 @@ def test_the_container_join_prepares_the_state_directory_for_the_image_user():
     assert "--env-file" not in words[: words.index("python3")]  # not read on the host
     assert words[-2:] == ["--env-file", "/var/lib/modelforge-node-agent/modelforge-node-agent.env"]
     assert {"--read-only", "--gpus"} <= set(words)
+
+
+def test_minting_through_an_unusable_host_header_is_a_400(sqlite_control_plane):
+    """Minting through a Host header that names no usable origin (one too long, one with a
+    space) did not get a clean refusal: the token's origin comes from that header, so the
+    answer is 400 HOST_INVALID."""
+    cp = sqlite_control_plane
+    for host in ("a" * 400 + ":1", "bad host"):
+        response = cp.admin(
+            "POST",
+            "/api/v1/admin/node-enrollments",
+            json={"display_name": "n", "expires_in_seconds": 900},
+            headers={"Host": host},
+        )
+        assert response.status_code == 400
+        assert response.json()["error"]["code"] == "HOST_INVALID"

@@ -1,5 +1,5 @@
 """The appliance's import graph: no circle anywhere, lazy imports inside functions included,
-and at most four loose modules beside its subpackages (docs/architecture.md, the layer map).
+and at most four loose modules beside its subpackages (docs/architecture.md §8).
 
 import-linter (``lint-imports`` in scripts/test) checks the layer order; this test checks what
 it does not: imports inside functions count, and so does a circle within one layer.

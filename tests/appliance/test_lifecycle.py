@@ -13,8 +13,9 @@ from modelforge_contract import (
     CREDENTIAL_REVOKED,
     NODE_DECOMMISSIONED,
 )
+from tests.harness.control_plane import error_code, new_identity
 
-from ..support import error_code, new_identity
+from .test_agent_auth import enroll_node
 
 NODES = "/api/v1/admin/hardware/nodes"
 ACCELERATOR = {
@@ -358,3 +359,46 @@ def test_cordon_and_uncordon_are_audited(sqlite_control_plane):
     ).json()["events"]
     assert [e["action"] for e in events[:2]] == ["node.uncordoned", "node.cordoned"]
     assert cp.admin("POST", f"{NODES}/nope/cordon").status_code == 404
+
+
+def test_decommissioned_nodes_credential_gets_403_not_401(sqlite_control_plane):
+    """A decommissioned node's credential was answered 401, as if unknown, though it still
+    authenticates: invariant 4 makes that a 403 NODE_DECOMMISSIONED."""
+    cp = sqlite_control_plane
+    node = enroll_node(cp)
+    nodes = "/api/v1/admin/hardware/nodes"
+    plan = cp.admin("POST", f"{nodes}/{node['node_id']}/decommission/preview").json()
+    cp.admin(
+        "POST",
+        f"{nodes}/{node['node_id']}/decommission/execute",
+        json={"confirmation": plan["confirmation"]},
+    )
+    refused = cp.heartbeat(node["credential"], node["node_id"])
+    assert (refused.status_code, refused.json()["error"]["code"]) == (403, "NODE_DECOMMISSIONED")
+
+
+def test_a_decommissioned_node_cannot_be_uncordoned(sqlite_control_plane, tmp_path):
+    """A decommissioned node could be uncordoned (and audited as node.uncordoned), as if it
+    could take work again: uncordon is refused 409 NODE_DECOMMISSIONED, while cordon still
+    answers."""
+    cp = sqlite_control_plane
+    node = enroll_node(cp)
+    nodes = f"/api/v1/admin/hardware/nodes/{node['node_id']}"
+    plan = cp.admin("POST", f"{nodes}/decommission/preview").json()
+    executed = cp.admin(
+        "POST", f"{nodes}/decommission/execute", json={"confirmation": plan["confirmation"]}
+    )
+    assert executed.status_code == 200
+    refused = cp.admin("POST", f"{nodes}/uncordon")
+    assert (refused.status_code, error_code(refused)) == (409, "NODE_DECOMMISSIONED")
+    cordon = cp.admin("POST", f"{nodes}/cordon")
+    assert cordon.status_code == 200 and cordon.json()["cordoned"] is True
+    view = cp.admin("GET", nodes).json()
+    assert view["cordoned"] is True and view["liveness"] == "decommissioned"
+    actions = [
+        e["action"]
+        for e in cp.admin(
+            "GET", "/api/v1/admin/audit-events", params={"node_id": node["node_id"]}
+        ).json()["events"]
+    ]
+    assert "node.uncordoned" not in actions

@@ -18,8 +18,7 @@ from modelforge_contract import (
     EXIT_STORE_UNREACHABLE,
     EXIT_USAGE,
 )
-
-from ..support import clean_env, free_port, run_cli, unavailable
+from tests.harness.control_plane import clean_env, free_port, run_cli, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 # /sys takes no new files, not even from root (EACCES, or EROFS where it is mounted read-only).

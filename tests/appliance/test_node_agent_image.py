@@ -16,8 +16,7 @@ import pytest
 from modelforge_appliance.fleet import node_agent_image
 from modelforge_contract import __version__
 from modelforge_contract.manifest import REQUIRED_LABELS
-
-from ..support import error_code, make_settings, serve
+from tests.harness.control_plane import error_code, make_settings, serve
 
 CHECK = "/api/v1/admin/node-agent-image/check"
 RELEASE = "1.3.0-rc.1"

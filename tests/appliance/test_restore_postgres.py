@@ -26,11 +26,10 @@ import pytest
 
 from modelforge_appliance.store.database import open_database
 from modelforge_appliance.store.migrations import MIGRATIONS
+from tests.harness.control_plane import fresh_postgres_database, postgres_admin_url
+from tests.harness.old_schema import downgrade
 
-from ..support import fresh_postgres_database, postgres_admin_url
-from .old_schema import downgrade
-from .test_backup_restore import NODES, Host
-from .test_restore_regressions import admin_answer
+from .test_backup_restore import NODES, Host, admin_answer
 
 pytestmark = pytest.mark.postgres
 

@@ -1,5 +1,6 @@
 """The nginx example of docs/reverse-proxy.md, run as written: Debian's nginx terminates TLS in
-front of the real control plane, and a real agent enrolls and heartbeats through it."""
+front of the real control plane, and a real agent enrolls and heartbeats through it. Beside it,
+which X-Forwarded-* headers the control plane believes: only those of a listed proxy."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import requests
 
 from modelforge_node_agent.settings import load_settings
 from modelforge_node_agent.transport import make_session
-
-from ..agent.processes import AgentProcess, agent_env, wait_until
-from ..pki import issue_server_cert, make_ca
-from ..support import free_port, make_settings, serve, unavailable
+from tests.harness.agent_process import AgentProcess, agent_env, wait_until
+from tests.harness.control_plane import error_code, free_port, make_settings, serve, unavailable
+from tests.harness.pki import issue_server_cert, make_ca
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "cp.modelforge.test"
@@ -175,3 +176,66 @@ def test_the_documented_nginx_example_carries_enrollment_and_heartbeats(tmp_path
         finally:
             nginx.terminate()
             nginx.wait(timeout=10)
+
+
+PROXIED = {"X-Forwarded-Proto": "https", "X-Forwarded-Host": "cp.lan"}
+
+
+def _enroll_through(cp, token: str, headers: dict) -> requests.Response:
+    return cp.enroll(token, hostname="behind-proxy", headers=headers)
+
+
+def test_enrollment_through_a_trusted_tls_proxy_matches_the_public_origin(tmp_path):
+    """Behind a trusted TLS proxy, enrollment compared the public https://cp.lan origin
+    with the proxy's own plain http://127.0.0.1 hop and refused every node: the origin the
+    trusted proxy forwards is the one that must match."""
+    settings = replace(
+        make_settings(tmp_path / "state"),
+        public_api_origin="https://cp.lan",
+        trusted_proxies=("127.0.0.1",),
+    )
+    with serve(settings) as cp:
+        token = cp.mint()["token"]
+        assert _enroll_through(cp, token, {}).status_code == 403  # plain http://127.0.0.1
+        assert _enroll_through(cp, token, PROXIED).status_code == 201
+
+
+def test_forwarded_headers_from_an_untrusted_client_are_ignored(tmp_path):
+    """X-Forwarded-Proto and X-Forwarded-Host were believed from any client, so a caller
+    could claim the public origin from anywhere: with no trusted proxy they are ignored and
+    the enrollment is refused ENROLLMENT_ORIGIN_MISMATCH."""
+    settings = replace(make_settings(tmp_path / "state"), public_api_origin="https://cp.lan")
+    with serve(settings) as cp:
+        refused = _enroll_through(cp, cp.mint()["token"], PROXIED)
+        assert refused.status_code == 403
+        assert refused.json()["error"]["code"] == "ENROLLMENT_ORIGIN_MISMATCH"
+
+
+@pytest.mark.parametrize(
+    ("proxies", "status"),
+    [(("10.9.9.9", "127.0.0.1"), 201), (("10.9.9.9", "::1"), 403)],
+    ids=["listed", "not-listed"],
+)
+def test_forwarded_headers_are_believed_only_from_a_listed_proxy(tmp_path, proxies, status):
+    """Forwarded headers were believed from a peer that is not on the
+    MODELFORGE_TRUSTED_PROXY list (127.0.0.1 while only ::1 was listed): only a listed
+    address is believed."""
+    settings = replace(
+        make_settings(tmp_path / "state"),
+        public_api_origin="https://cp.lan",
+        trusted_proxies=proxies,
+    )
+    with serve(settings) as cp:
+        response = cp.enroll(cp.mint()["token"], hostname="behind-proxy", headers=PROXIED)
+        assert response.status_code == status, response.text
+
+
+def test_a_malformed_forwarded_header_from_the_proxy_is_a_json_400(tmp_path):
+    """A malformed X-Forwarded-Proto from the trusted proxy ('https, http') did not get the
+    one JSON error shape: it is a 400 REQUEST_MALFORMED."""
+    settings = replace(make_settings(tmp_path / "state"), trusted_proxies=("127.0.0.1",))
+    with serve(settings) as cp:
+        response = requests.get(
+            cp.url + "/healthz", headers={"X-Forwarded-Proto": "https, http"}, timeout=10
+        )
+        assert (response.status_code, error_code(response)) == (400, "REQUEST_MALFORMED")

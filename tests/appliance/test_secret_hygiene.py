@@ -13,7 +13,13 @@ from pathlib import Path
 
 import requests
 
-from ..support import clean_env, new_identity, postgres_admin_url, run_cli, serving
+from tests.harness.control_plane import (
+    clean_env,
+    new_identity,
+    postgres_admin_url,
+    run_cli,
+    serving,
+)
 
 ADMIN = "X-ModelForge-Admin-Token"
 AGENT = {"X-ModelForge-Agent-Protocol": "1"}
@@ -133,7 +139,7 @@ def test_no_secret_in_sqlite_file_logs_or_later_answers(tmp_path):
 
 
 def test_no_secret_in_a_postgresql_dump_or_logs(tmp_path):
-    from ..support import fresh_postgres_database
+    from tests.harness.control_plane import fresh_postgres_database
 
     postgres_admin_url()
     with fresh_postgres_database() as url:

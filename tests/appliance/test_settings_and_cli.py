@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import requests
 
-from modelforge_appliance.core.clock import Clock
+from modelforge_appliance.core.clock import Clock, ManualClock
 from modelforge_appliance.core.settings import SETTINGS, ConfigError, load_settings
+from modelforge_appliance.identity import admin_tokens
 from modelforge_appliance.store.database import SCHEMA_VERSION, Store
 from modelforge_appliance.store.migrations import MIGRATIONS
-
-from ..support import clean_env, run_cli
+from modelforge_appliance.store.tables import AdminToken
+from tests.harness.control_plane import clean_env, run_cli, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -201,3 +204,123 @@ def test_migrations_apply_once(tmp_path):
     assert store.migrate() == [m.version for m in MIGRATIONS]
     assert store.migrate() == []
     assert store.current_version() == SCHEMA_VERSION
+
+
+def test_admin_token_last_used_at_moves(sqlite_settings):
+    """An admin token's last_used_at did not follow its use: it is recorded on use, at most
+    once a minute (no write for every request), and shows in the token list."""
+    clock = ManualClock()
+    with serve(sqlite_settings, clock) as cp:
+
+        def last_used():
+            with cp.store.connection():
+                return AdminToken.get().last_used_at
+
+        assert last_used() is None
+        assert cp.admin("GET", "/api/v1/admin/alerts").status_code == 200
+        assert last_used() == clock.now()
+        first = clock.now()
+        clock.advance(30)
+        cp.admin("GET", "/api/v1/admin/alerts")
+        assert last_used() == first  # to the minute: no write for every request
+        clock.advance(31)
+        cp.admin("GET", "/api/v1/admin/alerts")
+        assert last_used() == clock.now()
+        listed = admin_tokens.list_admin_tokens(cp.store)[0]
+        assert listed["last_used_at"] is not None
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["*", "10.0.0.0/8", "proxy.lan", "127.0.0.1,junk", "127.0.0.1;10.0.0.1", "localhost", " , "],
+)
+def test_a_trusted_proxy_that_is_not_addresses_exits_2(tmp_path, value):
+    """MODELFORGE_TRUSTED_PROXY took wildcards, networks, host names and junk, trusting
+    more than meant or failing late: anything but a comma-separated list of IP addresses
+    makes serve exit 2 with one line naming the variable."""
+    result = modelforge(
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        env={"MODELFORGE_STATE_DIR": str(tmp_path / "s"), "MODELFORGE_TRUSTED_PROXY": value},
+    )
+    assert result.returncode == 2
+    assert "MODELFORGE_TRUSTED_PROXY" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_trusted_proxies_are_addresses_in_canonical_form():
+    """Trusted proxies were kept as written, so 0:0:0:0:0:0:0:1 never matched a peer seen
+    as ::1: they are kept as addresses in canonical form, and none are trusted by default."""
+    settings = load_settings({"MODELFORGE_TRUSTED_PROXY": " 127.0.0.1 , 0:0:0:0:0:0:0:1,10.0.0.5"})
+    assert settings.trusted_proxies == ("127.0.0.1", "::1", "10.0.0.5")
+    assert load_settings({}).trusted_proxies == ()
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ({"MODELFORGE_CONNECTION_LIMIT": "lots"}, ["MODELFORGE_CONNECTION_LIMIT"]),
+        ({"MODELFORGE_CONNECTION_LIMIT": "5"}, ["MODELFORGE_CONNECTION_LIMIT"]),
+        ({"MODELFORGE_REQUEST_TIMEOUT_SECONDS": "0"}, ["MODELFORGE_REQUEST_TIMEOUT_SECONDS"]),
+        (
+            {"MODELFORGE_IDLE_TIMEOUT_SECONDS": "10"},
+            ["MODELFORGE_IDLE_TIMEOUT_SECONDS", "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS"],
+        ),
+    ],
+)
+def test_connection_settings_are_validated(env, names):
+    """Connection settings were not validated: a limit that is no number or too small, a
+    zero request timeout, an idle timeout shorter than the heartbeat interval (which would
+    drop every agent's keep-alive) must each refuse to start, naming the variables."""
+    with pytest.raises(ConfigError) as refused:
+        load_settings(env)
+    for name in names:
+        assert name in str(refused.value)
+
+
+def limit_files(soft: int, hard: int):
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_connection_limit_the_process_cannot_hold_exits_2(tmp_path):
+    """A connection limit beyond the process's hard file limit was accepted, to fail only
+    when the connections came: serve exits 2 naming the setting and the hard limit."""
+    env = {
+        "MODELFORGE_STATE_DIR": str(tmp_path / "s"),
+        "MODELFORGE_CONNECTION_LIMIT": "5000",
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(ROOT),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "modelforge_appliance.cli", "serve", "--listen", "127.0.0.1:0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=limit_files(256, 1024),
+    )
+    assert result.returncode == 2
+    assert "MODELFORGE_CONNECTION_LIMIT=5000" in result.stderr
+    assert "1024" in result.stderr
+
+
+def test_serve_raises_its_own_soft_file_limit_to_fit_the_connections(tmp_path):
+    """serve kept the soft file limit it was started with (often 256 or 1024), below what
+    its connection limit needs: it raises its own soft limit, within the hard one, to the
+    connections plus a margin."""
+    code = (
+        "import resource, sys\n"
+        "from modelforge_appliance.runtime.server import ensure_file_descriptors\n"
+        "print(ensure_file_descriptors(3000), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=limit_files(256, 8192),
+        check=True,
+    )
+    assert result.stdout.split() == ["3064", "3064"]

@@ -58,6 +58,11 @@ class Terminal:
     def __init__(self, node: dict, command: str, **extra_env: str) -> None:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the pty is its controlling terminal
+            # A shell on a terminal starts with Ctrl-C's SIGINT (and SIGQUIT) at their
+            # defaults. A suite started with `&` from a script (scripts/test's quick runs)
+            # ignores them, and bash cannot trap a signal ignored when it started: restore them.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.signal(signal.SIGQUIT, signal.SIG_DFL)
             os.chdir(node["work"])
             os.execve("/bin/bash", ["bash", "-c", command], {**node["env"], **extra_env})  # noqa: S606
         self.output = b""

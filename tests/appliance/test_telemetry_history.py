@@ -14,8 +14,7 @@ from modelforge_appliance.fleet import telemetry
 from modelforge_appliance.identity.credentials import Caller
 from modelforge_appliance.store.database import Store
 from modelforge_appliance.store.tables import GpuSample
-
-from ..support import error_code
+from tests.harness.control_plane import error_code
 
 
 def sample(index: int, utilization: int, uuid_prefix: str = "GPU") -> dict:

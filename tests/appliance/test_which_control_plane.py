@@ -16,9 +16,14 @@ import pytest
 import requests
 
 from modelforge_contract import EXIT_USAGE, HEADER_ADMIN_TOKEN, PATH_ADMIN_ENROLLMENTS
-
-from ..support import APPLIANCE_CLI as CLI
-from ..support import clean_env, free_port, fresh_postgres_database, run_cli, unavailable
+from tests.harness.control_plane import APPLIANCE_CLI as CLI
+from tests.harness.control_plane import (
+    clean_env,
+    free_port,
+    fresh_postgres_database,
+    run_cli,
+    unavailable,
+)
 
 
 @contextmanager

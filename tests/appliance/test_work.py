@@ -12,9 +12,17 @@ from modelforge_contract import (
     LEASE_LOST,
     WORK_FINISHED,
 )
-
-from ..support import error_code, run_cli, store_env
-from .worknodes import GIB, WORK, WorkNode, gpu, item, submit, work_events, worker_health
+from tests.harness.control_plane import error_code, run_cli, store_env
+from tests.harness.scripted_node import (
+    GIB,
+    WORK,
+    WorkNode,
+    gpu,
+    item,
+    submit,
+    work_events,
+    worker_health,
+)
 
 NODES = "/api/v1/admin/hardware/nodes"
 

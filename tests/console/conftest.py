@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ..console_support import PASSWORD
-from ..support import clean_env, run_cli, serving
+from tests.harness.console_client import PASSWORD
+from tests.harness.control_plane import clean_env, run_cli, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM_ARGS = [

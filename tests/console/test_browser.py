@@ -18,12 +18,12 @@ from playwright.sync_api import expect
 
 from modelforge_appliance.fleet.telemetry import TelemetryHistory
 from modelforge_contract import READINESS_CHECKS, __version__
+from tests.harness.agent_process import wait_until
+from tests.harness.console_client import PASSWORD, set_password
+from tests.harness.control_plane import make_settings, serve
+from tests.harness.seeded_fleet import add_nodes, add_telemetry_hour
 
-from ..agent.processes import wait_until
-from ..console_support import PASSWORD, set_password
-from ..support import make_settings, serve
 from .conftest import artifacts_dir, served_process, sign_in
-from .fleet import add_nodes, add_telemetry_hour
 
 pytestmark = pytest.mark.browser
 

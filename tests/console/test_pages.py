@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from modelforge_appliance.web.http import CONTENT_SECURITY_POLICY
-
-from ..console_support import ConsoleClient, set_password
+from tests.harness.console_client import ConsoleClient, set_password
 
 STATIC = Path(__file__).resolve().parents[2] / "appliance/modelforge_appliance/console/static"
 

@@ -3,7 +3,7 @@
  * bindings as libnvidia-ml.so.1 through LD_LIBRARY_PATH.
  *
  * Behaviour comes from the file named by FAKE_NVML_CONFIG, which the tests derive
- * from the JSON fixtures under tests/agent/fixtures/ (see tests/agent/nvml.py):
+ * from the JSON fixtures under tests/agent/fixtures/ (see tests/harness/nvml.py):
  *
  *   driver_version 550.54.15        system values
  *   cuda_version 12040

@@ -16,7 +16,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.support import IN_CI, clean_env
+from tests.harness.control_plane import IN_CI, clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "packaging" / "build_pyz.py"

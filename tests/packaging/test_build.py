@@ -1,4 +1,4 @@
-"""The pyz builds: reproducible, hash-locked, and split by part (DESIGN §1)."""
+"""The pyz builds: reproducible, hash-locked, and split by part (docs/architecture.md §1)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from modelforge_appliance.runtime import doctor
 from modelforge_contract import PROTOCOL_VERSION, __version__
-from tests.support import clean_env, tomllib
+from tests.harness.control_plane import clean_env, tomllib
 
 from .conftest import (
     HOST_MACHINE,

@@ -3,7 +3,7 @@ debootstrap (each with only its own python3: 3.11 and 3.13), and a Debian 13 roo
 other machine architecture run through qemu-user-static.
 
 Each archive is started as an operator starts it, ``./modelforge.pyz …`` through its
-``#!/usr/bin/env python3`` line, inside the root (tests/packaging/debian_roots.py). The
+``#!/usr/bin/env python3`` line, inside the root (tests/harness/debian_roots.py). The
 control plane keeps its store in the real PostgreSQL server scripts/test runs; servers in a
 root share the host's network, so the test talks to them on 127.0.0.1.
 """
@@ -23,10 +23,10 @@ import pytest
 import requests
 
 from modelforge_contract import HEADER_ADMIN_TOKEN, PATH_ADMIN_ENROLLMENTS, PATH_ADMIN_NODES
+from tests.harness.control_plane import free_port, fresh_postgres_database, wait_until_answering
+from tests.harness.debian_roots import DEBIAN_ARCH, debian_root_or_skip, in_root
 
-from ..support import free_port, fresh_postgres_database, wait_until_answering
 from .conftest import HOST_MACHINE, OTHER_MACHINE, stop
-from .debian_roots import DEBIAN_ARCH, debian_root_or_skip, in_root
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 from modelforge_appliance.runtime import doctor
-from tests.support import IN_CI, clean_env, tomllib
+from tests.harness.control_plane import IN_CI, clean_env, free_port, tomllib
+from tests.harness.pki import issue_server_cert, make_ca, tls_listener
 
-from ..pki import issue_server_cert, make_ca, tls_listener
-from ..support import free_port
 from .conftest import ROOT
 
 OTHER_UID = 65534  # nobody

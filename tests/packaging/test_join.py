@@ -24,9 +24,8 @@ from modelforge_contract import (
     PATH_ADMIN_ENROLLMENTS,
 )
 from modelforge_contract.envfile import parse_env_file
-from tests.support import clean_env
+from tests.harness.control_plane import clean_env, make_settings, serve
 
-from ..support import make_settings, serve
 from .conftest import ROOT, stop
 
 UNIT = ROOT / "systemd" / "modelforge-node-agent.service"

@@ -18,9 +18,8 @@ import pytest
 import requests
 
 from modelforge_contract import HEADER_ADMIN_TOKEN, PATH_ADMIN_ENROLLMENTS, PATH_ADMIN_NODES
-from tests.support import clean_env
+from tests.harness.control_plane import clean_env, free_port, wait_until_answering
 
-from ..support import free_port, wait_until_answering
 from .conftest import pyz_command, stop
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import IN_CI
+from tests.harness.control_plane import IN_CI
 
 from .conftest import ROOT
 
 UNITS = ROOT / "systemd"
-# DESIGN/issue 5: the control plane rates 2.0 or better (lower is better); the agent,
+# Issue 5: the control plane rates 2.0 or better (lower is better); the agent,
 # which must keep the NVIDIA devices, is held to the same bar.
 EXPOSURE_LIMITS = {"modelforge.service": 2.0, "modelforge-node-agent.service": 2.0}
 

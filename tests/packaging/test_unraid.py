@@ -48,7 +48,7 @@ def test_template_maps_appdata_to_the_state_dir_and_the_listen_port():
 
 
 def test_template_console_runs_a_program_the_image_has():
-    # The image is chiselled (DESIGN §7): no shell, so Unraid's Console entry (<Shell>)
+    # The image is chiselled (docs/architecture.md §7): no shell, so Unraid's Console entry (<Shell>)
     # runs the CLI itself, as every docker exec in docs/install-unraid.md does.
     shell = template().findtext("Shell")
     assert shell == "modelforge"

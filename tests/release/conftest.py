@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.agent.conftest import fake_nvml_dir  # noqa: F401 - the compiled test NVML library
-from tests.support import unavailable
-
-from .images_support import (
+from tests.harness.control_plane import unavailable
+from tests.harness.release_images import (
     remove_tags,
     resum,
     run_release,

@@ -14,8 +14,7 @@ import pytest
 
 from modelforge_contract.manifest import IMAGE_NAMES, parse_manifest
 from modelforge_release.names import release_names
-
-from .images_support import (
+from tests.harness.release_images import (
     bundle_files,
     clone_bundle,
     edit_manifest,

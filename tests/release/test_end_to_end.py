@@ -20,9 +20,8 @@ import pytest
 import requests
 
 from modelforge_contract import HEADER_ADMIN_TOKEN
-from tests.support import free_port
-
-from .images_support import ROOT, release_env, run_release, unique, wait_for_healthz
+from tests.harness.control_plane import free_port
+from tests.harness.release_images import ROOT, release_env, run_release, unique, wait_for_healthz
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 

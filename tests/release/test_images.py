@@ -20,9 +20,8 @@ from modelforge_contract.manifest import (
     entry_problems,
 )
 from modelforge_release.dockerd import image_entry
-from tests.agent.nvml import h100_80g_x8, write_nvml_config
-
-from .images_support import (
+from tests.harness.nvml import h100_80g_x8, write_nvml_config
+from tests.harness.release_images import (
     ROOT,
     copy_tree,
     files_of,

@@ -22,9 +22,8 @@ from modelforge_release.image_checks import elf_dependencies, forbidden_paths, m
 from modelforge_release.images import IMAGES, LICENSES
 from modelforge_release.names import TEMPLATE_NAMES
 from modelforge_release.rootfs import Entry, Tree, kept, merged_usr, write_layer
-from tests.support import tomllib
-
-from .images_support import ROOT
+from tests.harness.control_plane import tomllib
+from tests.harness.release_images import ROOT
 
 EPOCH = 1767225600
 LOCK = ROOT / "packaging" / "images" / "debian-packages.lock"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .support import RELEASE_FILES, make_files, release, sha256sum
+from tests.harness.release_cli import RELEASE_FILES, make_files, release, sha256sum
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "SHA256SUMS.template"

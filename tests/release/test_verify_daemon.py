@@ -8,8 +8,7 @@ import json
 import pytest
 
 from modelforge_contract.manifest import IMAGE_NAMES
-
-from .images_support import (
+from tests.harness.release_images import (
     bundle_files,
     remove_tags,
     rewrite_config_docker,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ..packaging.debian_roots import DEBIAN_ARCH, debian_root_or_skip, in_root
-from .support import RELEASE, RELEASE_FILES, make_files, release, sha256sum
+from tests.harness.debian_roots import DEBIAN_ARCH, debian_root_or_skip, in_root
+from tests.harness.release_cli import RELEASE, RELEASE_FILES, make_files, release, sha256sum
 
 NAMES = list(RELEASE_FILES)
 

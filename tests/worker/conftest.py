@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.agent.conftest import fake_nvml_dir  # noqa: F401 - the compiled NVML/CUDA twins
-
-from .images import build_test_image
+from tests.harness.probe_image import build_test_image
 
 
 @pytest.fixture

@@ -15,8 +15,7 @@ from modelforge_contract import (
 )
 from modelforge_worker.capabilities import RunContext, run_capability
 from modelforge_worker.capabilities.container import LABEL_WORK_ID
-
-from .processes import WorkerProcess, worker_env
+from tests.harness.worker_process import WorkerProcess, worker_env
 
 pytestmark = pytest.mark.docker
 

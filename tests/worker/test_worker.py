@@ -19,9 +19,8 @@ from modelforge_contract import (
     WORKER_PROTOCOL_INCOMPATIBLE,
 )
 from modelforge_node_agent.work import WorkerClient, _UnixConnection
-
-from ..agent.nvml import a100_mig, h100_80g_x8, with_failure, write_nvml_config
-from .processes import WORKER_COMMAND, WorkerProcess, worker_env
+from tests.harness.nvml import a100_mig, h100_80g_x8, with_failure, write_nvml_config
+from tests.harness.worker_process import WORKER_COMMAND, WorkerProcess, worker_env
 
 
 def run_smoke(worker: WorkerProcess, matrix_size: int = 16, timeout: int = 60) -> dict:

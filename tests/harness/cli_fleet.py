@@ -10,7 +10,7 @@ from pathlib import Path
 
 from modelforge_appliance.core.clock import ManualClock
 
-from ..support import ControlPlane, clean_env, make_settings, new_identity, run_cli, serve
+from .control_plane import ControlPlane, clean_env, make_settings, new_identity, run_cli, serve
 
 
 @dataclass

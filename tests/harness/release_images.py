@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from modelforge_contract.manifest import IMAGE_NAMES
-from tests.support import clean_env
 
-from .support import RELEASE
+from .control_plane import clean_env
+from .release_cli import RELEASE
 
 ROOT = Path(__file__).resolve().parents[2]
 # Any fixed value: builds of the same tree with the same epoch must match.

@@ -18,7 +18,7 @@ import peewee as pw
 from modelforge_appliance.store import tables
 from modelforge_appliance.store.migrations import MIGRATIONS
 
-from ..support import fresh_postgres_database
+from .control_plane import fresh_postgres_database
 
 
 @dataclass(frozen=True)

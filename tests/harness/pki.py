@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .support import unavailable
+from .control_plane import unavailable
 
 # docs/node-agent.md, "Private CA": the CA and the server certificate, as documented.
 CA_EXTENSIONS = ("basicConstraints=critical,CA:TRUE", "keyUsage=critical,keyCertSign,cRLSign")

@@ -21,8 +21,8 @@ from modelforge_appliance.identity import admin_tokens
 from modelforge_appliance.runtime.server import create_server, run_until
 from modelforge_appliance.store import audit
 from modelforge_appliance.store.database import Store
-from tests.support import ControlPlane, free_port
 
+from .control_plane import ControlPlane, free_port
 from .nvml import write_nvml_config
 
 AGENT_COMMAND = [sys.executable, "-m", "modelforge_node_agent.main"]

@@ -12,7 +12,7 @@ from modelforge_contract import (
     work_path,
 )
 
-from ..support import new_identity
+from .control_plane import new_identity
 
 GIB = 2**30
 WORK = "/api/v1/admin/work"

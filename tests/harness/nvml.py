@@ -1,6 +1,6 @@
 """The test NVML library and the recorded GPU hosts it impersonates.
 
-The JSON files under ``fixtures/`` are the source of truth. ``write_nvml_config``
+The JSON files under ``tests/agent/fixtures/`` are the source of truth. ``write_nvml_config``
 turns one into the line format tests/nvml/fake_nvml.c reads, resolving NVML
 error names (``NVML_ERROR_NOT_SUPPORTED``) through the real pynvml constants.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import pynvml
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "agent" / "fixtures"
 NVML_SOURCE = Path(__file__).parents[1] / "nvml" / "fake_nvml.c"
 CUDA_SOURCE = Path(__file__).parents[1] / "nvml" / "fake_cuda.c"
 

@@ -10,7 +10,7 @@ from modelforge_appliance.identity import sessions
 from modelforge_appliance.store import audit
 from modelforge_contract import HEADER_CSRF_TOKEN
 
-from .support import ControlPlane
+from .control_plane import ControlPlane
 
 PASSWORD = "correct horse battery staple"
 

@@ -10,7 +10,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support import unavailable
+from .control_plane import unavailable
 
 # ``/probe echo TEXT | exit N | sleep N | net | env NAME | cat PATH``, steps run in order;
 # ``cat`` prints ``PATH=<first line>`` or ``PATH=(absent)``.

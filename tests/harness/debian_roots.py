@@ -10,7 +10,7 @@ Programs run in a root through ``unshare``: a private mount and PID namespace wi
 own /proc, so nothing stays mounted and nothing stays running once a command ends.
 Networking is the host's, so a server in a root answers on the host's 127.0.0.1.
 
-    python3 -m tests.packaging.debian_roots trixie amd64   # make (or reuse) one root
+    python3 -m tests.harness.debian_roots trixie amd64   # make (or reuse) one root
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def debian_root(suite: str, arch: str) -> Path:
 
 def debian_root_or_skip(suite: str, arch: str) -> Path:
     """debian_root() for a test: skipped where it cannot be made, failed with CI=true."""
-    from tests.support import unavailable
+    from .control_plane import unavailable
 
     try:
         return debian_root(suite, arch)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelforge_appliance.work import items, leases
-from tests.worker.processes import WorkerProcess, worker_env
 
+from .agent_process import AgentProcess, agent_env, nvml_env, wait_until
 from .nvml import write_nvml_config
-from .processes import AgentProcess, agent_env, nvml_env, wait_until
+from .worker_process import WorkerProcess, worker_env
 
 WORK = "/api/v1/admin/work"
 
