@@ -267,7 +267,7 @@ def raw_heartbeat(cp, node: dict, fields: str):
 
 
 def test_lone_surrogates_are_refused_and_cannot_stall_heartbeat_writes(sqlite_control_plane):
-    """A lone surrogate (\udfff, \ud800) in a heartbeat's agent_version or an enrollment's
+    """A lone surrogate (U+DFFF, U+D800) in a heartbeat's agent_version or an enrollment's
     hostname was accepted, and a heartbeat batch holding one could not be written, stalling
     every node's heartbeat writes: both are refused with a 400 naming the field, and a
     healthy node's heartbeat is still written."""

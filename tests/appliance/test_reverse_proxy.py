@@ -132,10 +132,12 @@ def test_the_documented_nginx_example_carries_enrollment_and_heartbeats(tmp_path
             assert session.get(f"{origin}/healthz", timeout=10).json() == {"status": "ok"}
 
             # The body limit is the control plane's: a body at the limit reaches it (and is
-            # refused as not JSON), one byte more is refused by nginx in the same shape.
+            # refused as not JSON), one byte more is refused by nginx in the same shape. The
+            # enroll call reads its body without a credential (a heartbeat checks the
+            # credential first, so its body would never be read).
             def post(size: int):
                 return session.post(
-                    f"{origin}/api/v1/agent/heartbeat",
+                    f"{origin}/api/v1/agent/enroll",
                     data=b"x" * size,
                     headers={
                         "Content-Type": "application/json",
