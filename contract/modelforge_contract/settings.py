@@ -124,8 +124,9 @@ class SettingTable:
         raw = self.value(env, name) or ""
         value = raw.upper() if all(c.isupper() for c in choices) else raw.lower()
         if value not in choices:
-            shown = ", ".join(choices[:-1]) + f" or {choices[-1]}" if len(choices) > 1 else ""
-            raise self.error(f"{name}={value!r} is not {shown or choices[0]}")
+            *first, last = choices
+            shown = f"{', '.join(first)} or {last}" if first else last
+            raise self.error(f"{name}={value!r} is not {shown}")
         return value
 
     def log_level(self, env: Mapping[str, str], name: str) -> str:

@@ -20,8 +20,8 @@ from ..core.errors import ApiError, NotFound
 from ..core.validation import Field
 from ..fleet import node_agent_image, nodes
 from ..identity import sessions
-from ..web.auth import PUBLIC, SESSION, SIGN_IN_PATH
-from ..web.http import ApiContext, json_response, request_origin
+from ..web.auth import PUBLIC, SESSION, SIGN_IN_PATH, signed_in_session
+from ..web.http import ApiContext, json_response, redirect, request_origin
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,6 @@ def page(name: str, status: int = 200, **values: Any) -> bottle.HTTPResponse:
     return bottle.HTTPResponse(body, status=status, headers=PAGE_HEADERS)
 
 
-def redirect(location: str) -> bottle.HTTPResponse:
-    return bottle.HTTPResponse(
-        status=303, headers={"Location": location, "Cache-Control": "no-store"}
-    )
-
-
 def client_address() -> str:
     """The client's address as waitress saw it (the proxy's client behind a trusted proxy).
 
@@ -61,12 +55,6 @@ def is_https() -> bool:
 def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     settings, store = context.settings, context.store
 
-    def current_session() -> sessions.Session | None:
-        try:
-            return sessions.session_for(store, settings, bottle.request.get_cookie(SESSION_COOKIE))
-        except ApiError:
-            return None
-
     @app.get("/", auth=PUBLIC)
     def root():
         return redirect(CONSOLE)
@@ -81,7 +69,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
 
     @app.get(SIGN_IN, auth=PUBLIC)
     def sign_in_page():
-        if current_session() is not None:
+        if signed_in_session(context) is not None:
             return redirect(CONSOLE)
         return page(
             "sign_in",

@@ -46,7 +46,7 @@ from ..core.errors import ApiError, UpgradeRequired
 from ..core.validation import Field
 from ..identity import admin_tokens, credentials, sessions
 from ..store import audit
-from .http import ApiContext, request_header
+from .http import ApiContext, redirect, request_header
 
 PUBLIC = "public"
 ENROLLING = "enrolling"
@@ -132,17 +132,22 @@ def agent_call(context: ApiContext, body: dict[str, Field]) -> AgentCall:
     return AgentCall(protocol, fields, credential.for_node(fields["node_id"]))
 
 
+def signed_in_session(context: ApiContext) -> sessions.Session | None:
+    """The console session this request's cookie names, or None when there is none."""
+    try:
+        return sessions.session_for(
+            context.store, context.settings, bottle.request.get_cookie(SESSION_COOKIE)
+        )
+    except ApiError:
+        return None
+
+
 def console_session(context: ApiContext) -> sessions.Session | bottle.HTTPResponse:
     """The signed-in session; a page without one is sent to sign in."""
-    request = bottle.request
-    cookie = request.get_cookie(SESSION_COOKIE)
-    if request.method not in STATE_CHANGING_METHODS:
-        try:
-            return sessions.session_for(context.store, context.settings, cookie)
-        except ApiError:
-            return bottle.HTTPResponse(
-                status=303, headers={"Location": SIGN_IN_PATH, "Cache-Control": "no-store"}
-            )
+    if bottle.request.method not in STATE_CHANGING_METHODS:
+        session = signed_in_session(context)
+        return session if session is not None else redirect(SIGN_IN_PATH)
+    cookie = bottle.request.get_cookie(SESSION_COOKIE)
     session = sessions.session_for(context.store, context.settings, cookie)
     sessions.check_csrf(session, request_header(HEADER_CSRF_TOKEN))
     return session

@@ -93,6 +93,13 @@ def json_response(body: dict[str, Any], status: int = 200) -> bottle.HTTPRespons
     return bottle.HTTPResponse(json.dumps(body), status=status, headers=JSON_HEADERS)
 
 
+def redirect(location: str) -> bottle.HTTPResponse:
+    """A 303 to ``location``, never cached (the console's pages and its sign-in)."""
+    return bottle.HTTPResponse(
+        status=303, headers={"Location": location, "Cache-Control": "no-store"}
+    )
+
+
 def error_response(error: ApiError) -> bottle.HTTPResponse:
     return json_response(error.body(), error.status)
 
