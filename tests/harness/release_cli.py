@@ -37,3 +37,12 @@ RELEASE_FILES = {
     "modelforge-aarch64.pyz": os.urandom(80_000),
     "modelforge-node-agent.pyz": b"",  # an empty file has a well-known sum
 }
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Changes one byte of the file whatever it held."""
+    with path.open("r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0xFF]))

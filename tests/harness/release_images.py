@@ -265,14 +265,6 @@ def layer_offset(tarball: Path, image: str, index: int) -> tuple[str, int, int]:
         return name, info.offset_data, info.size
 
 
-def flip_byte(path: Path, offset: int) -> None:
-    with path.open("r+b") as file:
-        file.seek(offset)
-        byte = file.read(1)
-        file.seek(offset)
-        file.write(bytes([byte[0] ^ 0xFF]))
-
-
 def rewrite_config_docker(source: Path, target: Path, image: str) -> str:
     """The docker-save tarball with one image's configuration changed in a way that changes
     its id but none of what the manifest records (a history comment). Returns the new id."""

@@ -14,11 +14,11 @@ import pytest
 
 from modelforge_contract.manifest import IMAGE_NAMES, parse_manifest
 from modelforge_release.names import release_names
+from tests.harness.release_cli import flip_byte
 from tests.harness.release_images import (
     bundle_files,
     clone_bundle,
     edit_manifest,
-    flip_byte,
     layer_offset,
     resum,
     rewrite_config_docker,

@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from tests.harness.debian_roots import DEBIAN_ARCH, debian_root_or_skip, in_root
-from tests.harness.release_cli import RELEASE, RELEASE_FILES, make_files, release, sha256sum
+from tests.harness.release_cli import (
+    RELEASE,
+    RELEASE_FILES,
+    flip_byte,
+    make_files,
+    release,
+    sha256sum,
+)
 
 NAMES = list(RELEASE_FILES)
 
@@ -104,9 +111,9 @@ def test_escaped_names_as_coreutils_9_7_in_a_debian_13_root_shows_them():
 
 
 def test_corrupted_file_fails_like_sha256sum(bundle):
-    with (bundle / "modelforge-x86_64.pyz").open("r+b") as file:
-        file.seek(40_000)
-        file.write(b"\0")
+    # A flipped byte always changes the file; writing a fixed byte did not when the
+    # archive already held that byte there.
+    flip_byte(bundle / "modelforge-x86_64.pyz", 40_000)
     result = release("verify-sums", cwd=bundle)
     reference = sha256sum("-c", "SHA256SUMS", cwd=bundle)
     assert result.returncode == 1
