@@ -5,6 +5,9 @@ which compares a manifest with real images, and the console's Enroll node wizard
 checks the ``images.modelforge-node-agent`` entry an operator pastes. Standard library only.
 
 The image id is recorded for information and never compared: ``docker load`` may rewrite it.
+What decides what a container of the image runs is compared instead: each entry binds the
+runtime configuration (``config``: user, entrypoint, command, environment, working directory,
+volumes, ports, health check, stop signal) besides the layers and labels.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import Any
 
 from . import PROTOCOL_VERSION
 
-MANIFEST_SCHEMA = 1
+# 2: each entry binds the image's runtime configuration (``config``). A schema 1 manifest
+# bound layers and labels only, so an image with a changed user or command passed.
+MANIFEST_SCHEMA = 2
 
 CONTROL_PLANE_IMAGE = "modelforge-control-plane"
 NODE_AGENT_IMAGE = "modelforge-node-agent"
@@ -48,8 +53,24 @@ REQUIRED_LABELS = (
 
 ARCHITECTURES = ("amd64", "arm64")
 OPERATING_SYSTEMS = ("linux",)
+# The fields of an image configuration that decide what a container of it runs, in the
+# terms of the configuration's ``config`` object (and of ``docker image inspect``'s Config).
+RUNTIME_FIELDS = (
+    "User",
+    "Entrypoint",
+    "Cmd",
+    "Env",
+    "WorkingDir",
+    "Volumes",
+    "ExposedPorts",
+    "Healthcheck",
+    "StopSignal",
+)
+_STRING_FIELDS = ("User", "WorkingDir", "StopSignal")
+_LIST_FIELDS = ("Entrypoint", "Cmd", "Env")
+_OBJECT_FIELDS = ("Volumes", "ExposedPorts", "Healthcheck")
 # The fields of an entry that are compared; image_id is information only.
-COMPARED_FIELDS = ("tag", "architecture", "os", "rootfs_layers", "labels")
+COMPARED_FIELDS = ("tag", "architecture", "os", "rootfs_layers", "labels", "config")
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 # A release version as tags allow it (semver with pre-release, e.g. 1.3.0-rc.1).
@@ -73,6 +94,39 @@ def is_digest(value: Any) -> bool:
 
 def is_version(value: Any) -> bool:
     return isinstance(value, str) and _VERSION.fullmatch(value) is not None
+
+
+def runtime_config(config: Any) -> dict[str, Any]:
+    """The runtime fields of an image configuration's ``config`` object (or of an entry's
+    ``config``), each one present; an empty value (``""``, ``[]``, ``{}``) is ``None``, as
+    docker treats it the same as an absent one."""
+    source = config if isinstance(config, dict) else {}
+    return {name: source.get(name) or None for name in RUNTIME_FIELDS}
+
+
+def _config_problems(config: Any) -> list[Problem]:
+    if not isinstance(config, dict):
+        return [Problem("config", "must be an object of the image's runtime configuration")]
+    problems = [
+        Problem(f"config.{name}", "is missing") for name in RUNTIME_FIELDS if name not in config
+    ]
+    problems += [
+        Problem(f"config.{name}", "is not a runtime field this release binds")
+        for name in sorted(set(config) - set(RUNTIME_FIELDS))
+    ]
+    for name in RUNTIME_FIELDS:
+        value = config.get(name)
+        if value is None:
+            continue
+        if name in _STRING_FIELDS and not isinstance(value, str):
+            problems.append(Problem(f"config.{name}", f"must be a string or null, not {value!r}"))
+        elif name in _LIST_FIELDS and not (
+            isinstance(value, list) and all(isinstance(item, str) for item in value)
+        ):
+            problems.append(Problem(f"config.{name}", "must be a list of strings or null"))
+        elif name in _OBJECT_FIELDS and not isinstance(value, dict):
+            problems.append(Problem(f"config.{name}", "must be an object or null"))
+    return problems
 
 
 def entry_problems(name: str, entry: Any, version: str | None = None) -> list[Problem]:
@@ -113,6 +167,7 @@ def entry_problems(name: str, entry: Any, version: str | None = None) -> list[Pr
                     Problem(f"rootfs_layers[{index}]", f"{layer!r} is not a sha256:<64 hex> digest")
                 )
     problems.extend(_label_problems(entry.get("labels"), tag_version))
+    problems.extend(_config_problems(entry.get("config")))
     image_id = entry.get("image_id")
     if image_id is not None and not is_digest(image_id):
         problems.append(Problem("image_id", f"{image_id!r} is not a sha256:<64 hex> digest"))
@@ -149,7 +204,9 @@ def entry_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[
     """Where ``actual`` differs from ``expected`` in the compared fields (never image_id).
 
     Labels are compared one by one in both directions, so a missing, changed or extra
-    label is each named; the layer list is compared in order and as a whole.
+    label is each named; the layer list is compared in order and as a whole; each runtime
+    field is compared whole (``config.User``, ``config.Env``, ...), an empty value the same
+    as an absent one.
     """
     problems: list[Problem] = []
     for field in ("tag", "architecture", "os"):
@@ -178,7 +235,18 @@ def entry_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[
                     f"expected {want_labels.get(label)!r}, found {have_labels.get(label)!r}",
                 )
             )
+    problems += config_differences(expected.get("config"), actual.get("config"))
     return problems
+
+
+def config_differences(expected: Any, actual: Any, prefix: str = "config") -> list[Problem]:
+    """Each runtime field where ``actual`` differs from ``expected``, both values named."""
+    want, have = runtime_config(expected), runtime_config(actual)
+    return [
+        Problem(f"{prefix}.{name}", f"expected {want[name]!r}, found {have[name]!r}")
+        for name in RUNTIME_FIELDS
+        if want[name] != have[name]
+    ]
 
 
 class ManifestError(ValueError):
@@ -201,6 +269,11 @@ def parse_manifest(text: str) -> dict[str, Any]:
         raise ManifestError(f"not JSON: {exc}") from None
     if not isinstance(manifest, dict):
         raise ManifestError("must be a JSON object")
+    if manifest.get("schema") == 1:
+        raise ManifestError(
+            "schema 1 does not bind the images' runtime configuration (user, command, "
+            f"environment); verify with the release's own manifest, schema {MANIFEST_SCHEMA}"
+        )
     if manifest.get("schema") != MANIFEST_SCHEMA:
         raise ManifestError(f"schema must be {MANIFEST_SCHEMA}, not {manifest.get('schema')!r}")
     version = manifest.get("version")

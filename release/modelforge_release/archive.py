@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modelforge_contract.manifest import runtime_config
+
 from .tarstream import ArchiveError, Member, scan
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -41,6 +43,20 @@ OCI_INDEX_TYPES = (
 )
 _BLOB = re.compile(r"blobs/sha256/([0-9a-f]{64})")
 _CONFIG_NAME = re.compile(r"([0-9a-f]{64})\.json")
+# The only entries each layout has (docker save before 25: per-layer directories; 25 and
+# later: the same manifest.json over an OCI layout). Anything else is refused.
+_OCI_FILES = r"oci-layout|index\.json|blobs/sha256/[0-9a-f]{64}"
+_LAYOUT_FILES = {
+    "docker": re.compile(
+        r"manifest\.json|repositories|[0-9a-f]{64}\.json|[0-9a-f]{64}/(?:layer\.tar|json|VERSION)|"
+        + _OCI_FILES
+    ),
+    "oci": re.compile(_OCI_FILES),
+}
+_LAYOUT_DIRECTORIES = {
+    "docker": re.compile(r"[0-9a-f]{64}|blobs|blobs/sha256"),
+    "oci": re.compile(r"blobs|blobs/sha256"),
+}
 
 
 @dataclass
@@ -63,6 +79,7 @@ class ArchiveImage:
             "os": config.get("os"),
             "rootfs_layers": list((config.get("rootfs") or {}).get("diff_ids") or []),
             "labels": dict((config.get("config") or {}).get("Labels") or {}),
+            "config": runtime_config(config.get("config")),
         }
 
 
@@ -73,6 +90,7 @@ class Archive:
     size: int
     members: dict[str, Member]
     images: list[ArchiveImage]
+    problems: list[str] = field(default_factory=list)  # about the archive as a whole
 
     def find(self, tag: str) -> ArchiveImage | None:
         return next((image for image in self.images if tag in image.tags), None)
@@ -232,13 +250,70 @@ def _oci_images(members: dict[str, Member]) -> list[ArchiveImage]:
     return images
 
 
+def _layout_problems(layout: str, members: dict[str, Member], directories: list[str]) -> list[str]:
+    files, folders = _LAYOUT_FILES[layout], _LAYOUT_DIRECTORIES[layout]
+    problems = [
+        f"{name} is not an entry of the {layout} image layout"
+        for name in sorted(members)
+        if not files.fullmatch(name)
+    ]
+    problems += [
+        f"{name}/ is not a directory of the {layout} image layout"
+        for name in sorted(directories)
+        if not folders.fullmatch(name)
+    ]
+    return problems
+
+
+def _repositories_problems(members: dict[str, Member], images: list[ArchiveImage]) -> list[str]:
+    """docker save's ``repositories`` ({name: {tag: top layer id}}) must say what
+    manifest.json says: ``docker load`` of an old format reads it instead."""
+    member = members.get("repositories")
+    if member is None:
+        return []
+    document = _json(member)
+    if not isinstance(document, dict) or not all(
+        isinstance(tags, dict) and all(isinstance(v, str) for v in tags.values())
+        for tags in document.values()
+    ):
+        return ["repositories is not a {name: {tag: layer id}} object"]
+    said = {
+        f"{name}:{tag}": layer for name, tags in document.items() for tag, layer in tags.items()
+    }
+    tops = {
+        tag: image.layer_names[-1].split("/")[0] if image.layer_names else None
+        for image in images
+        for tag in image.tags
+    }
+    problems = [
+        f"repositories names {tag}, which manifest.json does not tag"
+        for tag in sorted(set(said) - set(tops))
+    ]
+    problems += [
+        f"repositories does not name {tag}, which manifest.json tags"
+        for tag in sorted(set(tops) - set(said))
+    ]
+    problems += [
+        f"repositories points {tag} at {said[tag]!r}, not at its top layer {tops[tag]}"
+        for tag in sorted(set(said) & set(tops))
+        if said[tag] != tops[tag]
+    ]
+    return problems
+
+
 def read_archive(path: Path, progress: Any = None) -> Archive:
-    """Scan the tarball and describe every image in it (problems are collected, not raised)."""
-    sha256, size, members = scan(path, progress)
+    """Scan the tarball and describe every image in it (problems are collected, not raised;
+    an archive that readers could see differently raises ``ArchiveError``)."""
+    sha256, size, members, directories = scan(path, progress)
     if "manifest.json" in members:
-        return Archive("docker", sha256, size, members, _docker_images(members))
-    if "index.json" in members:
-        return Archive("oci", sha256, size, members, _oci_images(members))
-    raise ArchiveError(
-        f"{path.name} holds neither manifest.json (docker save) nor index.json (OCI layout)"
-    )
+        images = _docker_images(members)
+        archive = Archive("docker", sha256, size, members, images)
+        archive.problems += _repositories_problems(members, images)
+    elif "index.json" in members:
+        archive = Archive("oci", sha256, size, members, _oci_images(members))
+    else:
+        raise ArchiveError(
+            f"{path.name} holds neither manifest.json (docker save) nor index.json (OCI layout)"
+        )
+    archive.problems[:0] = _layout_problems(archive.layout, members, directories)
+    return archive

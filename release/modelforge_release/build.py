@@ -10,11 +10,10 @@ wherever the checkout lives; the configurations are deterministic too (``created
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import tarfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,7 @@ from .images import (
 from .layers import LAYER_BUILDERS, LAYER_DESCRIPTIONS, build_pyz
 from .names import control_plane_archive
 from .rootfs import Layer, Tree, write_layer
+from .savefile import SavedImage, SavedLayer, write_image_archive
 
 
 @dataclass
@@ -110,39 +110,24 @@ def image_config(ctx: BuildContext, spec: ImageSpec, layers: list[Layer]) -> byt
 
 
 def write_archive(images: list[BuiltImage], version: str, target: Path, epoch: int) -> None:
-    """The images in the ``docker save`` layout that ``docker load`` reads."""
-    manifest = []
-    written: set[str] = set()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(target, "w", format=tarfile.PAX_FORMAT) as tar:
-
-        def add(name: str, data: bytes | None = None, path: Path | None = None) -> None:
-            info = tarfile.TarInfo(name)
-            info.mtime = epoch
-            info.mode = 0o644
-            if path is not None:
-                info.size = path.stat().st_size
-                with path.open("rb") as file:
-                    tar.addfile(info, file)
-            else:
-                assert data is not None
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-
-        for image in images:
-            config_name = image.config_digest.removeprefix("sha256:") + ".json"
-            layer_names = []
-            for layer in image.layers:
-                name = layer.diff_id.removeprefix("sha256:") + "/layer.tar"
-                if name not in written:
-                    add(name, path=layer.path)
-                    written.add(name)
-                layer_names.append(name)
-            add(config_name, image.config)
-            manifest.append(
-                {"Config": config_name, "RepoTags": [image.tag(version)], "Layers": layer_names}
+    """The images in the canonical ``docker save`` layout that ``docker load`` reads."""
+    write_image_archive(
+        [
+            SavedImage(
+                image.tag(version),
+                image.config,
+                [
+                    SavedLayer(
+                        layer.diff_id, layer.path.stat().st_size, partial(layer.path.open, "rb")
+                    )
+                    for layer in image.layers
+                ],
             )
-        add("manifest.json", json.dumps(manifest, indent=1).encode())
+            for image in images
+        ],
+        target,
+        epoch,
+    )
 
 
 # -- the whole build -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ The images must already be in dockerd under ``<name>:<version>``
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import shutil
@@ -32,16 +33,17 @@ from modelforge_contract.manifest import (
 
 from .digest import Progress, sha256_file
 from .dockerd import image_entry, local_image, save_images
-from .images import LABEL_PYZ
 from .names import (
     AGENT_PYZ,
     CONTROL_PLANE_ARCHIVES,
+    LABEL_PYZ,
     SUMS_NAME,
     control_plane_archive,
     manifest_name,
     release_names,
     tarball_name,
 )
+from .savefile import LayerMismatch, read_docker_save, write_image_archive
 from .sums import (
     compute_entries,
     names_relative_to,
@@ -104,7 +106,10 @@ def release_manifest(client: Any, version: str) -> dict[str, Any]:
     return manifest
 
 
-def _save(client: Any, tags: list[str], target: Path, progress: TextIO | None) -> int:
+def _save(client: Any, tags: list[str], target: Path, epoch: int, progress: TextIO | None) -> int:
+    """dockerd's ``docker save`` of ``tags``, rewritten into the canonical layout
+    (``savefile.py``): the same images give the same tarball, byte for byte."""
+    saved = target.with_name(f".{target.name}.saved")
     partial = target.with_name(f".{target.name}.partial")
     meter = (
         Progress(progress, f"saving {target.name}", 0)
@@ -113,22 +118,38 @@ def _save(client: Any, tags: list[str], target: Path, progress: TextIO | None) -
     )
     written = 0
     try:
-        with partial.open("wb") as file:
+        with saved.open("wb") as file:
             for chunk in save_images(client, tags):
                 file.write(chunk)
                 written += len(chunk)
                 if meter:
                     meter.update(written)
-            file.flush()
+        tar, images = read_docker_save(saved)
+        with tar:
+            by_tag = {image.tag: image for image in images}
+            missing = [tag for tag in tags if tag not in by_tag]
+            if missing:
+                raise BundleError(f"docker save did not write {', '.join(missing)}")
+            try:
+                write_image_archive([by_tag[tag] for tag in tags], partial, epoch)
+            except LayerMismatch as exc:
+                raise BundleError(f"dockerd saved a damaged layer: {exc}") from None
+        with partial.open("rb+") as file:
             os.fsync(file.fileno())
         os.replace(partial, target)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
     finally:
+        saved.unlink(missing_ok=True)
         if meter:
             meter.close()
-    return written
+    return target.stat().st_size
+
+
+def release_epoch(manifest: dict[str, Any]) -> int:
+    """The release's time (its ``created``, from SOURCE_DATE_EPOCH) as a Unix time."""
+    return calendar.timegm(time.strptime(manifest["created"], "%Y-%m-%dT%H:%M:%SZ"))
 
 
 def make_bundle(
@@ -165,7 +186,7 @@ def make_bundle(
     started = time.monotonic()
     tags = [manifest["images"][name]["tag"] for name in IMAGE_NAMES]
     say(f"saving {len(tags)} images to {out / tarball_name(version)}")
-    size = _save(client, tags, out / tarball_name(version), progress)
+    size = _save(client, tags, out / tarball_name(version), release_epoch(manifest), progress)
     result.seconds["save"] = time.monotonic() - started
     say(f"saved {size / (1 << 20):.1f} MiB in {result.seconds['save']:.1f}s")
 

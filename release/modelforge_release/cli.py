@@ -39,6 +39,18 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def _need_module(module: str, command: str) -> None:
+    """Name the missing extra in one line rather than an ImportError traceback."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        _fail(
+            f"{command} needs {module}, from the release extra: "
+            "pip install -e '.[release]' (scripts/test installs it)",
+            EXIT_USAGE,
+        )
+
+
 @click.group()
 @click.version_option(__version__, prog_name=PROG)
 @click.option("-v", "--verbose", is_flag=True, help="Log each file hashed, with its timing.")
@@ -300,27 +312,77 @@ def bundle(
     _emit(as_json, result.as_json(), [f"{item['name']} {item['sha256']}" for item in result.files])
 
 
+@main.command()
+@click.option(
+    "--key",
+    "key_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The OpenSSH Ed25519 private key (ssh-keygen -t ed25519); kept outside DIR.",
+)
+@click.option(
+    "--passphrase-fd",
+    type=int,
+    help="Read an encrypted key's passphrase from this file descriptor (first line) instead "
+    "of asking on the terminal.",
+)
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def sign(key_path: Path, passphrase_fd: int | None, directory: Path) -> None:
+    """Sign DIRECTORY/SHA256SUMS: write DIRECTORY/SHA256SUMS.sig, an SSH signature in the
+    namespace modelforge-release that stock OpenSSH checks:
+
+    \b
+      ssh-keygen -Y verify -f allowed_signers -I PRINCIPAL -n modelforge-release \\
+          -s SHA256SUMS.sig < SHA256SUMS
+
+    An encrypted key's passphrase is asked for without echo. Prints the public key line
+    for allowed_signers. Exit 0 signed, 2 the key or SHA256SUMS cannot be used.
+    """
+    _need_module("cryptography", "sign")
+    from .signing import NAMESPACE, SigningError, sign_sums
+
+    try:
+        target, public = sign_sums(directory, key_path, passphrase_fd)
+    except SigningError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    click.echo(f"wrote {target}")
+    click.echo(f'allowed_signers line: PRINCIPAL namespaces="{NAMESPACE}" {public}')
+
+
 @main.command("verify-bundle")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--signers",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="An allowed_signers file (docs/release-verification.md): check SHA256SUMS.sig "
+    "against it first, with the host's ssh-keygen.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
-def verify_bundle_command(directory: Path, as_json: bool) -> None:
-    """Check a release directory without a daemon: SHA256SUMS (exactly the release's files,
-    each matching), then the images tarball against the manifest, image by image.
+def verify_bundle_command(directory: Path, signers: Path | None, as_json: bool) -> None:
+    """Check a release directory without a daemon: with --signers the signature over
+    SHA256SUMS first; then SHA256SUMS (exactly the release's files, in order, each
+    matching, and nothing else in the directory); then the images tarball against the
+    manifest, image by image, runtime configuration included.
 
     Reads both layouts: docker save (manifest.json, <id>/layer.tar) and OCI (index.json,
-    blobs/sha256/, gzip layers). Each problem names the file, the image and the field.
-    Exit 0 all good, 1 any problem.
+    blobs/sha256/, gzip layers), and refuses what docker might read differently: links,
+    names that repeat, absolute or '..' names, stray entries. Each problem names the file,
+    the image and the field. Exit 0 all good, 1 any problem.
     """
     from .verify import verify_bundle
 
-    report = verify_bundle(directory, progress=sys.stderr)
+    report = verify_bundle(directory, progress=sys.stderr, signers=signers)
     if as_json:
         click.echo(json.dumps(report.as_json(), indent=2, sort_keys=True))
     else:
+        if signers is not None and report.signed_by:
+            click.echo(f"SHA256SUMS.sig: OK ({report.signature})")
         for name, status in report.files.items():
             click.echo(f"{name}: {status}")
         for name, ok in report.images.items():
             click.echo(f"images.{name}: {'OK' if ok else 'FAILED'}")
+    if signers is None:
+        click.echo(f"{PROG}: signature {report.signature}", err=True)
     for finding in report.findings:
         click.echo(f"{PROG}: {finding}", err=True)
     if not report.ok:

@@ -10,7 +10,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelforge_contract.manifest import Problem, entry_differences
+from modelforge_contract.manifest import (
+    Problem,
+    config_differences,
+    entry_differences,
+    runtime_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,7 @@ def image_entry(attrs: dict[str, Any], tag: str) -> dict[str, Any]:
         "os": attrs.get("Os"),
         "rootfs_layers": list((attrs.get("RootFS") or {}).get("Layers") or []),
         "labels": dict((attrs.get("Config") or {}).get("Labels") or {}),
+        "config": runtime_config(attrs.get("Config")),
         "image_id": attrs.get("Id"),
     }
 
@@ -99,7 +105,8 @@ class ImageCheck:
 
 def verify_image(client: Any, name: str, expected: dict[str, Any]) -> ImageCheck:
     """The loaded image tagged exactly as the entry says, against the entry: RootFS
-    layers, architecture, os and every label. The image id is never compared."""
+    layers, architecture, os, every label and every runtime field. The image id is never
+    compared."""
     tag = str(expected.get("tag"))
     attrs = local_image(client, tag)
     if attrs is None:
@@ -130,8 +137,51 @@ class ContainerCheck:
         return not self.problems
 
 
+# Environment variables a container may set or change over its image's: the settings an
+# operator configures (docs/configuration.md) and the NVIDIA Container Toolkit's. Any other
+# variable added or changed (PYTHONSTARTUP, LD_PRELOAD, PATH, ...) changes what runs.
+OPERATOR_ENV_PREFIXES = ("MODELFORGE_", "NVIDIA_")
+OPERATOR_ENV_NAMES = ("TZ",)
+
+
+def _operator_variable(name: str) -> bool:
+    return name.startswith(OPERATOR_ENV_PREFIXES) or name in OPERATOR_ENV_NAMES
+
+
+def _variables(env: list[str] | None) -> dict[str, str]:
+    pairs = (item.partition("=") for item in env or [])
+    return {name: value for name, _, value in pairs}
+
+
+def container_config_problems(image_config: Any, container_config: Any) -> list[str]:
+    """How a container's effective configuration departs from its image's, beyond what an
+    operator may set: every runtime field but the environment must be the image's; the
+    environment may add or change only operator settings (``OPERATOR_ENV_PREFIXES``)."""
+    image, container = runtime_config(image_config), runtime_config(container_config)
+    problems = [
+        f"config.{problem.field.removeprefix('config.')}: {problem.message}"
+        for problem in config_differences(
+            {**image, "Env": None, "Volumes": None, "ExposedPorts": None},
+            {**container, "Env": None, "Volumes": None, "ExposedPorts": None},
+        )
+    ]
+    want, have = _variables(image["Env"]), _variables(container["Env"])
+    for name in sorted(set(want) | set(have)):
+        if want.get(name) == have.get(name) or _operator_variable(name):
+            continue
+        if name not in have:
+            problems.append(f"config.Env: removes {name}={want[name]!r}")
+        elif name not in want:
+            problems.append(f"config.Env: adds {name}={have[name]!r}")
+        else:
+            problems.append(f"config.Env: {name} is {have[name]!r}, the image sets {want[name]!r}")
+    return problems
+
+
 def verify_container(client: Any, container: str, image_id: str) -> ContainerCheck:
-    """The container was created from exactly this image id (captured before it started)."""
+    """The container was created from exactly this image id (captured before it started),
+    and runs it as the image says: user, entrypoint, command, working directory, health
+    check, stop signal, and no environment beyond the operator's settings."""
     import docker.errors
 
     try:
@@ -152,4 +202,18 @@ def verify_container(client: Any, container: str, image_id: str) -> ContainerChe
             f"container {container} runs image {actual} (created from {created_from}), "
             f"not {image_id}: the tag was moved to another image after the id was captured"
         )
+        return check
+    try:
+        image = client.api.inspect_image(image_id)
+    except docker.errors.ImageNotFound:
+        check.problems.append(f"dockerd no longer has image {image_id}")
+        return check
+    except docker.errors.APIError as exc:
+        raise DaemonError(
+            f"dockerd refused to inspect {image_id}: {exc.explanation or exc}"
+        ) from None
+    check.problems += [
+        f"container {container}: {problem}"
+        for problem in container_config_problems(image.get("Config"), attrs.get("Config"))
+    ]
     return check

@@ -30,6 +30,7 @@ from modelforge_contract.manifest import (
 )
 
 from .debian import DebianError, DebianLock, load_lock
+from .names import LABEL_PYZ
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,6 @@ SERVICE_USER = f"{SERVICE_UID}:{SERVICE_UID}"
 LICENSES = "Apache-2.0"
 LABEL_DESCRIPTION = "org.opencontainers.image.description"
 LABEL_DEBIAN_LOCK = "io.modelforge.debian-lock-sha256"
-LABEL_PYZ = "io.modelforge.control-plane-pyz-sha256"
 PYTHON = "python3.11"
 SITE_PACKAGES = f"usr/local/lib/{PYTHON}/dist-packages"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

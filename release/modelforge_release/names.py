@@ -10,6 +10,10 @@ CONTROL_PLANE_PYZ = "modelforge.pyz"
 CONTROL_PLANE_ARCHIVES = {"amd64": "modelforge-x86_64.pyz", "arm64": "modelforge-aarch64.pyz"}
 AGENT_PYZ = "modelforge-node-agent.pyz"
 SUMS_NAME = "SHA256SUMS"
+SIGNATURE_NAME = "SHA256SUMS.sig"
+# The control-plane image pins the archive it carries by this label (its SHA-256 hex): the
+# release's archive for that architecture must be exactly it.
+LABEL_PYZ = "io.modelforge.control-plane-pyz-sha256"
 # SHA256SUMS.template, as the verifier needs it when no checkout is at hand (a test keeps
 # the two the same).
 TEMPLATE_NAMES = (

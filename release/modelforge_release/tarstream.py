@@ -3,7 +3,7 @@
 
 Every regular file is hashed as it streams past, straight from the chunks read, through
 ``memoryview`` slices; only small JSON documents are kept. The tarball's digest runs in a
-thread of its own. Links are reported so a caller can follow them.
+thread of its own. Links, repeated names and names outside the archive are refused.
 """
 
 from __future__ import annotations
@@ -266,14 +266,43 @@ def _walk(blocks: _Blocks) -> Iterator[tuple[tarfile.TarInfo, _MemberHash | None
             yield info, None
 
 
-def scan(path: Path, progress: Any = None) -> tuple[str, int, dict[str, Member]]:
-    """Stream the tarball once: (its sha256 hex, its size, every regular file by name).
+def _refusal(info: tarfile.TarInfo, seen: set[str]) -> str | None:
+    """Why an entry is refused, or None. Only regular files and directories under plain
+    relative names, each name once: then every reader, ``docker load`` included, sees the
+    same files, whatever order or link rules it follows."""
+    raw = info.name
+    shown = repr(raw)
+    parts = raw.rstrip("/").split("/")
+    if raw.startswith("/"):
+        return f"entry {shown} has an absolute name"
+    if ".." in parts:
+        return f"entry {shown} leaves the archive ('..')"
+    if any(part in ("", ".") for part in parts[1:]) or "\0" in raw:
+        return f"entry {shown} is not a plain relative name"
+    if info.issym():
+        return f"entry {shown} is a symbolic link (to {info.linkname!r}); links are refused"
+    if info.islnk():
+        return f"entry {shown} is a hard link (to {info.linkname!r}); links are refused"
+    if info.type not in _REGULAR and not info.isdir():
+        return f"entry {shown} is neither a regular file nor a directory"
+    name = _normal(raw)
+    if name in seen:
+        return f"{name} appears twice in the archive; the first and the last would differ"
+    seen.add(name)
+    return None
 
-    A symbolic or hard link to a file (docker save links a layer shared by two images)
-    is listed under its own name too, as the file it leads to.
+
+def scan(path: Path, progress: Any = None) -> tuple[str, int, dict[str, Member], list[str]]:
+    """Stream the tarball once: (its sha256 hex, its size, every regular file by name, every
+    directory name).
+
+    Links, devices, names that repeat, and absolute or ``..`` names are refused
+    (``ArchiveError``): with them two readers can see two different archives (``docker load``
+    unpacks in order, a later entry replacing an earlier one).
     """
     members: dict[str, Member] = {}
-    links: dict[str, str] = {}
+    directories: list[str] = []
+    seen: set[str] = set()
     kept = 0
     with path.open("rb", buffering=0) as raw:
         size = path.stat().st_size
@@ -281,12 +310,12 @@ def scan(path: Path, progress: Any = None) -> tuple[str, int, dict[str, Member]]
         reader = HashingReader(raw, meter)  # type: ignore[arg-type]
         try:
             for info, hashed in _walk(_Blocks(reader)):
+                refused = _refusal(info, seen)
+                if refused:
+                    raise ArchiveError(refused)
                 name = _normal(info.name)
-                if info.issym():
-                    links[name] = _normal(posixpath.join(posixpath.dirname(name), info.linkname))
-                elif info.islnk():
-                    links[name] = _normal(info.linkname)
                 if hashed is None:
+                    directories.append(name)
                     continue
                 member = hashed.member()
                 if member.data is not None:
@@ -306,13 +335,7 @@ def scan(path: Path, progress: Any = None) -> tuple[str, int, dict[str, Member]]
             reader.close()
             if meter:
                 meter.close()
-    for name in links:
-        target, hops = links[name], 0
-        while target in links and hops < 16:
-            target, hops = links[target], hops + 1
-        if target in members:
-            members[name] = members[target]
-    return file_digest, reader.size, members
+    return file_digest, reader.size, members, directories
 
 
 def _normal(name: str) -> str:

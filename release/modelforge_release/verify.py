@@ -2,8 +2,8 @@
 
 ``check_sums`` checks the files a SHA256SUMS lists, the way ``sha256sum -c`` does, reading
 names relative to the directory that holds SHA256SUMS rather than the current directory.
-``verify_bundle`` checks a whole release directory: SHA256SUMS, then the image tarball
-against the release manifest.
+``verify_bundle`` checks a whole release directory: the signature over SHA256SUMS when
+given the allowed signers, SHA256SUMS, then the image tarball against the release manifest.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from modelforge_contract.manifest import (
+    CONTROL_PLANE_IMAGE,
     IMAGE_NAMES,
     ManifestError,
     entry_differences,
@@ -22,6 +23,7 @@ from modelforge_contract.manifest import (
 )
 
 from .digest import sha256_file
+from .names import CONTROL_PLANE_ARCHIVES, LABEL_PYZ, SIGNATURE_NAME, SUMS_NAME
 from .sums import SumsError, display_name, parse_sums
 
 log = logging.getLogger(__name__)
@@ -144,6 +146,8 @@ class BundleReport:
     files: dict[str, str] = field(default_factory=dict)  # name -> OK / FAILED / FAILED open or read
     images: dict[str, bool] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
+    signature: str = "not checked"
+    signed_by: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -157,6 +161,7 @@ class BundleReport:
             "layout": self.layout,
             "files": [{"name": name, "status": status} for name, status in self.files.items()],
             "images": {name: {"ok": ok} for name, ok in self.images.items()},
+            "signature": {"checked": self.signature, "signed_by": self.signed_by},
             "problems": [finding.as_json() for finding in self.findings],
         }
 
@@ -173,14 +178,70 @@ def _manifest_findings(path: Path, text: str) -> tuple[dict[str, Any] | None, li
         ]
 
 
-def verify_bundle(directory: Path, progress: TextIO | None = None) -> BundleReport:
-    """SHA256SUMS first (exactly the release's files, each matching), then the image
-    tarball against the manifest, image by image: tag, architecture, os, every label and
-    the RootFS layers, whose files must hash to them. No daemon; the tarball is read once."""
+NOT_SIGNED_CHECKED = (
+    "not checked (no --signers): the files match SHA256SUMS, but who wrote SHA256SUMS was "
+    "not checked"
+)
+
+
+def _sums_findings(entries: list[Any], expected_names: list[str], version: str) -> list[Finding]:
+    """SHA256SUMS as the release writes it: each of the release's files once, in
+    SHA256SUMS.template's order, and nothing else."""
+    findings: list[Finding] = []
+    seen: set[str] = set()
+    for entry in entries:
+        if entry.name in seen:
+            findings.append(Finding(SUMS_NAME, f"line {entry.line}: lists {entry.name} again"))
+        seen.add(entry.name)
+        if entry.name not in expected_names:
+            findings.append(
+                Finding(SUMS_NAME, f"lists {entry.name}, which is not a file of release {version}")
+            )
+    for name in expected_names:
+        if entries and name not in seen:
+            findings.append(Finding(SUMS_NAME, f"does not list {name}"))
+    listed = list(dict.fromkeys(entry.name for entry in entries if entry.name in expected_names))
+    if listed != [name for name in expected_names if name in listed]:
+        findings.append(
+            Finding(
+                SUMS_NAME,
+                "lists the files out of order (a release lists them as SHA256SUMS.template "
+                f"does: {', '.join(expected_names)})",
+            )
+        )
+    return findings
+
+
+def _stray_files(directory: Path, expected_names: list[str]) -> list[Finding]:
+    """Whatever lies in the release directory that SHA256SUMS does not cover."""
+    allowed = {*expected_names, SUMS_NAME, SIGNATURE_NAME}
+    return [
+        Finding(path.name, "is in the release directory but SHA256SUMS does not list it")
+        for path in sorted(directory.iterdir())
+        if path.name not in allowed
+    ]
+
+
+def verify_bundle(
+    directory: Path, progress: TextIO | None = None, signers: Path | None = None
+) -> BundleReport:
+    """The signature first (with ``signers``, an ``allowed_signers`` file), then
+    SHA256SUMS (exactly the release's files, in order, each matching, nothing else in the
+    directory), then the image tarball against the manifest, image by image: tag,
+    architecture, os, every label, the runtime configuration and the RootFS layers, whose
+    files must hash to them. No daemon; the tarball is read once."""
     from .archive import ArchiveError, read_archive
-    from .names import SUMS_NAME, release_names, tarball_name
+    from .names import release_names, tarball_name
+    from .signing import verify_sums_signature
 
     report = BundleReport(directory)
+    if signers is None:
+        report.signature = NOT_SIGNED_CHECKED
+    else:
+        check = verify_sums_signature(directory, signers)
+        report.signature, report.signed_by = check.message, check.principal
+        if not check.ok:
+            report.findings.append(Finding(SIGNATURE_NAME, check.message))
     manifests = sorted(directory.glob("modelforge-*-manifest.json"))
     if len(manifests) != 1:
         report.findings.append(
@@ -207,7 +268,7 @@ def verify_bundle(directory: Path, progress: TextIO | None = None) -> BundleRepo
             )
         )
 
-    # 1. SHA256SUMS lists exactly this release's files, and each matches.
+    # 1. SHA256SUMS lists exactly this release's files, in order, and each matches.
     expected_names = release_names(report.version)
     sums_path = directory / SUMS_NAME
     try:
@@ -218,30 +279,27 @@ def verify_bundle(directory: Path, progress: TextIO | None = None) -> BundleRepo
     except SumsError as exc:
         entries = []
         report.findings.append(Finding(SUMS_NAME, str(exc).removeprefix(f"{SUMS_NAME}: ")))
-    listed = [entry.name for entry in entries]
-    for name in listed:
-        if name not in expected_names:
-            report.findings.append(
-                Finding(SUMS_NAME, f"lists {name}, which is not a file of release {report.version}")
-            )
-    for name in expected_names:
-        if entries and name not in listed:
-            report.findings.append(Finding(SUMS_NAME, f"does not list {name}"))
+    report.findings += _sums_findings(entries, expected_names, report.version)
+    report.findings += _stray_files(directory, expected_names)
     tarball = tarball_name(report.version)
+    computed: dict[str, str] = {}
     for entry in entries:
-        if entry.name == tarball:
-            continue  # hashed while the tarball is read below
+        if entry.name == tarball or entry.name in computed:
+            continue  # the tarball is hashed while it is read below
         try:
             actual = sha256_file(directory / entry.name, entry.name, progress)
         except OSError as exc:
             report.files[entry.name] = "FAILED open or read"
             report.findings.append(Finding(entry.name, f"cannot be read ({exc.strerror or exc})"))
             continue
+        computed[entry.name] = actual
         report.files[entry.name] = "OK" if actual == entry.digest else "FAILED"
         if actual != entry.digest:
             report.findings.append(
                 Finding(entry.name, f"SHA-256 is {actual}, SHA256SUMS says {entry.digest}")
             )
+    if manifest is not None:
+        report.findings += _archive_pin_findings(manifest, computed, manifest_path.name)
 
     # 2. The tarball against the manifest, image by image.
     try:
@@ -251,9 +309,10 @@ def verify_bundle(directory: Path, progress: TextIO | None = None) -> BundleRepo
         report.findings.append(Finding(tarball, f"cannot be read ({exc.strerror or exc})"))
         return report
     except ArchiveError as exc:
-        report.findings.append(Finding(tarball, str(exc)))
+        report.findings.append(Finding(tarball, str(exc).removeprefix(f"{tarball}: ")))
         return report
     report.layout = archive.layout
+    report.findings += [Finding(tarball, problem) for problem in archive.problems]
     listed_digest = next((entry.digest for entry in entries if entry.name == tarball), None)
     if listed_digest is not None:
         report.files[tarball] = "OK" if archive.sha256 == listed_digest else "FAILED"
@@ -284,6 +343,15 @@ def verify_bundle(directory: Path, progress: TextIO | None = None) -> BundleRepo
             Finding(tarball, message, name, field_name) for field_name, message in image.problems
         ]
         found += [
+            Finding(
+                tarball,
+                f"the image is also tagged {tag}, which docker load would take over",
+                name,
+                "tag",
+            )
+            for tag in sorted(set(image.tags) - {entry["tag"]})
+        ]
+        found += [
             Finding(tarball, problem.message, name, problem.field)
             for problem in entry_differences(entry, image.entry(entry["tag"]))
         ]
@@ -296,3 +364,36 @@ def verify_bundle(directory: Path, progress: TextIO | None = None) -> BundleRepo
                 Finding(tarball, f"carries an image the manifest does not list ({tags})")
             )
     return report
+
+
+def _archive_pin_findings(
+    manifest: dict[str, Any], computed: dict[str, str], manifest_file: str
+) -> list[Finding]:
+    """The release's control-plane archive for the image's architecture is the one the
+    image carries: its SHA-256 is the image's ``io.modelforge.control-plane-pyz-sha256``."""
+    entry = manifest["images"].get(CONTROL_PLANE_IMAGE)
+    if entry is None:
+        return []
+    archive = CONTROL_PLANE_ARCHIVES.get(entry["architecture"])
+    pinned = entry["labels"].get(LABEL_PYZ)
+    if pinned is None:
+        return [
+            Finding(
+                manifest_file,
+                "has no label pinning the control-plane archive it carries",
+                CONTROL_PLANE_IMAGE,
+                f"labels.{LABEL_PYZ}",
+            )
+        ]
+    actual = computed.get(archive or "")
+    if archive is None or actual is None or actual == pinned:
+        return []
+    return [
+        Finding(
+            archive,
+            f"is not the archive the image carries: its SHA-256 is {actual}, the image pins "
+            f"{pinned}",
+            CONTROL_PLANE_IMAGE,
+            f"labels.{LABEL_PYZ}",
+        )
+    ]

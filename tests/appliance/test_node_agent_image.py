@@ -15,8 +15,9 @@ import pytest
 
 from modelforge_appliance.fleet import node_agent_image
 from modelforge_contract import __version__
-from modelforge_contract.manifest import REQUIRED_LABELS
+from modelforge_contract.manifest import REQUIRED_LABELS, runtime_config
 from tests.harness.control_plane import error_code, make_settings, serve
+from tests.harness.manifest_entries import sample_config
 
 CHECK = "/api/v1/admin/node-agent-image/check"
 RELEASE = "1.3.0-rc.1"
@@ -33,6 +34,7 @@ def entry_for(version: str) -> dict:
         "os": "linux",
         "rootfs_layers": list(LAYERS),
         "labels": labels,
+        "config": sample_config(),
         "image_id": "sha256:" + "d" * 64,
     }
 
@@ -47,7 +49,7 @@ def problems_of(response) -> dict[str, str]:
 def released(tmp_path):
     """A control plane given the release manifest (MODELFORGE_RELEASE_MANIFEST)."""
     manifest = {
-        "schema": 1,
+        "schema": 2,
         "version": RELEASE,
         "revision": "0" * 40,
         "created": "2026-11-01T00:00:00Z",
@@ -93,6 +95,10 @@ def test_without_a_manifest_the_tag_must_be_this_control_planes_version(sqlite_c
             "labels.org.opencontainers.image.revision",
         ),
         (lambda e: e["labels"].update({"com.example.extra": "x"}), "labels.com.example.extra"),
+        (lambda e: e["config"].update(User="0:0"), "config.User"),
+        (lambda e: e["config"].update(Cmd=["python3", "-c", "pass"]), "config.Cmd"),
+        (lambda e: e["config"]["Env"].append("PYTHONSTARTUP=/tmp/x.py"), "config.Env"),
+        (lambda e: e.pop("config"), "config"),
     ],
     ids=[
         "wrong-tag",
@@ -105,6 +111,10 @@ def test_without_a_manifest_the_tag_must_be_this_control_planes_version(sqlite_c
         "wrong-os",
         "changed-label",
         "extra-label",
+        "root-user",
+        "other-command",
+        "added-environment",
+        "no-configuration",
     ],
 )
 def test_each_difference_from_the_release_is_rejected_naming_the_field(released, change, field):
@@ -195,8 +205,11 @@ def test_shell_metacharacters_in_labels_stay_data(sqlite_control_plane, tmp_path
 def _build_image(docker_client, version: str) -> str:
     """A tiny real image (FROM scratch, so nothing is pulled) with the release labels."""
     labels = entry_for(version)["labels"]
-    dockerfile = "FROM scratch\nCOPY agent.txt /agent.txt\nCOPY more.txt /more.txt\n" + "".join(
-        f"LABEL {name}={json.dumps(value)}\n" for name, value in labels.items()
+    dockerfile = (
+        "FROM scratch\nCOPY agent.txt /agent.txt\nCOPY more.txt /more.txt\n"
+        'USER 65532:65532\nENV LANG=C.UTF-8 A_VALUE="<a & b>"\nWORKDIR /\nEXPOSE 8000/tcp\n'
+        'CMD ["python3", "-m", "modelforge_node_agent.main"]\n'
+        + "".join(f"LABEL {name}={json.dumps(value)}\n" for name, value in labels.items())
     )
     context = io.BytesIO()
     with tarfile.open(fileobj=context, mode="w") as tar:
@@ -226,8 +239,10 @@ def test_the_generated_script_verifies_a_really_loaded_image(docker_client, tmp_
             "architecture": attrs["Architecture"],
             "os": attrs["Os"],
             "rootfs_layers": attrs["RootFS"]["Layers"],
+            "config": runtime_config(attrs["Config"]),
             "image_id": "sha256:" + "0" * 64,  # ignored
         }
+        assert entry["config"]["ExposedPorts"] == {"8000/tcp": {}}
 
         def verify(candidate: dict) -> subprocess.CompletedProcess:
             script = tmp_path / "start.sh"
@@ -259,6 +274,19 @@ def test_the_generated_script_verifies_a_really_loaded_image(docker_client, tmp_
         extra_label["labels"]["com.example.extra"] = "x"
         refused = verify(extra_label)
         assert refused.returncode == 1 and "label names" in refused.stderr
+
+        # What decides how the image runs is bound too: the image says 65532, the node was
+        # handed one that runs as root, or another command, or an added variable.
+        for field, value in (
+            ("User", "0:0"),
+            ("Cmd", ["python3", "-c", "print(open('/proc/self/environ').read())"]),
+            ("Env", [*entry["config"]["Env"], "PYTHONSTARTUP=/tmp/x.py"]),
+            ("Entrypoint", ["/bin/sh", "-c"]),
+            ("ExposedPorts", {"22/tcp": {}}),
+        ):
+            refused = verify({**entry, "config": {**entry["config"], field: value}})
+            assert refused.returncode == 1, (field, refused.stdout)
+            assert f"config.{field} is" in refused.stderr, refused.stderr
 
         other_arch = {
             **entry,

@@ -21,6 +21,7 @@ from modelforge_contract import READINESS_CHECKS, __version__
 from tests.harness.agent_process import wait_until
 from tests.harness.console_client import PASSWORD, set_password
 from tests.harness.control_plane import make_settings, serve
+from tests.harness.manifest_entries import sample_config
 from tests.harness.seeded_fleet import add_nodes, add_telemetry_hour
 
 from .conftest import artifacts_dir, served_process, sign_in
@@ -127,6 +128,7 @@ def test_the_wizard_enrolls_a_real_agent_and_the_token_is_left_nowhere(browser, 
                 "org.opencontainers.image.licenses": "Apache-2.0",
                 "io.modelforge.agent-protocol": "1",
             },
+            "config": sample_config(),
             "image_id": "sha256:" + "f" * 64,
         }
         page.get_by_test_id("manifest-entry").fill(json.dumps(entry, indent=2))
@@ -275,13 +277,14 @@ def test_pasted_manifest_entries_are_checked_field_by_field(browser, tmp_path):
             "org.opencontainers.image.licenses": "Apache-2.0",
             "io.modelforge.agent-protocol": "1",
         },
+        "config": sample_config(),
         "image_id": "sha256:" + "3" * 64,
     }
     manifest = tmp_path / f"modelforge-{release}-manifest.json"
     manifest.write_text(
         json.dumps(
             {
-                "schema": 1,
+                "schema": 2,
                 "version": release,
                 "revision": "a" * 40,
                 "created": "2026-11-01T00:00:00Z",
@@ -314,7 +317,9 @@ def test_pasted_manifest_entries_are_checked_field_by_field(browser, tmp_path):
             "rootfs_layers": [expected["rootfs_layers"][0], "sha256:" + "9" * 64],
         }
         wrong_arch = {**expected, "architecture": "arm64"}
+        root_user = {**expected, "config": {**expected["config"], "User": "0:0"}}
         for entry, field in (
+            (root_user, "config.User"),
             (wrong_tag, "tag"),
             (missing_label, "labels.org.opencontainers.image.licenses"),
             (changed_layer, "rootfs_layers[1]"),

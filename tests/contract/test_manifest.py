@@ -18,6 +18,7 @@ from modelforge_contract.manifest import (
     entry_problems,
     parse_manifest,
 )
+from tests.harness.manifest_entries import sample_config
 
 VERSION = "1.3.0-rc.1"
 
@@ -32,6 +33,7 @@ def agent_entry() -> dict:
         "os": "linux",
         "rootfs_layers": ["sha256:" + "a" * 64, "sha256:" + "b" * 64],
         "labels": labels,
+        "config": sample_config(),
         "image_id": "sha256:" + "c" * 64,
     }
 
@@ -57,6 +59,12 @@ def test_a_well_formed_entry_has_no_problems():
             f"labels.{LABEL_AGENT_PROTOCOL}",
         ),
         (lambda e: e.update(image_id="abc"), "image_id"),
+        (lambda e: e.pop("config"), "config"),
+        (lambda e: e["config"].pop("User"), "config.User"),
+        (lambda e: e["config"].update(User=0), "config.User"),
+        (lambda e: e["config"].update(Cmd="python3 -m x"), "config.Cmd"),
+        (lambda e: e["config"].update(Healthcheck=["CMD"]), "config.Healthcheck"),
+        (lambda e: e["config"].update(Shell=["/bin/sh"]), "config.Shell"),
     ],
 )
 def test_each_malformed_field_is_named(mutate, field):
@@ -81,7 +89,7 @@ def test_differences_ignore_the_image_id_and_name_every_changed_field():
 
 def test_a_whole_manifest_parses_or_names_the_image_and_field():
     manifest = {
-        "schema": 1,
+        "schema": 2,
         "version": VERSION,
         "revision": "0" * 40,
         "created": "2026-11-29T00:00:00Z",
@@ -99,7 +107,7 @@ def test_a_manifest_error_lists_each_problem_with_its_image_and_field():
     entry = agent_entry()
     entry["os"] = "plan9"
     del entry["labels"][LABEL_VERSION]
-    manifest = {"schema": 1, "version": VERSION, "images": {NODE_AGENT_IMAGE: entry, "other": {}}}
+    manifest = {"schema": 2, "version": VERSION, "images": {NODE_AGENT_IMAGE: entry, "other": {}}}
     with pytest.raises(ManifestError) as caught:
         parse_manifest(json.dumps(manifest))
     found = {(image, problem.field) for image, problem in caught.value.problems}
@@ -109,3 +117,42 @@ def test_a_manifest_error_lists_each_problem_with_its_image_and_field():
     with pytest.raises(ManifestError) as caught:
         parse_manifest("[]")
     assert caught.value.problems == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("User", "0:0"),
+        ("Cmd", ["python3", "-c", "print(open('/proc/self/environ').read())"]),
+        ("Entrypoint", ["/bin/sh", "-c"]),
+        ("Env", ["PATH=/usr/bin:/bin", "LANG=C.UTF-8", "PYTHONSTARTUP=/tmp/x.py"]),
+        ("WorkingDir", "/tmp"),
+        ("Volumes", {"/data": {}}),
+        ("ExposedPorts", {"22/tcp": {}}),
+        ("Healthcheck", {"Test": ["CMD", "true"]}),
+        ("StopSignal", "SIGKILL"),
+    ],
+)
+def test_every_runtime_field_is_bound_and_named_with_both_values(field, value):
+    expected = agent_entry()
+    changed = copy.deepcopy(expected)
+    changed["config"][field] = value
+    problems = entry_differences(expected, changed)
+    assert [p.field for p in problems] == [f"config.{field}"]
+    assert repr(expected["config"][field]) in problems[0].message
+    assert repr(value) in problems[0].message
+
+
+def test_an_empty_runtime_value_is_the_same_as_an_absent_one():
+    expected = agent_entry()
+    changed = copy.deepcopy(expected)
+    changed["config"].update(Entrypoint=[], Volumes={}, StopSignal="")
+    assert entry_differences(expected, changed) == []
+
+
+def test_a_schema_1_manifest_is_refused_because_it_binds_no_configuration():
+    entry = agent_entry()
+    del entry["config"]
+    manifest = {"schema": 1, "version": VERSION, "images": {NODE_AGENT_IMAGE: entry}}
+    with pytest.raises(ManifestError, match="schema 1 does not bind"):
+        parse_manifest(json.dumps(manifest))

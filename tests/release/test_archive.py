@@ -19,6 +19,7 @@ from modelforge_release.archive import ArchiveError, read_archive
 from modelforge_release.rootfs import Tree, write_layer
 
 TAG = "modelforge-node-agent:1.0.0"
+BASE_DIR, APP_DIR = "a" * 64, "b" * 64
 
 
 def layer_bytes(tmp_path: Path, name: str, content: bytes) -> tuple[bytes, str]:
@@ -65,7 +66,7 @@ def sha(data: bytes) -> str:
 def docker_tarball(
     tmp_path: Path,
     shared_link: bool = False,
-    layer_dir: str = "bbbb",
+    layer_dir: str = APP_DIR,
     format: int = tarfile.PAX_FORMAT,
 ) -> Path:
     base, base_id = layer_bytes(tmp_path, "base", b"python\n" * 1000)
@@ -73,7 +74,7 @@ def docker_tarball(
     config = config_for([base_id, app_id])
     second = config_for([base_id])
     files = {
-        "aaaa/layer.tar": base,
+        f"{BASE_DIR}/layer.tar": base,
         f"{layer_dir}/layer.tar": app,
         f"{sha(config)}.json": config,
         f"{sha(second)}.json": second,
@@ -82,16 +83,16 @@ def docker_tarball(
         {
             "Config": f"{sha(config)}.json",
             "RepoTags": [TAG],
-            "Layers": ["aaaa/layer.tar", f"{layer_dir}/layer.tar"],
+            "Layers": [f"{BASE_DIR}/layer.tar", f"{layer_dir}/layer.tar"],
         },
         {
             "Config": f"{sha(second)}.json",
             "RepoTags": ["modelforge-runtime-worker-cpu:1.0.0"],
-            "Layers": ["cccc/layer.tar" if shared_link else "aaaa/layer.tar"],
+            "Layers": [f"{'c' * 64}/layer.tar" if shared_link else f"{BASE_DIR}/layer.tar"],
         },
     ]
     files["manifest.json"] = json.dumps(manifest).encode()
-    links = {"cccc/layer.tar": "../aaaa/layer.tar"} if shared_link else None
+    links = {f"{'c' * 64}/layer.tar": f"../{BASE_DIR}/layer.tar"} if shared_link else None
     return write_tar(tmp_path / "images.tar", files, links, format)
 
 
@@ -151,14 +152,113 @@ def test_docker_layout_images_are_read_with_their_tags_layers_and_labels(tmp_pat
     assert entry["labels"] == {"org.opencontainers.image.version": "1.0.0"}
     assert len(entry["rootfs_layers"]) == 2
     # Layers stream past; only the small JSON documents are kept.
-    assert archive.members["aaaa/layer.tar"].data is None
+    assert archive.members[f"{BASE_DIR}/layer.tar"].data is None
     assert archive.members["manifest.json"].data is not None
 
 
-def test_a_layer_linked_from_another_image_is_followed(tmp_path):
-    archive = read_archive(docker_tarball(tmp_path, shared_link=True))
-    image = archive.find("modelforge-runtime-worker-cpu:1.0.0")
-    assert image is not None and image.problems == []
+def test_a_well_formed_archive_has_no_archive_problems(tmp_path):
+    assert read_archive(docker_tarball(tmp_path)).problems == []
+    assert read_archive(oci_tarball(tmp_path)).problems == []
+
+
+def test_a_layer_linked_from_another_image_is_refused(tmp_path):
+    # dockerd 20.10's own save links a shared layer; the bundle writes no link at all.
+    with pytest.raises(ArchiveError, match="is a symbolic link"):
+        read_archive(docker_tarball(tmp_path, shared_link=True))
+
+
+def members_of(path: Path) -> dict[str, bytes]:
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+def entry(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", link: str = ""):
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.size = kind, link, len(data)
+    return info, data
+
+
+def rewrite(path: Path, target: Path, before=(), after=()) -> Path:
+    """The archive's regular files, with extra raw entries before and after them."""
+    files = members_of(path)
+    with tarfile.open(target, "w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in before:
+            tar.addfile(info, io.BytesIO(data) if data else None)
+        for name, data in files.items():
+            tar.addfile(entry(name, data=data)[0], io.BytesIO(data))
+        for info, data in after:
+            tar.addfile(info, io.BytesIO(data) if data else None)
+    return target
+
+
+CONFIG_OF = "config"  # placeholder in the cases below: the first image's config file name
+
+
+@pytest.mark.parametrize(
+    ("case", "before", "after", "message"),
+    [
+        # The attack that passed: a link first, then a regular file under the same name;
+        # the old reader let the link win, docker unpacks in order and takes the file.
+        (
+            "link-then-file",
+            [entry(CONFIG_OF, tarfile.SYMTYPE, link="manifest.json")],
+            [],
+            "is a symbolic link",
+        ),
+        ("file-then-link", [], [entry(CONFIG_OF, tarfile.SYMTYPE, link="x")], "symbolic link"),
+        ("file-twice", [], [entry(CONFIG_OF, data=b"{}")], "appears twice"),
+        ("hard-link", [], [entry("x", tarfile.LNKTYPE, link="/etc/shadow")], "is a hard link"),
+        ("symlink-out", [], [entry("x", tarfile.SYMTYPE, link="/etc/passwd")], "symbolic link"),
+        ("dot-dot", [], [entry("../../evil", data=b"x")], "leaves the archive"),
+        ("absolute", [], [entry("/etc/cron.d/evil", data=b"x")], "absolute name"),
+        ("device", [], [entry("dev", tarfile.CHRTYPE)], "neither a regular file"),
+        ("fifo", [], [entry("pipe", tarfile.FIFOTYPE)], "neither a regular file"),
+        ("dir-and-file", [entry("manifest.json", tarfile.DIRTYPE)], [], "appears twice"),
+    ],
+)
+def test_what_docker_might_read_differently_is_refused(tmp_path, case, before, after, message):
+    path = docker_tarball(tmp_path)
+    config = json.loads(members_of(path)["manifest.json"])[0]["Config"]
+
+    def named(items):
+        out = []
+        for info, data in items:
+            if info.name == CONFIG_OF:
+                info.name = config
+            out.append((info, data))
+        return out
+
+    bad = rewrite(path, tmp_path / f"{case}.tar", named(before), named(after))
+    with pytest.raises(ArchiveError, match=message):
+        read_archive(bad)
+
+
+@pytest.mark.parametrize(
+    ("name", "data"),
+    [("evil.sh", b"#!/bin/sh\n"), ("x" * 64 + "/layer.tar.gz", b"x"), ("blobs/md5/abc", b"x")],
+)
+def test_an_entry_outside_the_layout_is_named(tmp_path, name, data):
+    bad = rewrite(docker_tarball(tmp_path), tmp_path / "stray.tar", after=[entry(name, data=data)])
+    assert any(problem.startswith(name) for problem in read_archive(bad).problems)
+
+
+def test_a_repositories_file_must_say_what_the_manifest_says(tmp_path):
+    path = docker_tarball(tmp_path)
+    agreeing = {"modelforge-node-agent": {"1.0.0": APP_DIR}}
+    agreeing["modelforge-runtime-worker-cpu"] = {"1.0.0": BASE_DIR}
+    good = rewrite(
+        path,
+        tmp_path / "good.tar",
+        after=[entry("repositories", data=json.dumps(agreeing).encode())],
+    )
+    assert read_archive(good).problems == []
+    hijack = {**agreeing, "busybox": {"latest": APP_DIR}}
+    bad = rewrite(
+        path, tmp_path / "bad.tar", after=[entry("repositories", data=json.dumps(hijack).encode())]
+    )
+    assert read_archive(bad).problems == [
+        "repositories names busybox:latest, which manifest.json does not tag"
+    ]
 
 
 def test_oci_layout_gzip_layers_are_checked_against_the_decompressed_diff_id(tmp_path):

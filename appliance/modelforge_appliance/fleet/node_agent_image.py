@@ -5,19 +5,21 @@ and pastes the ``images.modelforge-node-agent`` entry of the release manifest. T
 checked with ``modelforge_contract.manifest`` (no second checker here):
 
 - with ``MODELFORGE_RELEASE_MANIFEST`` set, it must equal that release's entry in every
-  compared field (tag, architecture, os, RootFS layers, every label) — a changed layer is
-  named by its index;
+  compared field (tag, architecture, os, RootFS layers, every label, every runtime field
+  of ``config``) — a changed layer is named by its index;
 - without it, it must be well formed and tagged exactly
   ``modelforge-node-agent:<this control plane's version>``.
 
 The image id is ignored (``docker load`` may rewrite it). The generated script checks the
-loaded image against the same values, records the local image id before Compose starts,
-and checks that the created container runs that id. Alternate mode: a registry image
+loaded image against the same values (its user, entrypoint, command, environment and the
+other runtime fields included), records the local image id before Compose starts, and
+checks that the created container runs that id as that user with that command. Alternate mode: a registry image
 pinned by ``@sha256:`` digest, which Docker itself verifies on pull.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -30,11 +32,13 @@ from modelforge_contract import (
 )
 from modelforge_contract.manifest import (
     NODE_AGENT_IMAGE,
+    RUNTIME_FIELDS,
     ManifestError,
     Problem,
     entry_differences,
     entry_problems,
     parse_manifest,
+    runtime_config,
 )
 
 from ..core.errors import ApiError, Invalid
@@ -235,6 +239,28 @@ def compose_file(image: str) -> str:
     )
 
 
+# How ``docker inspect --format '{{json .Config.X}}'`` prints an unset field.
+_UNSET_STRING_FIELDS = ("User", "WorkingDir", "StopSignal")
+# The fields a container created by the generated Compose file keeps from its image.
+CONTAINER_FIELDS = ("User", "Entrypoint", "Cmd", "WorkingDir")
+_HEALTHCHECK_ORDER = ("Test", "Interval", "Timeout", "StartPeriod", "StartInterval", "Retries")
+
+
+def go_json(name: str, value: Any) -> str:
+    """``value`` as docker's Go template ``{{json .Config.<name>}}`` prints it (a test
+    compares with a real ``docker image inspect``)."""
+    if value is None:
+        return '""' if name in _UNSET_STRING_FIELDS else "null"
+    if name == "Healthcheck" and isinstance(value, dict):  # a Go struct: its field order
+        value = {key: value[key] for key in _HEALTHCHECK_ORDER if value.get(key)}
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    else:
+        text = json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+    # docker's template json does not escape <, > and & (SetEscapeHTML(false)); Go still
+    # escapes the two line separators.
+    return text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
 def _verify_lines(image: str, entry: dict[str, Any]) -> list[str]:
     q = shlex.quote
     labels = entry["labels"]
@@ -249,6 +275,27 @@ def _verify_lines(image: str, entry: dict[str, Any]) -> list[str]:
     for name in sorted(labels):
         template = f'{{{{index .Config.Labels "{name}"}}}}'
         lines.append(f'expect {q("labels." + name)} {q(labels[name])} "$(inspect {q(template)})"')
+    config = runtime_config(entry.get("config"))
+    for name in RUNTIME_FIELDS:
+        template = f"{{{{json .Config.{name}}}}}"
+        lines.append(
+            f"expect {q('config.' + name)} {q(go_json(name, config[name]))} "
+            f'"$(inspect {q(template)})"'
+        )
+    return lines
+
+
+def _container_lines(entry: dict[str, Any]) -> list[str]:
+    """After the start: the container runs the image's user, entrypoint and command."""
+    q = shlex.quote
+    config = runtime_config(entry.get("config"))
+    lines = []
+    for name in CONTAINER_FIELDS:
+        template = f"{{{{json .Config.{name}}}}}"
+        lines.append(
+            f"expect_running {q('config.' + name)} {q(go_json(name, config[name]))} "
+            f'"$(docker inspect --format {q(template)} "$container")"'
+        )
     return lines
 
 
@@ -276,6 +323,8 @@ def start_script(image: str, entry: dict[str, Any] | None) -> str:
         'fail() { echo "modelforge: $*" >&2; exit 1; }',
         'expect() { [ "$3" = "$2" ] || fail "the image does not match: $1 is \'$3\', expected \'$2\'"; }',
         'inspect() { docker image inspect --format "$1" "$image"; }',
+        'expect_running() { [ "$3" = "$2" ] || { "${compose[@]}" down; fail "the container does '
+        "not run as its image says: $1 is '$3', expected '$2'; stopped it\"; }; }",
         *obtain,
         "image_id=$(inspect '{{.Id}}')",
         'echo "verified $image (local image id $image_id)"',
@@ -292,11 +341,13 @@ def start_script(image: str, entry: dict[str, Any] | None) -> str:
         'MODELFORGE_NODE_AGENT_TOKEN_FILE="$tok_file" "${compose[@]}" up -d --no-build '
         f"--pull never {SERVICE}",
         'rm -f "$tok_file"',
-        f'running=$(docker inspect --format \'{{{{.Image}}}}\' "$("${{compose[@]}}" ps -q {SERVICE})")',
+        f'container=$("${{compose[@]}}" ps -q {SERVICE})',
+        "running=$(docker inspect --format '{{.Image}}' \"$container\")",
         'if [ "$running" != "$image_id" ]; then',
         '    "${compose[@]}" down',
         '    fail "the container ran $running, not the verified $image_id: stopped it"',
         "fi",
+        *(_container_lines(entry) if entry is not None else []),
         'echo "node agent started from $image ($image_id)"',
     ]
     return "\n".join(body) + "\n"
