@@ -208,14 +208,21 @@ def edit_manifest(directory: Path, change: Callable[[dict], None]) -> None:
 
 
 def rewrite_tar(
-    source: Path, target: Path, change: Callable[[str, bytes], bytes | tuple[str, bytes] | None]
+    source: Path,
+    target: Path,
+    change: Callable[[str, bytes], bytes | tuple[str, bytes] | None],
+    before: list[tuple[tarfile.TarInfo, bytes]] = (),  # type: ignore[assignment]
+    after: list[tuple[tarfile.TarInfo, bytes]] = (),  # type: ignore[assignment]
 ) -> None:
     """Copy a tarball member by member. For small files ``change(name, data)`` returns None
-    (keep), new bytes, ``(new name, new bytes)``, or b"" (drop the file)."""
+    (keep), new bytes, ``(new name, new bytes)``, or b"" (drop the file). ``before`` and
+    ``after`` are raw entries (links, devices, odd names) written around the copy."""
     with (
         tarfile.open(source) as tar_in,
         tarfile.open(target, "w", format=tarfile.PAX_FORMAT) as out,
     ):
+        for info, data in before:
+            out.addfile(info, io.BytesIO(data) if info.isfile() else None)
         for info in tar_in.getmembers():
             if info.isfile() and info.size < (4 << 20):
                 data = tar_in.extractfile(info).read()  # type: ignore[union-attr]
@@ -232,6 +239,16 @@ def rewrite_tar(
                 out.addfile(info, tar_in.extractfile(info))
             else:
                 out.addfile(info)
+        for info, data in after:
+            out.addfile(info, io.BytesIO(data) if info.isfile() else None)
+
+
+def raw_entry(
+    name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", link: str = ""
+) -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.size = kind, link, len(data)
+    return info, data
 
 
 def layer_offset(tarball: Path, image: str, index: int) -> tuple[str, int, int]:
@@ -265,27 +282,43 @@ def layer_offset(tarball: Path, image: str, index: int) -> tuple[str, int, int]:
         return name, info.offset_data, info.size
 
 
-def rewrite_config_docker(source: Path, target: Path, image: str) -> str:
-    """The docker-save tarball with one image's configuration changed in a way that changes
-    its id but none of what the manifest records (a history comment). Returns the new id."""
+def _history_comment(config: dict) -> None:
+    config["history"][-1]["comment"] = "rebuilt by another tool; same files, same labels"
+
+
+def image_config_name(tarball: Path, image: str) -> str:
+    """The file name of one image's configuration in a docker-save tarball."""
+    with tarfile.open(tarball) as tar:
+        manifest = json.loads(tar.extractfile("manifest.json").read())  # type: ignore[union-attr]
+    return next(e for e in manifest if any(t.startswith(image + ":") for t in e["RepoTags"]))[
+        "Config"
+    ]
+
+
+def rewrite_config_docker(
+    source: Path, target: Path, image: str, change: Callable[[dict], None] = _history_comment
+) -> str:
+    """The docker-save tarball with one image's configuration changed by ``change`` (by
+    default in a way that changes its id but none of what the manifest records: a history
+    comment), its file renamed to its new digest as docker names it. Returns the new id."""
     with tarfile.open(source) as tar:
         manifest = json.loads(tar.extractfile("manifest.json").read())  # type: ignore[union-attr]
         entry = next(e for e in manifest if any(t.startswith(image + ":") for t in e["RepoTags"]))
         config = json.loads(tar.extractfile(entry["Config"]).read())  # type: ignore[union-attr]
-    config["history"][-1]["comment"] = "rebuilt by another tool; same files, same labels"
+    change(config)
     new_config = json.dumps(config, sort_keys=True).encode()
     new_id = hashlib.sha256(new_config).hexdigest()
     old_name = entry["Config"]
     entry["Config"] = f"{new_id}.json"
 
-    def change(name: str, data: bytes) -> bytes | tuple[str, bytes] | None:
+    def rename(name: str, data: bytes) -> bytes | tuple[str, bytes] | None:
         if name == "manifest.json":
             return json.dumps(manifest).encode()
         if name == old_name:
             return f"{new_id}.json", new_config
         return None
 
-    rewrite_tar(source, target, change)
+    rewrite_tar(source, target, rename)
     return "sha256:" + new_id
 
 

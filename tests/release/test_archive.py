@@ -17,6 +17,7 @@ import pytest
 
 from modelforge_release.archive import ArchiveError, read_archive
 from modelforge_release.rootfs import Tree, write_layer
+from tests.harness.release_images import raw_entry
 
 TAG = "modelforge-node-agent:1.0.0"
 BASE_DIR, APP_DIR = "a" * 64, "b" * 64
@@ -172,12 +173,6 @@ def members_of(path: Path) -> dict[str, bytes]:
         return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
 
 
-def entry(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", link: str = ""):
-    info = tarfile.TarInfo(name)
-    info.type, info.linkname, info.size = kind, link, len(data)
-    return info, data
-
-
 def rewrite(path: Path, target: Path, before=(), after=()) -> Path:
     """The archive's regular files, with extra raw entries before and after them."""
     files = members_of(path)
@@ -185,7 +180,7 @@ def rewrite(path: Path, target: Path, before=(), after=()) -> Path:
         for info, data in before:
             tar.addfile(info, io.BytesIO(data) if data else None)
         for name, data in files.items():
-            tar.addfile(entry(name, data=data)[0], io.BytesIO(data))
+            tar.addfile(raw_entry(name, data=data)[0], io.BytesIO(data))
         for info, data in after:
             tar.addfile(info, io.BytesIO(data) if data else None)
     return target
@@ -201,19 +196,19 @@ CONFIG_OF = "config"  # placeholder in the cases below: the first image's config
         # the old reader let the link win, docker unpacks in order and takes the file.
         (
             "link-then-file",
-            [entry(CONFIG_OF, tarfile.SYMTYPE, link="manifest.json")],
+            [raw_entry(CONFIG_OF, tarfile.SYMTYPE, link="manifest.json")],
             [],
             "is a symbolic link",
         ),
-        ("file-then-link", [], [entry(CONFIG_OF, tarfile.SYMTYPE, link="x")], "symbolic link"),
-        ("file-twice", [], [entry(CONFIG_OF, data=b"{}")], "appears twice"),
-        ("hard-link", [], [entry("x", tarfile.LNKTYPE, link="/etc/shadow")], "is a hard link"),
-        ("symlink-out", [], [entry("x", tarfile.SYMTYPE, link="/etc/passwd")], "symbolic link"),
-        ("dot-dot", [], [entry("../../evil", data=b"x")], "leaves the archive"),
-        ("absolute", [], [entry("/etc/cron.d/evil", data=b"x")], "absolute name"),
-        ("device", [], [entry("dev", tarfile.CHRTYPE)], "neither a regular file"),
-        ("fifo", [], [entry("pipe", tarfile.FIFOTYPE)], "neither a regular file"),
-        ("dir-and-file", [entry("manifest.json", tarfile.DIRTYPE)], [], "appears twice"),
+        ("file-then-link", [], [raw_entry(CONFIG_OF, tarfile.SYMTYPE, link="x")], "symbolic link"),
+        ("file-twice", [], [raw_entry(CONFIG_OF, data=b"{}")], "appears twice"),
+        ("hard-link", [], [raw_entry("x", tarfile.LNKTYPE, link="/etc/shadow")], "is a hard link"),
+        ("symlink-out", [], [raw_entry("x", tarfile.SYMTYPE, link="/etc/passwd")], "symbolic link"),
+        ("dot-dot", [], [raw_entry("../../evil", data=b"x")], "leaves the archive"),
+        ("absolute", [], [raw_entry("/etc/cron.d/evil", data=b"x")], "absolute name"),
+        ("device", [], [raw_entry("dev", tarfile.CHRTYPE)], "neither a regular file"),
+        ("fifo", [], [raw_entry("pipe", tarfile.FIFOTYPE)], "neither a regular file"),
+        ("dir-and-file", [raw_entry("manifest.json", tarfile.DIRTYPE)], [], "appears twice"),
     ],
 )
 def test_what_docker_might_read_differently_is_refused(tmp_path, case, before, after, message):
@@ -238,7 +233,9 @@ def test_what_docker_might_read_differently_is_refused(tmp_path, case, before, a
     [("evil.sh", b"#!/bin/sh\n"), ("x" * 64 + "/layer.tar.gz", b"x"), ("blobs/md5/abc", b"x")],
 )
 def test_an_entry_outside_the_layout_is_named(tmp_path, name, data):
-    bad = rewrite(docker_tarball(tmp_path), tmp_path / "stray.tar", after=[entry(name, data=data)])
+    bad = rewrite(
+        docker_tarball(tmp_path), tmp_path / "stray.tar", after=[raw_entry(name, data=data)]
+    )
     assert any(problem.startswith(name) for problem in read_archive(bad).problems)
 
 
@@ -249,12 +246,14 @@ def test_a_repositories_file_must_say_what_the_manifest_says(tmp_path):
     good = rewrite(
         path,
         tmp_path / "good.tar",
-        after=[entry("repositories", data=json.dumps(agreeing).encode())],
+        after=[raw_entry("repositories", data=json.dumps(agreeing).encode())],
     )
     assert read_archive(good).problems == []
     hijack = {**agreeing, "busybox": {"latest": APP_DIR}}
     bad = rewrite(
-        path, tmp_path / "bad.tar", after=[entry("repositories", data=json.dumps(hijack).encode())]
+        path,
+        tmp_path / "bad.tar",
+        after=[raw_entry("repositories", data=json.dumps(hijack).encode())],
     )
     assert read_archive(bad).problems == [
         "repositories names busybox:latest, which manifest.json does not tag"

