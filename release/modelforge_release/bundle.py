@@ -37,6 +37,7 @@ from .names import (
     AGENT_PYZ,
     CONTROL_PLANE_ARCHIVES,
     LABEL_PYZ,
+    SIGNATURE_NAME,
     SUMS_NAME,
     control_plane_archive,
     manifest_name,
@@ -203,6 +204,10 @@ def make_bundle(
     named = order_by_template(named, template or release_names(version))
     say("hashing the release files for SHA256SUMS")
     entries = compute_entries(named, progress=progress)
+    stale = out / SIGNATURE_NAME
+    if stale.exists():  # it signed the SHA256SUMS about to be replaced
+        stale.unlink()
+        say(f"removed {stale}: it signed the previous SHA256SUMS; sign the new one")
     write_sums(out / SUMS_NAME, entries)
     result.seconds["sums"] = time.monotonic() - started
     result.files = [

@@ -310,6 +310,7 @@ def bundle(
     except (BundleError, DaemonError, OSError) as exc:
         _fail(str(exc), EXIT_FAILED)
     _emit(as_json, result.as_json(), [f"{item['name']} {item['sha256']}" for item in result.files])
+    click.echo(f"next: {PROG} sign --key YOUR_RELEASE_KEY {out}", err=True)
 
 
 @main.command()
@@ -428,7 +429,8 @@ def _load_manifest(path: Path) -> dict:
 )
 def verify_image_command(manifest_path: Path, image_name: str, as_json: bool) -> None:
     """Check a loaded image against its manifest entry, via dockerd: the exact tag, the
-    RootFS layers, architecture, os and every label. The image id is not compared
+    RootFS layers, architecture, os, every label and every runtime field (user,
+    entrypoint, command, environment, ...). The image id is not compared
     (docker load may rewrite it); it is printed, so a script can pin it for
     verify-container. Exit 0 match, 1 mismatch."""
     from .dockerd import DaemonError, connect, verify_image
@@ -468,8 +470,11 @@ def verify_image_command(manifest_path: Path, image_name: str, as_json: bool) ->
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 def verify_container_command(container: str, image_id: str, as_json: bool) -> None:
-    """Check that CONTAINER (name or id) was created from exactly IMAGE_ID: a tag moved to
-    another image between the check and the start is caught. Exit 0 match, 1 mismatch."""
+    """Check that CONTAINER (name or id) was created from exactly IMAGE_ID (a tag moved to
+    another image between the check and the start is caught) and runs it as the image
+    says: the same user, entrypoint, command, working directory, health check and stop
+    signal, and no environment beyond the operator's settings (MODELFORGE_*, NVIDIA_*,
+    TZ). Exit 0 match, 1 mismatch."""
     from .dockerd import DaemonError, connect, is_image_id, verify_container
 
     if not is_image_id(image_id):

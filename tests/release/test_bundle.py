@@ -78,6 +78,45 @@ def test_verify_bundle_accepts_the_release_in_both_layouts(bundle):
     text = verify(bundle)
     assert text.returncode == 0
     assert f"images.{AGENT}: OK" in text.stdout
+    # Without --signers, what was not checked is said plainly.
+    assert "who wrote SHA256SUMS was not checked" in text.stderr
+    assert report["signature"]["signed_by"] is None
+
+
+def test_a_signed_bundle_verifies_with_its_signers_and_a_regenerated_sums_does_not(
+    release_bundle, tmp_path
+):
+    keygen = shutil.which("ssh-keygen")
+    assert keygen, "scripts/test installs openssh-client"
+    key = tmp_path / "keys" / "release"
+    key.parent.mkdir()
+    subprocess.run(
+        [keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True, capture_output=True
+    )
+    public = key.with_suffix(".pub").read_text().strip()
+    signers = tmp_path / "allowed_signers"
+    signers.write_text(f'releases@modelforge namespaces="modelforge-release" {public}\n')
+    directory = clone_bundle(release_bundle, tmp_path / release_bundle.name)
+    assert run_release("sign", "--key", key, directory).returncode == 0
+    good = verify(directory, "--signers", signers)
+    assert good.returncode == 0, good.stderr
+    assert "SHA256SUMS.sig: OK (signed by releases@modelforge)" in good.stdout
+    report = json.loads(verify(directory, "--signers", signers, "--json").stdout)
+    assert report["signature"]["signed_by"] == "releases@modelforge"
+    # An attacker who replaces a file and makes SHA256SUMS again cannot make the signature.
+    edit_manifest(directory, lambda m: m["images"][AGENT]["labels"].update(x="y"))
+    resum(directory)
+    bad = verify(directory, "--signers", signers)
+    assert bad.returncode == 1
+    assert "SHA256SUMS.sig: SHA256SUMS.sig does not verify" in bad.stderr, bad.stderr
+    # Nor does a signature by a key the signers file does not hold.
+    other = tmp_path / "keys" / "other"
+    subprocess.run(
+        [keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True, capture_output=True
+    )
+    assert run_release("sign", "--key", other, directory).returncode == 0
+    foreign = verify(directory, "--signers", signers)
+    assert foreign.returncode == 1 and "is not signed by a key in allowed_signers" in foreign.stderr
 
 
 def mutate_manifest(change):
