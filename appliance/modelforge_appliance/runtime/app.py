@@ -28,6 +28,9 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     metrics = app.metrics = Metrics(store, settings)
     app.default_error_handler = framework_error
     app.add_hook("after_request", security_headers)
+    # A connection the database dropped (a restart, a terminated backend) is replaced before
+    # the request uses it: each serving thread fails at most one call per outage.
+    app.add_hook("before_request", lambda: store.revalidate())
     refusals = app.refusals = RefusalLog(store)
     context = ApiContext(
         settings=settings,

@@ -138,6 +138,7 @@ class Store:
         may undo it. Only for changes that are safe to lose that way (a work claim, renewal
         or expiry: the item runs again); the next flushed commit makes it durable too.
         """
+        self.revalidate()
         self.db.connect(reuse_if_open=True)
         if self.is_sqlite:
             return self._sqlite_write(flushed)
@@ -153,7 +154,7 @@ class Store:
             if relaxed:
                 self.db.execute_sql("PRAGMA synchronous = NORMAL")
             try:
-                with self.db.atomic("IMMEDIATE"):
+                with self._discarding_on_failure(), self.db.atomic("IMMEDIATE"):
                     yield
             finally:
                 if relaxed:
@@ -161,10 +162,45 @@ class Store:
 
     @contextlib.contextmanager
     def _postgres_write(self, flushed: bool) -> Iterator[None]:
-        with self.db.atomic():
+        with self._discarding_on_failure(), self.db.atomic():
             if not flushed:
                 self.db.execute_sql("SET LOCAL synchronous_commit TO OFF")
             yield
+
+    def revalidate(self) -> None:
+        """Drop this thread's connection if the server broke it (a restart,
+        ``pg_terminate_backend``, a network cut), so the next query opens a new one.
+
+        Cheap: psycopg2 marks a connection broken when a call on it fails, and this reads
+        that mark; no round trip. Run before every request and every write, it means a
+        thread sees at most one failed call per outage, and nothing waits for ``/healthz``
+        to heal it. Inside a transaction nothing changes.
+        """
+        db = self.db
+        if not db.is_closed() and not db.in_transaction() and not db.is_connection_usable():
+            log.warning("the store connection of this thread was lost; reconnecting")
+            self.discard_connection()
+
+    def discard_connection(self) -> None:
+        """Forget this thread's connection (unless a transaction is open on it), so the
+        next call opens a new one."""
+        db = self.db
+        if db.is_closed() or db.in_transaction():
+            return
+        # peewee forgets the connection even when closing a dead one fails.
+        with contextlib.suppress(Exception):
+            db.close()
+
+    @contextlib.contextmanager
+    def _discarding_on_failure(self) -> Iterator[None]:
+        try:
+            yield
+        except (pw.OperationalError, pw.InterfaceError):
+            # The outermost failure on this thread: drop the connection if the server
+            # broke it, so the next call starts afresh instead of failing again.
+            if not self.db.in_transaction() and not self.db.is_connection_usable():
+                self.discard_connection()
+            raise
 
     def grouped(self, change: Callable[[], T], order: str = "") -> T:
         """Run ``change`` in a flushed write transaction shared with the changes other threads
@@ -210,8 +246,10 @@ class Store:
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[None]:
-        self.db.connect(reuse_if_open=True)
-        yield
+        self.revalidate()
+        with self._discarding_on_failure():
+            self.db.connect(reuse_if_open=True)
+            yield
 
     def close(self) -> None:
         """Done with the store: close its connections, those of finished threads too."""
@@ -255,12 +293,11 @@ class Store:
 
     def ping(self) -> bool:
         try:
-            self.db.connect(reuse_if_open=True)
-            self.db.execute_sql("SELECT 1").fetchone()
+            with self.connection():
+                self.db.execute_sql("SELECT 1").fetchone()
         except pw.PeeweeException:
             log.warning("store ping failed", exc_info=False)
-            with contextlib.suppress(Exception):
-                self.db.close()
+            self.discard_connection()
             return False
         return True
 
