@@ -10,6 +10,7 @@ import os
 import pty
 import select
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -374,6 +375,43 @@ def test_admin_password_prompts_twice_without_echo_on_a_terminal(tmp_path):
 def test_unusable_passwords_are_refused_before_hashing(bad):
     with pytest.raises(sessions.PasswordRefused):
         sessions.check_new_password(bad)
+
+
+def test_guesses_sent_in_parallel_meet_the_same_limit(sqlite_control_plane):
+    """The check raced with bcrypt: 12 parallel guesses got 12 checks instead of 5."""
+    cp = sqlite_control_plane
+    set_password(cp)
+    with ThreadPoolExecutor(12) as pool:
+        codes = list(pool.map(lambda _: ConsoleClient(cp).sign_in("wrong").status_code, range(12)))
+    assert sorted(codes) == [401] * sessions.FREE_FAILURES + [429] * (12 - sessions.FREE_FAILURES)
+
+
+def test_guesses_from_many_addresses_meet_one_global_limit(tmp_path, clock, monkeypatch):
+    """Each address under its own limit, all of them together are bounded too; the wait is
+    short, said plainly, audited, and a new password clears it."""
+    monkeypatch.setattr(sessions, "GLOBAL_FREE_FAILURES", 8)
+    settings = replace(make_settings(tmp_path / "proxied"), trusted_proxies=("127.0.0.1",))
+    with serve(settings, clock) as cp:
+        set_password(cp)
+        for index in range(8):
+            guess = ConsoleClient(cp, headers={"X-Forwarded-For": f"203.0.113.{index}"})
+            assert guess.sign_in("wrong").status_code == 401
+        fresh = ConsoleClient(cp, headers={"X-Forwarded-For": "198.51.100.1"})
+        slowed = fresh.sign_in()
+        assert slowed.status_code == 429
+        assert "from many addresses" in slowed.json()["error"]["message"]
+        assert "modelforge admin-password set" in slowed.json()["error"]["next_step"]
+        assert slowed.headers["Retry-After"] == str(sessions.GLOBAL_FIRST_WAIT_SECONDS)
+        events = cp.admin("GET", "/api/v1/admin/audit-events").json()["events"]
+        assert [e for e in events if e["action"] == "console.sign_in_slowed"]
+        clock.advance(sessions.GLOBAL_FIRST_WAIT_SECONDS)
+        assert fresh.sign_in().status_code == 200  # the admin was slowed, not locked out
+        for index in range(8):
+            guess = ConsoleClient(cp, headers={"X-Forwarded-For": f"203.0.113.{index}"})
+            guess.sign_in("wrong")
+        assert fresh.sign_in().status_code == 429
+        set_password(cp, PASSWORD)  # on the host: a new password clears every wait
+        assert fresh.sign_in().status_code == 200
 
 
 def test_throttling_counts_the_real_client_address(tmp_path, sqlite_control_plane):

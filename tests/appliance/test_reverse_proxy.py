@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 import requests
 
+from modelforge_appliance.identity import sessions
+from modelforge_appliance.store.tables import SignInThrottle
 from modelforge_node_agent.settings import load_settings
 from modelforge_node_agent.transport import make_session
 from tests.harness.agent_process import AgentProcess, agent_env, wait_until
+from tests.harness.console_client import PASSWORD, set_password
 from tests.harness.control_plane import error_code, free_port, make_settings, serve, unavailable
 from tests.harness.pki import issue_server_cert, make_ca
 
@@ -155,6 +158,30 @@ def test_the_documented_nginx_example_carries_enrollment_and_heartbeats(tmp_path
             over = post(limit + 1)
             assert (over.status_code, over.json()["error"]["code"]) == (413, "BODY_TOO_LARGE")
             assert set(over.json()["error"]) == {"code", "message", "next_step"}
+
+            # A client's own X-Forwarded-For cannot change the address that is counted: nginx
+            # replaces it with the client's address (here 127.0.0.1), so forged headers all
+            # land in one throttle bucket, and the audit trail names the real client.
+            set_password(cp)
+            for attempt in range(sessions.FREE_FAILURES):
+                forged = session.post(
+                    f"{origin}/console/sign-in",
+                    json={"password": "wrong"},
+                    headers={"X-Forwarded-For": f"198.51.100.{attempt}"},
+                    timeout=30,
+                )
+                assert forged.status_code == 401, forged.text
+            refused = session.post(
+                f"{origin}/console/sign-in",
+                json={"password": PASSWORD},
+                headers={"X-Forwarded-For": "198.51.100.200"},
+                timeout=30,
+            )
+            assert refused.status_code == 429, refused.text
+            with cp.store.connection():
+                counted = [row.address for row in SignInThrottle.select()]
+            assert "127.0.0.1" in counted
+            assert not [address for address in counted if address.startswith("198.51.100.")]
 
             minted = cp.mint()
             assert minted["api_origin"] == origin

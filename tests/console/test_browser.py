@@ -24,7 +24,7 @@ from tests.harness.control_plane import make_settings, serve
 from tests.harness.manifest_entries import sample_config
 from tests.harness.seeded_fleet import add_nodes, add_telemetry_hour
 
-from .conftest import artifacts_dir, served_process, sign_in
+from .conftest import CHROMIUM_ARGS, artifacts_dir, served_process, sign_in
 
 pytestmark = pytest.mark.browser
 
@@ -509,3 +509,37 @@ def test_the_wizard_shows_the_real_join_commands_for_the_chosen_mode(browser, sq
     assert "MODELFORGE_AGENT_ACCELERATOR_MODE=cpu" in env_file
     page.get_by_test_id("enroll-close").click()
     expect(blocks).to_have_count(0)
+
+
+def test_sign_in_works_with_javascript_off_and_never_puts_the_password_in_a_url(
+    chromium_executable, sqlite_control_plane
+):
+    """With JavaScript off (or sign_in.js failing to load) the form was submitted as a GET,
+    ?password=… landing in the proxy's access log. The page has no script now: the form
+    posts itself."""
+    from playwright.sync_api import sync_playwright
+
+    cp = sqlite_control_plane
+    set_password(cp)
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=chromium_executable, headless=True, args=CHROMIUM_ARGS
+        )
+        try:
+            context = chromium.new_context(java_script_enabled=False)
+            page = context.new_page()
+            sent = []
+            page.on("request", lambda request: sent.append((request.method, request.url)))
+            page.goto(cp.url + "/console/")
+            page.get_by_test_id("login-password").fill("not the password")
+            page.get_by_test_id("login-submit").click()
+            page.get_by_test_id("login-error").filter(has_text="Wrong password.").wait_for()
+            page.get_by_test_id("login-password").fill(PASSWORD)
+            page.get_by_test_id("login-submit").click()
+            page.wait_for_url(cp.url + "/console/")
+            assert page.get_by_test_id("login-password").count() == 0
+        finally:
+            chromium.close()
+    posts = [url for method, url in sent if method == "POST"]
+    assert posts == [cp.url + "/console/sign-in"] * 2
+    assert not [url for _, url in sent if "password" in url.split("/console/")[-1]]

@@ -189,5 +189,5 @@ def test_appliance_pyz_serves_the_console_pages_and_static_files(served_applianc
             )
             assert served.status_code == 200, name
             assert hashlib.sha256(served.content).hexdigest() == record["sha256"]
-    for script in ("console.js", "hardware.js", "wizard.js", "node.js", "sign_in.js"):
+    for script in ("console.js", "hardware.js", "wizard.js", "node.js"):
         assert requests.get(f"{served_appliance.url}/console/static/{script}", timeout=10).ok

@@ -67,30 +67,49 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     def console_without_slash():
         return redirect(CONSOLE)
 
+    def sign_in_form(error: str = "", status: int = 200) -> bottle.HTTPResponse:
+        return page(
+            "sign_in",
+            status=status,
+            password_set=sessions.has_admin_password(store),
+            command=sessions.SET_PASSWORD_COMMAND,
+            session=None,
+            error=error,
+        )
+
     @app.get(SIGN_IN, auth=PUBLIC)
     def sign_in_page():
         if signed_in_session(context) is not None:
             return redirect(CONSOLE)
-        return page(
-            "sign_in",
-            password_set=sessions.has_admin_password(store),
-            command=sessions.SET_PASSWORD_COMMAND,
-            session=None,
-        )
+        return sign_in_form()
 
     @app.post(SIGN_IN, auth=PUBLIC)
     def sign_in():
-        password = context.body(SIGN_IN_FIELDS)["password"]
+        """The sign-in form posts here, as a plain HTML form (no script is needed: the
+        password never lands in a URL); a JSON body is answered in JSON."""
+        as_form = bottle.request.content_type.startswith("application/x-www-form-urlencoded")
+        if as_form:
+            password = bottle.request.forms.getunicode("password") or ""
+        else:
+            password = context.body(SIGN_IN_FIELDS)["password"]
         address = client_address()
         try:
             cookie, _ = sessions.sign_in(store, settings, password, address)
         except ApiError as refusal:
             log.info("console sign-in refused for %s: %s", address, refusal.code)
-            response = json_response(refusal.body(), refusal.status)
+            if as_form:
+                shown = "Wrong password." if refusal.status == 401 else refusal.message
+                if refusal.next_step and refusal.status != 401:
+                    shown += f" {refusal.next_step}"
+                response = sign_in_form(shown, refusal.status)
+            else:
+                response = json_response(refusal.body(), refusal.status)
             if "retry_after_seconds" in refusal.extra:
                 response.set_header("Retry-After", str(refusal.extra["retry_after_seconds"]))
             return response
-        response = json_response({"signed_in": True, "next": CONSOLE})
+        response = (
+            redirect(CONSOLE) if as_form else json_response({"signed_in": True, "next": CONSOLE})
+        )
         response.set_cookie(
             SESSION_COOKIE,
             cookie,

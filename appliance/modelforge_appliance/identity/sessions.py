@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import math
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from ..store import audit
 from ..store.database import Store
 from ..store.tables import AdminPassword, ConsoleSession, SignInThrottle
 
+log = logging.getLogger(__name__)
+
 PASSWORD_MIN_LENGTH = 12
 # bcrypt reads at most 72 bytes; a longer password would be silently cut.
 PASSWORD_MAX_BYTES = 72
@@ -42,6 +45,14 @@ FREE_FAILURES = 5
 FIRST_WAIT_SECONDS = 30
 MAX_WAIT_SECONDS = 900
 FORGET_AFTER_SECONDS = 3600
+# Beside the per-address buckets, one for all addresses together, so guesses spread over
+# many addresses stay bounded too. It engages late and waits briefly (the admin is slowed,
+# never locked out), it is logged and audited when it engages, and setting the password
+# clears every bucket.
+GLOBAL_BUCKET = "*"  # no client address is written so
+GLOBAL_FREE_FAILURES = 50
+GLOBAL_FIRST_WAIT_SECONDS = 5
+GLOBAL_MAX_WAIT_SECONDS = 300
 # A session's last use is written at most this often: reads stay reads.
 TOUCH_EVERY_SECONDS = 30
 
@@ -75,6 +86,7 @@ def set_admin_password(store: Store, password: str, actor: str) -> int:
         ended = (
             ConsoleSession.update(ended_at=now).where(ConsoleSession.ended_at.is_null()).execute()
         )
+        SignInThrottle.delete().execute()  # guesses at the old password no longer count
         audit.record(
             store,
             actor,
@@ -108,11 +120,22 @@ def _throttled(row: SignInThrottle | None, now: float) -> ApiError | None:
     if row is None or row.blocked_until <= now:
         return None
     wait = max(1, math.ceil(row.blocked_until - now))
+    everyone = row.address == GLOBAL_BUCKET
     return ApiError(
-        f"too many failed sign-ins from this address; try again in {wait} s",
+        (
+            f"too many failed sign-ins from many addresses; every sign-in waits {wait} s"
+            if everyone
+            else f"too many failed sign-ins from this address; try again in {wait} s"
+        ),
         code=SIGN_IN_THROTTLED,
         status=429,
-        next_step=f"Wait {wait} seconds before the next attempt.",
+        next_step=f"Wait {wait} seconds before the next attempt."
+        + (
+            f" Someone is guessing the password; `{SET_PASSWORD_COMMAND}` on the "
+            "control-plane host sets a new one and clears the wait."
+            if everyone
+            else ""
+        ),
         extra={"retry_after_seconds": wait},
     )
 
@@ -120,25 +143,23 @@ def _throttled(row: SignInThrottle | None, now: float) -> ApiError | None:
 def sign_in(store: Store, settings: Settings, password: str, address: str) -> tuple[str, Session]:
     """Check the password for a client address; return (cookie value, session) or raise.
 
-    429 while the address must wait (the password is not even checked then), 401 for a
-    wrong password, 409 when no password was ever set.
+    429 while the address, or every address, must wait (the password is not even checked
+    then), 401 for a wrong password, 409 when no password was ever set. Each attempt is
+    counted as a failure before the password is checked (and forgiven when it was right), so
+    guesses sent in parallel meet the same limit as guesses sent one by one.
     """
     now = store.clock.now()
     with store.connection():
         stored = AdminPassword.get_or_none(AdminPassword.id == 1)
-        throttle = SignInThrottle.get_or_none(SignInThrottle.address == address)
-    waiting = _throttled(throttle, now)
-    if waiting is not None:
-        raise waiting
     if stored is None:
         raise Conflict(
             "no admin password is set yet",
             code=ADMIN_PASSWORD_NOT_SET,
             next_step=f"Run `{SET_PASSWORD_COMMAND}` on the control-plane host.",
         )
+    _count_attempt(store, address, now)
     candidate = password.encode("utf-8")[:PASSWORD_MAX_BYTES]
     if not bcrypt.checkpw(candidate, stored.password_hash.encode()):
-        _record_failure(store, address, now)
         raise Unauthorized(
             "wrong password",
             code=PASSWORD_INCORRECT,
@@ -147,7 +168,9 @@ def sign_in(store: Store, settings: Settings, password: str, address: str) -> tu
         )
     session_id, cookie = tokens.mint_secret(KIND_SESSION)
     with store.write():
-        SignInThrottle.delete().where(SignInThrottle.address == address).execute()
+        SignInThrottle.delete().where(
+            SignInThrottle.address.in_([address, GLOBAL_BUCKET])
+        ).execute()
         ConsoleSession.create(
             session_id=session_id,
             digest=tokens.digest(cookie),
@@ -160,27 +183,55 @@ def sign_in(store: Store, settings: Settings, password: str, address: str) -> tu
     return cookie, Session(session_id, csrf_token_for(cookie))
 
 
-def _record_failure(store: Store, address: str, now: float) -> None:
+def _limits(bucket: str) -> tuple[int, int, int]:
+    """(free failures, first wait, longest wait) of a bucket."""
+    if bucket == GLOBAL_BUCKET:
+        return GLOBAL_FREE_FAILURES, GLOBAL_FIRST_WAIT_SECONDS, GLOBAL_MAX_WAIT_SECONDS
+    return FREE_FAILURES, FIRST_WAIT_SECONDS, MAX_WAIT_SECONDS
+
+
+def _count_attempt(store: Store, address: str, now: float) -> None:
+    """In one write: refuse (429) while the address or every address must wait; otherwise
+    count this attempt in both buckets, setting the next wait once one is past its free
+    failures."""
     with store.write():
-        row = SignInThrottle.get_or_none(SignInThrottle.address == address)
-        if row is None or now - row.last_failure_at > FORGET_AFTER_SECONDS:
-            failures = 1
-        else:
-            failures = row.failures + 1
-        blocked_until = now
-        if failures >= FREE_FAILURES:
-            wait = min(MAX_WAIT_SECONDS, FIRST_WAIT_SECONDS * 2 ** (failures - FREE_FAILURES))
-            blocked_until = now + wait
-        SignInThrottle.insert(
-            address=address, failures=failures, last_failure_at=now, blocked_until=blocked_until
-        ).on_conflict(
-            conflict_target=[SignInThrottle.address],
-            update={
-                SignInThrottle.failures: failures,
-                SignInThrottle.last_failure_at: now,
-                SignInThrottle.blocked_until: blocked_until,
-            },
-        ).execute()
+        rows = {
+            row.address: row
+            for row in SignInThrottle.select().where(
+                SignInThrottle.address.in_([address, GLOBAL_BUCKET])
+            )
+        }
+        for key in (GLOBAL_BUCKET, address):
+            waiting = _throttled(rows.get(key), now)
+            if waiting is not None:
+                raise waiting
+        for key in (address, GLOBAL_BUCKET):
+            free, first, longest = _limits(key)
+            row = rows.get(key)
+            if row is None or now - row.last_failure_at > FORGET_AFTER_SECONDS:
+                failures = 1
+            else:
+                failures = row.failures + 1
+            blocked_until = now
+            if failures >= free:
+                blocked_until = now + min(longest, first * 2 ** (failures - free))
+            if key == GLOBAL_BUCKET and failures == free:
+                log.warning(
+                    "%d failed console sign-ins from all addresses within the hour: every "
+                    "sign-in now waits",
+                    failures,
+                )
+                audit.record(store, "control-plane", "console.sign_in_slowed", failures=failures)
+            SignInThrottle.insert(
+                address=key, failures=failures, last_failure_at=now, blocked_until=blocked_until
+            ).on_conflict(
+                conflict_target=[SignInThrottle.address],
+                update={
+                    SignInThrottle.failures: failures,
+                    SignInThrottle.last_failure_at: now,
+                    SignInThrottle.blocked_until: blocked_until,
+                },
+            ).execute()
 
 
 def _expired() -> Unauthorized:

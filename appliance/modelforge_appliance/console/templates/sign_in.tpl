@@ -1,4 +1,4 @@
-% rebase('layout', title='Sign in', modules=['sign_in.js'])
+% rebase('layout', title='Sign in', modules=[])
 <section class="card narrow">
   <h1>Sign in</h1>
 % if not password_set:
@@ -6,12 +6,12 @@
   <pre class="command">{{command}}</pre>
   <p>then reload this page.</p>
 % else:
-  <form id="sign-in" autocomplete="off">
+  <form id="sign-in" method="post" action="/console/sign-in" autocomplete="off">
     <label for="password">Admin password</label>
     <input id="password" name="password" type="password" required autofocus
            autocomplete="current-password" data-testid="login-password">
     <button type="submit" data-testid="login-submit">Sign in</button>
-    <p id="sign-in-error" class="error" role="alert" data-testid="login-error"></p>
+    <p id="sign-in-error" class="error" role="alert" data-testid="login-error">{{error}}</p>
   </form>
 % end
 </section>
