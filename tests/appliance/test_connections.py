@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from modelforge_appliance.web.http import SECURITY_HEADERS
 from modelforge_contract.logs import configure_logging
 from tests.harness.control_plane import make_settings, serve
 
@@ -179,6 +180,10 @@ def test_waitress_refusals_come_back_in_the_json_shape(sqlite_control_plane):
     # Exactly 32 KiB of request line and headers, never finished: all of it is read.
     huge = (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 40000)[: 32 * 1024]
     assert_json_refusal(exchange(port, huge), 431, "HEADERS_TOO_LARGE")
+    # waitress's own answers carry the security headers every other answer carries.
+    _, headers, _ = parse(malformed)
+    for name, value in SECURITY_HEADERS.items():
+        assert headers[name] == value, name
 
 
 def test_an_oversized_body_is_refused_before_it_is_sent(sqlite_control_plane):
@@ -191,6 +196,157 @@ def test_an_oversized_body_is_refused_before_it_is_sent(sqlite_control_plane):
     # Only the headers are sent: the answer cannot depend on reading the body.
     body = assert_json_refusal(exchange(port_of(cp), head.encode()), 413, "BODY_TOO_LARGE")
     assert body["compatibility"] == "COMPATIBLE"
+
+
+# -- bounds one client cannot push past ------------------------------------------------------
+
+
+def connect_from(source: str, port: int) -> socket.socket:
+    """A connection from another loopback address (all of 127/8 is this host's)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(20)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """One whole answer (by its Content-Length), whether or not the server then closes."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed before answering: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(
+        next(
+            line.split(b":", 1)[1]
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed in the middle of its answer"
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def healthz_from(source: str, port: int) -> int:
+    with connect_from(source, port) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        return parse(read_answer(sock))[0]
+
+
+def test_one_address_holds_at_most_its_share_of_connections(tmp_path):
+    """10,050 idle keep-alive sockets from one address stopped /healthz for everyone."""
+    settings = replace(
+        make_settings(tmp_path / "state"), connection_limit=40, connections_per_address=10
+    )
+    with serve(settings) as cp:
+        port = port_of(cp)
+        held = [connect_from("127.0.0.1", port) for _ in range(10)]
+        try:
+            over = connect_from("127.0.0.1", port)
+            raw = read_answer(over)
+            over.close()
+            status, headers, body = parse(raw)
+            assert status == 503 and body["error"]["code"] == "TOO_MANY_CONNECTIONS"
+            assert headers["Retry-After"] == "5"
+            assert headers["X-Content-Type-Options"] == "nosniff"
+            assert healthz_from("127.0.0.2", port) == 200  # another address is served
+        finally:
+            for sock in held:
+                sock.close()
+        metrics = cp.admin("GET", "/metrics").text
+        assert 'modelforge_connections_closed_total{reason="per_address"} 1.0' in metrics
+
+
+def test_at_the_connection_limit_the_oldest_idle_connections_make_room(tmp_path):
+    settings = replace(
+        make_settings(tmp_path / "state"), connection_limit=20, connections_per_address=1000
+    )
+    with serve(settings) as cp:
+        port = port_of(cp)
+        oldest = connect_from("127.0.0.3", port)
+        time.sleep(0.05)  # last activity orders the eviction; the test only needs an order
+        others = [connect_from("127.0.0.3", port) for _ in range(19)]
+        try:
+            # The limit is reached and every connection is idle: a new client still gets in.
+            assert healthz_from("127.0.0.4", port) == 200
+            oldest.settimeout(20)
+            assert oldest.recv(1) == b""  # closed by the server, the oldest first
+        finally:
+            for sock in [oldest, *others]:
+                sock.close()
+        assert "evicted" in cp.admin("GET", "/metrics").text
+
+
+def test_unfinished_bodies_across_connections_stay_within_the_buffered_bound(tmp_path):
+    """Each connection could hold about 1 MiB of unfinished body for 30 s: 1,000 of them took
+    the server from 262 to 1,272 MiB."""
+    settings = replace(
+        make_settings(tmp_path / "state"),
+        max_body_bytes=256 * 1024,
+        max_buffered_bytes=512 * 1024,
+    )
+    with serve(settings) as cp:
+        port = port_of(cp)
+        head = (
+            f"POST {AGENT_PATH} HTTP/1.1\r\nHost: x\r\nX-ModelForge-Agent-Protocol: 1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {256 * 1024}\r\n\r\n"
+        ).encode()
+        senders = []
+        try:
+            for _ in range(2):  # two half-sent bodies of 200 KiB: within the bound
+                sock = connect_from("127.0.0.5", port)
+                sock.sendall(head + b"x" * (200 * 1024))
+                senders.append(sock)
+
+            # The bound is on what the server holds: wait until it holds both bodies.
+            def held() -> float:
+                metrics = cp.admin("GET", "/metrics").text
+                return float(
+                    next(
+                        line.split()[-1]
+                        for line in metrics.splitlines()
+                        if line.startswith("modelforge_buffered_request_bytes ")
+                    )
+                )
+
+            deadline = time.monotonic() + 60
+            while held() < 400 * 1024:
+                assert time.monotonic() < deadline, "the server never read the two bodies"
+                time.sleep(0.05)
+            refused = connect_from("127.0.0.5", port)
+            refused.sendall(head)
+            with contextlib.suppress(OSError):  # the server may close while we still send
+                refused.sendall(b"x" * (200 * 1024))
+            status, headers, body = parse(read_answer(refused))
+            refused.close()
+            assert status == 503 and body["error"]["code"] == "SERVER_BUSY"
+            assert headers["Retry-After"] == "5"
+            # A small request is never refused for the bound: heartbeats keep flowing.
+            assert healthz_from("127.0.0.6", port) == 200
+        finally:
+            for sock in senders:
+                sock.close()
+        assert 'reason="buffer_full"' in cp.admin("GET", "/metrics").text
+
+
+def test_metrics_accept_the_bearer_scheme_in_any_case(sqlite_control_plane):
+    cp = sqlite_control_plane
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        answer = requests.get(
+            cp.url + "/metrics", headers={"Authorization": f"{scheme} {cp.admin_token}"}, timeout=10
+        )
+        assert answer.status_code == 200, scheme
+    assert (
+        requests.get(
+            cp.url + "/metrics", headers={"Authorization": "Basic x"}, timeout=10
+        ).status_code
+        == 401
+    )
 
 
 def spooled_files(directory: Path) -> list[str]:

@@ -135,6 +135,20 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "plus a margin; serve raises its own soft limit or refuses to start.",
     ),
     SettingSpec(
+        "MODELFORGE_CONNECTIONS_PER_ADDRESS",
+        None,
+        "Connections one client address may hold at once (a trusted proxy's are not counted); "
+        "past it a new connection is answered 503 with Retry-After. Unset: a quarter of "
+        "MODELFORGE_CONNECTION_LIMIT.",
+    ),
+    SettingSpec(
+        "MODELFORGE_MAX_BUFFERED_BYTES",
+        "67108864",
+        "Request bytes held in memory across all unfinished requests at once (64 MiB). Past "
+        "it, a request still sending a body is answered 503 with Retry-After; at least "
+        "MODELFORGE_MAX_BODY_BYTES.",
+    ),
+    SettingSpec(
         "MODELFORGE_IDLE_TIMEOUT_SECONDS",
         "60",
         "A keep-alive connection with no request for this long is closed. Must exceed the "
@@ -187,6 +201,8 @@ class Settings:
     threads: int
     log_level: str
     connection_limit: int
+    connections_per_address: int
+    max_buffered_bytes: int
     idle_timeout_seconds: int
     request_timeout_seconds: int
     telemetry_retention_seconds: int = 86400
@@ -317,6 +333,20 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
             f"MODELFORGE_HEARTBEAT_INTERVAL_SECONDS ({interval})"
         )
 
+    connection_limit = integer(env, "MODELFORGE_CONNECTION_LIMIT", 10, 1_000_000)
+    per_address = (
+        integer(env, "MODELFORGE_CONNECTIONS_PER_ADDRESS", 1, 1_000_000)
+        if value(env, "MODELFORGE_CONNECTIONS_PER_ADDRESS")
+        else max(1, connection_limit // 4)
+    )
+    max_body = integer(env, "MODELFORGE_MAX_BODY_BYTES", 1024, 64 * 1024 * 1024)
+    max_buffered = integer(env, "MODELFORGE_MAX_BUFFERED_BYTES", 1024, 1 << 40)
+    if max_buffered < max_body:
+        raise ConfigError(
+            f"MODELFORGE_MAX_BUFFERED_BYTES ({max_buffered}) must be at least "
+            f"MODELFORGE_MAX_BODY_BYTES ({max_body}): one whole body must fit"
+        )
+
     idle_timeout = integer(env, "MODELFORGE_IDLE_TIMEOUT_SECONDS", 2, 86400)
     if idle_timeout <= interval:
         raise ConfigError(
@@ -349,12 +379,14 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
             env, "MODELFORGE_INVENTORY_MAX_AGE_SECONDS", INVENTORY_REFRESH_SECONDS + 1, 7 * 86400
         ),
         telemetry_max_age_seconds=integer(env, "MODELFORGE_TELEMETRY_MAX_AGE_SECONDS", 10, 86400),
-        max_body_bytes=integer(env, "MODELFORGE_MAX_BODY_BYTES", 1024, 64 * 1024 * 1024),
+        max_body_bytes=max_body,
         work_lease_seconds=integer(env, "MODELFORGE_WORK_LEASE_SECONDS", 5, 3600),
         work_input_max_bytes=integer(env, "MODELFORGE_WORK_INPUT_MAX_BYTES", 256, 1024 * 1024),
         threads=integer(env, "MODELFORGE_THREADS", 1, 256),
         log_level=log_level,
-        connection_limit=integer(env, "MODELFORGE_CONNECTION_LIMIT", 10, 1_000_000),
+        connection_limit=connection_limit,
+        connections_per_address=per_address,
+        max_buffered_bytes=max_buffered,
         idle_timeout_seconds=idle_timeout,
         request_timeout_seconds=integer(env, "MODELFORGE_REQUEST_TIMEOUT_SECONDS", 1, 3600),
         telemetry_retention_seconds=integer(

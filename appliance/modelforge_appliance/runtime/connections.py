@@ -12,6 +12,12 @@ Three things waitress does not do on its own:
   transfer coding) is answered by ``JsonErrorTask`` as
   ``{"error": {"code", "message", "next_step"}}``, never as waitress's plain text, and
   never echoing what the client sent.
+- **Bounds one client cannot push the server past.** Bytes of unfinished requests are
+  counted across all connections; past ``MODELFORGE_MAX_BUFFERED_BYTES`` a request still
+  sending more than a small head is answered 503 with ``Retry-After`` and closed. One
+  address may hold ``MODELFORGE_CONNECTIONS_PER_ADDRESS`` connections (a trusted proxy's
+  are not counted); and near the connection limit the oldest idle keep-alive connections
+  are closed to make room, so a flood of idle sockets never stops the others.
 - **An event loop whose cost does not grow with registrations.** waitress's poll loop
   builds a new ``poll`` set from every connection on every turn; ``EventLoop`` keeps
   one ``epoll`` set and only changes the entries whose interest changed. It still asks
@@ -40,9 +46,13 @@ from modelforge_contract import (
     HEADERS_TOO_LARGE,
     INTERNAL_ERROR,
     REQUEST_MALFORMED,
+    SERVER_BUSY,
+    TOO_MANY_CONNECTIONS,
     TRANSFER_ENCODING_UNSUPPORTED,
     compatibility_of,
 )
+
+from ..web.http import SECURITY_HEADERS
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +89,25 @@ WAITRESS_REFUSALS: dict[int, tuple[str, str, str]] = {
 }
 
 
+# The application's security headers on every answer, waitress's own included.
+_SECURITY = list(SECURITY_HEADERS.items())
+
+
+def busy_answer(code: str, message: str, next_step: str, retry_after: int) -> bytes:
+    """A whole 503 answer, written straight to a connection the server is refusing."""
+    body = json.dumps({"error": {"code": code, "message": message, "next_step": next_step}})
+    headers = [
+        ("Content-Type", "application/json"),
+        ("Cache-Control", "no-store"),
+        ("Retry-After", str(retry_after)),
+        ("Connection", "close"),
+        ("Content-Length", str(len(body))),
+        *_SECURITY,
+    ]
+    head = "HTTP/1.1 503 Service Unavailable\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers)
+    return (head + "\r\n" + body).encode()
+
+
 class JsonErrorTask(ErrorTask):
     """waitress's answer to a request it refused itself, in the one error shape."""
 
@@ -96,13 +125,22 @@ class JsonErrorTask(ErrorTask):
         self.response_headers.extend(
             [("Content-Type", "application/json"), ("Cache-Control", "no-store")]
         )
+        self.response_headers.extend(_SECURITY)
         self.set_close_on_finish()
         self.content_length = len(raw)
         self.write(raw)
 
 
+# A request whose bytes so far stay under this is never refused for the global bound (a
+# heartbeat, a read): the bound is for bodies, and this much per connection is already
+# bounded by the per-address and total connection limits.
+SMALL_REQUEST_BYTES = 16 * 1024
+RETRY_AFTER_SECONDS = 5
+
+
 class Channel(HTTPChannel):
-    """One client connection, timed from the first byte of the request it is receiving."""
+    """One client connection, timed from the first byte of the request it is receiving,
+    its unfinished request's bytes counted against the server's bound."""
 
     error_task_class = JsonErrorTask
 
@@ -113,19 +151,86 @@ class Channel(HTTPChannel):
         self.request_began: float | None = self.creation_time
         self._timed_request: object | None = None
         self._fresh = True
+        self.held = 0  # bytes of the unfinished request, counted in server.bounds
+        self.draining = False  # refused mid-body: what arrives is dropped
+        self.source = self.addr[0] if isinstance(self.addr, tuple) else str(self.addr)
+        self._counted = self.server.count_source(self.source)
+        if not self._counted:
+            self.refuse(
+                busy_answer(
+                    TOO_MANY_CONNECTIONS,
+                    "this address holds as many connections as the control plane allows one "
+                    "address",
+                    "Close idle connections, or raise MODELFORGE_CONNECTIONS_PER_ADDRESS.",
+                    RETRY_AFTER_SECONDS,
+                )
+            )
+
+    def refuse(self, answer: bytes, drain: bool = False) -> None:
+        """Answer ``answer`` and close, dropping whatever is half-received.
+
+        ``drain``: the client is still sending a body. Closing with its bytes unread would
+        reset the connection and lose the answer, so what it sends is read and dropped
+        until it closes, or until the request deadline closes it.
+        """
+        self._release()
+        self.request = None
+        self.write_soon(answer)
+        if drain:
+            self.draining = True
+        else:
+            self.close_when_flushed = True
+
+    def _release(self) -> None:
+        if self.held:
+            self.server.bounds.buffered -= self.held
+            self.held = 0
 
     def received(self, data: bytes) -> bool:
+        if self.will_close or self.close_when_flushed or self.draining:
+            return False
+        server, bounds = self.server, self.server.bounds
+        if (
+            data
+            and not self.requests
+            and self.held + len(data) > SMALL_REQUEST_BYTES
+            and bounds.buffered + len(data) > bounds.max_buffered
+        ):
+            server.on_close("buffer_full")
+            self.refuse(
+                busy_answer(
+                    SERVER_BUSY,
+                    "the control plane holds as much unfinished request data as it allows",
+                    "Retry after the time Retry-After gives (MODELFORGE_MAX_BUFFERED_BYTES sets "
+                    "the bound).",
+                    RETRY_AFTER_SECONDS,
+                ),
+                drain=True,
+            )
+            return False
         result = super().received(data)
         if self.request is None:
             # Nothing half-received: the connection is idle, and the idle timeout applies.
+            self._release()
             self.request_began, self._timed_request = None, None
-        elif self.request is not self._timed_request:
-            # A request began in this chunk of bytes (the first one: when the connection
-            # opened).
-            self._timed_request = self.request
-            self.request_began = self.creation_time if self._fresh else time.time()
+        else:
+            if self.request is not self._timed_request:
+                # A request began in this chunk of bytes (the first one: when the connection
+                # opened); what came before it was a whole request, no longer held.
+                self._release()
+                self._timed_request = self.request
+                self.request_began = self.creation_time if self._fresh else time.time()
+            self.held += len(data)
+            bounds.buffered += len(data)
         self._fresh = False
         return result
+
+    def handle_close(self) -> None:
+        self._release()
+        if self._counted:
+            self._counted = False
+            self.server.uncount_source(self.source)
+        super().handle_close()
 
 
 # waitress accepts one connection per loop turn; a fleet reconnecting at once (after a
@@ -133,14 +238,98 @@ class Channel(HTTPChannel):
 ACCEPTS_PER_TURN = 64
 
 
+class Bounds:
+    """What all the server's connections hold together, shared by its listening sockets:
+    bytes of unfinished requests, and connections per client address. Touched only by the
+    event loop's thread."""
+
+    def __init__(
+        self,
+        max_buffered: int = 64 << 20,
+        per_address: int = 1 << 30,
+        trusted: frozenset[str] = frozenset(),
+    ) -> None:
+        self.max_buffered, self.per_address, self.trusted = max_buffered, per_address, trusted
+        self.buffered = 0
+        self.sources: dict[str, int] = {}
+
+    def count_source(self, source: str) -> bool:
+        if source in self.trusted:
+            return True
+        held = self.sources.get(source, 0)
+        if held >= self.per_address:
+            return False
+        self.sources[source] = held + 1
+        return True
+
+    def uncount_source(self, source: str) -> None:
+        if source in self.trusted:
+            return
+        left = self.sources.get(source, 0) - 1
+        if left > 0:
+            self.sources[source] = left
+        else:
+            self.sources.pop(source, None)
+
+
 class Server(TcpWSGIServer):
-    """waitress's TCP server with ``Channel`` connections, the request deadline, and
+    """waitress's TCP server with ``Channel`` connections, the request deadline, the
+    per-address and buffered-bytes bounds, idle connections evicted near the limit, and
     accepting every waiting connection (up to ACCEPTS_PER_TURN) in one loop turn."""
 
     channel_class = Channel
     request_timeout: float = 30.0
-    # Called with "idle" or "request_timeout" for every connection this server closes.
+    # Called with "idle", "request_timeout", "evicted", "buffer_full" or "per_address" for
+    # every connection this server closes or refuses.
     on_close: Callable[[str], None] = staticmethod(lambda reason: None)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.bounds = Bounds()  # create_server hands every listening socket one object
+
+    def count_source(self, source: str) -> bool:
+        """Count a new connection from ``source``; False when that address is at its cap."""
+        if self.bounds.count_source(source):
+            return True
+        self.on_close("per_address")
+        return False
+
+    def uncount_source(self, source: str) -> None:
+        self.bounds.uncount_source(source)
+
+    def readable(self) -> bool:
+        if (
+            self.accepting
+            and len(self._map) >= self.adj.connection_limit
+            and self._someone_waiting()
+        ):
+            self.evict_idle(ACCEPTS_PER_TURN)
+        return super().readable()
+
+    def _someone_waiting(self) -> bool:
+        """A connection waits in the listen backlog (the listening socket is readable)."""
+        try:
+            ready, _, _ = select.select([self.socket], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return bool(ready)
+
+    def evict_idle(self, count: int) -> None:
+        """Close the ``count`` oldest idle connections (no request half-received, none being
+        answered) while the limit is reached and a new connection waits: room for a new
+        client beats the oldest silent one. They close on this loop turn's writes."""
+        idle = [
+            channel
+            for channel in self.active_channels.values()
+            if not channel.requests
+            and channel.request is None
+            and not channel.total_outbufs_len
+            and not (channel.will_close or channel.close_when_flushed)
+        ]
+        for channel in sorted(idle, key=lambda channel: channel.last_activity)[:count]:
+            self.on_close("evicted")
+            log.debug("evicting an idle connection from %s at the limit", channel.addr)
+            channel.will_close = True
 
     def handle_accept(self) -> None:
         for _ in range(ACCEPTS_PER_TURN):

@@ -32,9 +32,9 @@ from ..core.clock import Clock
 from ..core.errors import Invalid
 from ..core.settings import ConfigError, Settings
 from ..store.database import Store
-from ..web.http import JSON_HEADERS
+from ..web.http import JSON_HEADERS, SECURITY_HEADERS
 from .app import make_app
-from .connections import EventLoop, Server
+from .connections import Bounds, EventLoop, Server
 
 log = logging.getLogger(__name__)
 wsgi_log = logging.getLogger("modelforge_appliance.wsgi")
@@ -142,7 +142,12 @@ def forwarded_headers(app: Callable, trusted: Iterable[str]) -> Callable:
                 )
                 raw = json.dumps(refusal.body()).encode()
                 start_response(
-                    "400 Bad Request", [*JSON_HEADERS.items(), ("Content-Length", str(len(raw)))]
+                    "400 Bad Request",
+                    [
+                        *JSON_HEADERS.items(),
+                        *SECURITY_HEADERS.items(),
+                        ("Content-Length", str(len(raw))),
+                    ],
                 )
                 return [raw]
         clear_untrusted_headers(environ, untrusted)
@@ -167,10 +172,17 @@ def create_server(settings: Settings, store: Store, host: str, port: int) -> Ser
         for sockinfo in adj.listen
     ]
     closed = app.metrics.connections_closed
+    bounds = Bounds(
+        settings.max_buffered_bytes,
+        settings.connections_per_address,
+        frozenset(settings.trusted_proxies),
+    )
     for server in servers:
         server.request_timeout = settings.request_timeout_seconds
+        server.bounds = bounds
         server.on_close = lambda reason: closed.labels(reason).inc()
     server = servers[0]
+    app.metrics.buffered_bytes.set_function(lambda: bounds.buffered)
     app.metrics.connections_open.set_function(
         lambda: sum(len(each.active_channels) for each in servers)
     )

@@ -119,8 +119,9 @@ def admin_actor(context: ApiContext) -> str:
 
 def scraper(context: ApiContext) -> None:
     """An admin token in either header; heartbeats flushed, as for an admin."""
-    bearer = request_header("Authorization") or ""
-    header = request_header(HEADER_ADMIN_TOKEN) or bearer.removeprefix("Bearer ")
+    scheme, _, value = (request_header("Authorization") or "").strip().partition(" ")
+    bearer = value.strip() if scheme.lower() == "bearer" else ""  # RFC 9110: any case
+    header = request_header(HEADER_ADMIN_TOKEN) or bearer
     admin_tokens.authenticate_admin(context.store, header or None)
     context.heartbeats.flush()
 

@@ -103,10 +103,18 @@ class Metrics:
             "Requests received and waiting for a worker thread (MODELFORGE_THREADS).",
             registry=self.registry,
         )
+        self.buffered_bytes = Gauge(
+            "modelforge_buffered_request_bytes",
+            "Bytes of unfinished requests held in memory now (MODELFORGE_MAX_BUFFERED_BYTES "
+            "bounds it).",
+            registry=self.registry,
+        )
         self.connections_closed = Counter(
             "modelforge_connections_closed",
-            "Connections the control plane closed: idle too long, or a request not received "
-            "within MODELFORGE_REQUEST_TIMEOUT_SECONDS.",
+            "Connections the control plane closed or refused: idle too long (idle), a request "
+            "not received within MODELFORGE_REQUEST_TIMEOUT_SECONDS (request_timeout), the "
+            "oldest idle ones at the connection limit (evicted), a body past the buffered "
+            "bound (buffer_full), an address past its share (per_address).",
             ["reason"],
             registry=self.registry,
         )
