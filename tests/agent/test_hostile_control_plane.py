@@ -26,7 +26,7 @@ from modelforge_node_agent.identity import new_identity
 from modelforge_node_agent.nvidia import PreflightResult
 from modelforge_node_agent.publisher import Publisher
 from modelforge_node_agent.settings import load_settings
-from modelforge_node_agent.transport import make_session
+from modelforge_node_agent.transport import CALL_DEADLINE_SECONDS, make_session
 from tests.harness.agent_process import AgentProcess, agent_env, wait_until
 
 CREDENTIAL = f"mfc_{secrets.token_hex(8)}_{secrets.token_urlsafe(32)}"
@@ -48,6 +48,11 @@ MiB = 1024 * 1024
 
 # What the hostile server does with a request: write to the socket until the client leaves.
 Behaviour = Callable[[socket.socket], None]
+
+# "Stops at once" means it does not wait out the call in flight (CALL_DEADLINE_SECONDS) or a
+# retry backoff; a third of the deadline tells the two apart with room for a loaded machine
+# (on 2 busy cores the exit took over 1 s).
+PROMPTLY = CALL_DEADLINE_SECONDS / 3
 
 
 def answer(status: int, body: object, raw: bytes | None = None) -> Behaviour:
@@ -311,7 +316,7 @@ def test_endless_answers_keep_the_agent_small_and_it_stops_on_sigterm(
         status, took = agent.terminate()
         log = agent.log()
     assert peak < 100, f"{peak:.0f} MiB"
-    assert status == EXIT_OK and took < 1.0, log
+    assert status == EXIT_OK and took < PROMPTLY, log
     lines = [line for line in log.splitlines() if "AnswerTooLarge" in line]
     assert lines[0].endswith(
         "AnswerTooLarge on POST /api/v1/agent/enroll (backoff 1s…16s): retry in 1s"
@@ -326,7 +331,7 @@ def test_a_trickling_control_plane_cannot_hold_the_agent(hostile, tmp_path):
         assert server.count("/api/v1/agent/enroll") == 1
         status, took = agent.terminate()
         log = agent.log()
-    assert status == EXIT_OK and took < 1.0, log
+    assert status == EXIT_OK and took < PROMPTLY, log
 
 
 def test_absurd_intervals_and_deep_json_neither_flood_nor_stop_the_heartbeat(hostile, tmp_path):
@@ -358,7 +363,7 @@ def test_absurd_intervals_and_deep_json_neither_flood_nor_stop_the_heartbeat(hos
         status, took = agent.terminate()
         log = agent.log()
     assert beats <= 2 + 2 * elapsed, (beats, elapsed)  # about one a second, not a flood
-    assert status == EXIT_OK and took < 1.0
+    assert status == EXIT_OK and took < PROMPTLY
     assert "ignoring heartbeat_interval_seconds=0?FORGED ERROR line from the control plane" in log
     assert not any(line.startswith("FORGED") for line in log.splitlines())
     # The NaN answer and the 100k-deep one: one line each, then the next try.

@@ -87,7 +87,7 @@ class AgentProcess:
     def wait(self, timeout: float = 20) -> int:
         return self.process.wait(timeout=timeout)
 
-    def terminate(self, timeout: float = 5) -> tuple[int, float]:
+    def terminate(self, timeout: float = 60) -> tuple[int, float]:
         """SIGTERM; the exit status and how long the agent took to go."""
         started = time.monotonic()
         self.process.send_signal(signal.SIGTERM)
