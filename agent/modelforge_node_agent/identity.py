@@ -9,16 +9,14 @@ silently minting a new identity would create a duplicate node.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import secrets
-import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from modelforge_contract import KIND_CREDENTIAL, KIND_IDENTITY, split_secret
+from modelforge_contract.files import write_atomically
 
 from .client import checked_node_id
 
@@ -121,43 +119,12 @@ def load_state(state_volume: Path) -> NodeState | None:
 def save_state(state_volume: Path, state: NodeState) -> None:
     """Replace the identity file atomically: a crash leaves the old file or the new one."""
     path = state_path(state_volume)
+    document = json.dumps({"format": STATE_FORMAT, **asdict(state)}, indent=2)
     try:
         state_volume.mkdir(mode=0o700, parents=True, exist_ok=True)
-        descriptor, temp_name = tempfile.mkstemp(prefix=".identity-", dir=state_volume)
+        write_atomically(path, document, mode=0o600)
     except OSError as exc:
         raise StateError(
-            f"cannot write to the state volume {state_volume} ({exc.strerror}); "
-            "MODELFORGE_AGENT_STATE_VOLUME must be a writable, durable directory"
+            f"cannot write {path} ({exc.strerror}); MODELFORGE_AGENT_STATE_VOLUME must be a "
+            "writable, durable directory"
         ) from None
-    try:
-        # mkstemp already creates the file 0600; fchmod keeps that true under any umask.
-        os.fchmod(descriptor, 0o600)
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(json.dumps({"format": STATE_FORMAT, **asdict(state)}, indent=2).encode())
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp_name, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(temp_name)
-        raise StateError(f"cannot write {path} ({exc.strerror})") from None
-    except BaseException:
-        # SIGTERM lands here as an exception: the old file is intact; drop the half-written one.
-        with contextlib.suppress(OSError):
-            os.unlink(temp_name)
-        raise
-    _fsync_directory(state_volume)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename itself durable (it lives in the directory entry)."""
-    try:
-        descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        log.debug("fsync of %s is not supported here", directory)
-    finally:
-        os.close(descriptor)

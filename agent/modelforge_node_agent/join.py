@@ -35,6 +35,7 @@ from modelforge_contract import (
     PATH_HEALTHZ,
 )
 from modelforge_contract.envfile import format_env_file
+from modelforge_contract.files import fsync_directory
 
 from . import runtime
 from .client import ControlPlaneClient
@@ -158,7 +159,8 @@ def _check_control_plane(url: str, session: requests.Session) -> None:
 
 class _EnvFile:
     """The env file, written beside its final place first (so an unwritable place fails
-    before enrolling) and moved there once the node is enrolled."""
+    before enrolling) and moved there once the node is enrolled: ``write_atomically`` in two
+    steps, with enrolling between them."""
 
     def __init__(self, path: Path, content: str) -> None:
         self.path = path
@@ -173,6 +175,7 @@ class _EnvFile:
     def commit(self) -> None:
         os.replace(self.temporary, self.path)
         self.temporary = None
+        fsync_directory(self.path.parent)  # the rename survives a power loss too
 
     def discard(self) -> None:
         if self.temporary is not None:

@@ -12,13 +12,11 @@ plane itself.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shlex
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +37,7 @@ from modelforge_contract import (
     PATH_AGENT_WORK_RENEW,
     mask_secrets,
 )
+from modelforge_contract.files import write_atomically
 
 from . import __version__, runtime
 from .client import CallFailed, ControlPlaneClient, Refused
@@ -142,16 +141,9 @@ class StatusRecorder:
 
     def _write(self) -> None:
         self._written_at = self.clock()
-        temporary = None
         try:
-            descriptor, temporary = tempfile.mkstemp(prefix=".status-", dir=self.path.parent)
-            with os.fdopen(descriptor, "w") as handle:
-                json.dump(self.data, handle)
-            os.replace(temporary, self.path)
+            write_atomically(self.path, json.dumps(self.data), mode=0o600)
         except OSError as exc:
-            if temporary is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(temporary)
             if not self._warned:
                 self._warned = True
                 log.warning("cannot keep %s current (%s)", self.path, exc.strerror)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from modelforge_contract.files import fsync_directory, write_atomically
 from modelforge_contract.manifest import (
     CONTROL_PLANE_IMAGE,
     IMAGE_NAMES,
@@ -49,7 +50,6 @@ from .sums import (
     compute_entries,
     names_relative_to,
     order_by_template,
-    write_atomically,
     write_sums,
 )
 
@@ -138,6 +138,7 @@ def _save(client: Any, tags: list[str], target: Path, epoch: int, progress: Text
         with partial.open("rb+") as file:
             os.fsync(file.fileno())
         os.replace(partial, target)
+        fsync_directory(target.parent)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise

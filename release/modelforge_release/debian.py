@@ -15,12 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import subprocess
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from modelforge_contract.files import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -318,9 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     except (DebianError, OSError) as exc:
         print(f"lock-debian: {exc}", file=sys.stderr)
         return 1
-    temp = args.lock.with_name(f".{args.lock.name}.tmp")
-    temp.write_text(dump_lock(lock), encoding="utf-8")
-    os.replace(temp, args.lock)
+    write_atomically(args.lock, dump_lock(lock), mode=0o644)
     for line in changes(old, lock):
         print(line)
     return 0

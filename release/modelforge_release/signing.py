@@ -30,8 +30,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from modelforge_contract.files import write_atomically
+
 from .names import SIGNATURE_NAME, SUMS_NAME
-from .sums import write_atomically
 
 NAMESPACE = "modelforge-release"
 HASH_ALGORITHM = "sha512"

@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
+
+from modelforge_contract.files import write_atomically
 
 from .digest import sha256_file
 
@@ -198,28 +199,9 @@ def compute_entries(
     return [Entry(sha256_file(path, name, progress), name) for name, path in named]
 
 
-def write_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Readers see the old file or the new one, never a partial one: temp file, fsync, rename."""
-    directory = path.parent if str(path.parent) else Path(".")
-    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fchmod(file.fileno(), mode)  # mkstemp makes 0600; sums are public
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    # The rename itself is durable only once the directory entry is on disk.
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    log.info("wrote %s", path)
-
-
 def write_sums(path: Path, entries: Sequence[Entry]) -> None:
-    write_atomically(path, b"".join(format_line(entry.digest, entry.name) for entry in entries))
+    """SHA256SUMS, atomically, public (0644)."""
+    write_atomically(
+        path, b"".join(format_line(entry.digest, entry.name) for entry in entries), mode=0o644
+    )
+    log.info("wrote %s", path)

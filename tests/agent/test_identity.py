@@ -53,7 +53,7 @@ def test_crash_between_write_and_rename_leaves_the_previous_file(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", crash, str(tmp_path)], timeout=30)
     assert result.returncode == 9
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".identity-")]
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".identity.json.")]
     assert leftovers, "the crash happened after the temp file was written"
     assert state_path(tmp_path).read_bytes() == before
     assert load_state(tmp_path) == first

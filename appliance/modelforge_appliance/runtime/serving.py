@@ -13,10 +13,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from modelforge_contract.files import write_atomically
 
 from ..core.settings import ConfigError, Settings, is_unspecified, normalize_origin
 
@@ -58,16 +59,7 @@ def record_serving(settings: Settings, host: str, port: int) -> Serving:
         settings.public_api_origin,
         bool(settings.trusted_proxies),
     )
-    path = record_path(settings)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{RECORD_NAME}.", dir=settings.state_dir)
-    try:
-        with os.fdopen(descriptor, "w") as handle:
-            json.dump(asdict(serving), handle)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+    write_atomically(record_path(settings), json.dumps(asdict(serving)))
     return serving
 
 

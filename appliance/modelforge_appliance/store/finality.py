@@ -18,14 +18,14 @@ between ``modelforge save-finality`` and ``modelforge restore-finality``.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import peewee as pw
+
+from modelforge_contract.files import write_atomically
 
 from .database import Store
 from .tables import Finality
@@ -179,17 +179,7 @@ def save(entries: list[Entry], path: Path, saved_at: float, source: str) -> None
         "source": source,
         "entries": [asdict(entry) for entry in entries],
     }
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            json.dump(document, handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temporary, 0o600)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    write_atomically(path, json.dumps(document, indent=1))
 
 
 class RecordFileError(Exception):
