@@ -57,16 +57,31 @@ _DT_NEEDED, _DT_STRTAB, _DT_RPATH, _DT_RUNPATH = 1, 5, 15, 29
 
 
 def elf_dependencies(data: bytes) -> tuple[list[str], list[str]] | None:
-    """(DT_NEEDED names, RPATH/RUNPATH entries) of a 64-bit little-endian ELF, else None."""
-    if not data.startswith(ELF_MAGIC) or len(data) < 64 or data[4] != 2 or data[5] != 1:
+    """(DT_NEEDED names, RPATH/RUNPATH entries) of a 64-bit little-endian ELF; None for a
+    file that is not ELF at all. An ELF file it cannot read raises ``UnreadableElf``: its
+    libraries are unknown, which is a finding, never a pass."""
+    if not data.startswith(ELF_MAGIC):
         return None
+    if len(data) < 64 or data[4] != 2 or data[5] != 1:
+        raise UnreadableElf("not a 64-bit little-endian ELF file")
+    try:
+        return _dynamic_section(data)
+    except (struct.error, ValueError, IndexError) as exc:
+        raise UnreadableElf(f"its headers are damaged ({exc})") from None
+
+
+class UnreadableElf(Exception):
+    """An ELF file whose dependencies cannot be read."""
+
+
+def _dynamic_section(data: bytes) -> tuple[list[str], list[str]]:
     phoff = struct.unpack_from("<Q", data, 0x20)[0]
     phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
     loads, dynamic = [], None
     for index in range(phnum):
         base = phoff + index * phentsize
         if base + 56 > len(data):
-            return None
+            raise UnreadableElf("its program headers run past the end of the file")
         p_type, _, p_offset, p_vaddr, _, p_filesz = struct.unpack_from("<IIQQQQ", data, base)
         if p_type == _PT_LOAD:
             loads.append((p_vaddr, p_offset, p_filesz))
@@ -92,7 +107,7 @@ def elf_dependencies(data: bytes) -> tuple[list[str], list[str]] | None:
         None,
     )
     if strtab is None:
-        return None
+        raise UnreadableElf("its string table is outside every loaded segment")
 
     def string(at: int) -> str:
         end = data.index(b"\0", strtab + at)
@@ -121,7 +136,11 @@ def missing_libraries(
         if entry.kind != "file" or not (entry.mode & 0o111 or ".so" in posixpath.basename(path)):
             continue
         data = entry.content()
-        found = elf_dependencies(data)
+        try:
+            found = elf_dependencies(data)
+        except UnreadableElf as exc:
+            problems.append(f"{path} is an ELF file this check cannot read: {exc}")
+            continue
         if not found:
             continue
         needed, run_paths = found

@@ -228,6 +228,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *pointer, size_t size) {
 }
 
 CUresult cuMemFree_v2(CUdeviceptr pointer) {
+    ENTER("cuMemFree_v2", current);
     free((void *)(uintptr_t)pointer);
     return CUDA_SUCCESS;
 }

@@ -144,6 +144,24 @@ def test_elf_dependencies_are_read_from_a_real_binary():
     assert elf_dependencies(b"#!/bin/sh\n") is None
 
 
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda elf: elf[:200], "program headers run past the end"),
+        (lambda elf: elf[:4] + b"\x01" + elf[5:], "not a 64-bit little-endian ELF"),
+        (lambda elf: elf[:40], "not a 64-bit little-endian ELF"),
+    ],
+    ids=["truncated", "32-bit", "too-short"],
+)
+def test_an_elf_file_the_check_cannot_read_is_a_finding_not_a_pass(damage, reason):
+    """It was skipped silently: a library whose dependencies nobody read passed."""
+    tree = Tree("t")
+    tree.add_file("usr/bin/env", damage(Path("/usr/bin/env").read_bytes()), executable=True)
+    missing = missing_libraries(tree.entries, ["usr/lib/x86_64-linux-gnu"])
+    assert len(missing) == 1 and missing[0].startswith("usr/bin/env is an ELF file this check")
+    assert reason in missing[0]
+
+
 def test_a_library_nobody_ships_is_named():
     python = Path("/usr/bin/env")  # an ELF program on every Debian host
     tree = Tree("t")

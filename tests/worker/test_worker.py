@@ -177,23 +177,56 @@ def test_mig_gpu_reports_no_utilisation_instead_of_inventing_one(
     assert answer["result"]["gpus"][0]["utilization_gpu_percent"] is None
 
 
+def _named(host: dict, index: int, cuda: bool = True) -> str:
+    """How a failure names GPU ``index`` of the test host: NVML index, UUID, PCI bus id and
+    (for CUDA) the ordinal. The test hosts number CUDA devices as NVML does."""
+    gpu = host["devices"][index]
+    suffix = f", CUDA device {index}" if cuda else ""
+    return f"GPU {index} (UUID {gpu['uuid']}, PCI {gpu['pci']['bus_id']}{suffix})"
+
+
 @pytest.mark.parametrize(
     ("breakage", "expected"),
     [
-        (lambda h: with_failure(h, "nvmlDeviceGetMemoryInfo", "NVML_ERROR_GPU_IS_LOST", 3), "NVML"),
-        (lambda h: _cuda_failure(h, 5, "cuLaunchKernel", 719), "CUDA_ERROR_LAUNCH_FAILED"),
-        (lambda h: _cuda_failure(h, 2, "cuCtxCreate_v2", 101), "cuCtxCreate_v2"),
-        (lambda h: _miscompute(h, 6), "GPU 6 computed 1 of"),
+        (
+            lambda h: with_failure(h, "nvmlDeviceGetMemoryInfo", "NVML_ERROR_GPU_IS_LOST", 3),
+            lambda h: [
+                f"NVML query failed for {_named(h, 3, cuda=False)}: "
+                "nvmlDeviceGetMemoryInfo: GPU is lost"
+            ],
+        ),
+        (
+            lambda h: _cuda_failure(h, 5, "cuLaunchKernel", 719),
+            lambda h: [
+                f"the GPU computation failed on {_named(h, 5)}: "
+                "cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED"
+            ],
+        ),
+        (
+            lambda h: _cuda_failure(h, 2, "cuCtxCreate_v2", 101),
+            lambda h: [f"on {_named(h, 2)}: cuCtxCreate_v2 failed"],
+        ),
+        (lambda h: _miscompute(h, 6), lambda h: [f"{_named(h, 6)} computed 1 of"]),
+        (
+            # The kernel fails, then freeing its memory fails too: the first error is named.
+            lambda h: _cuda_failure(h, 4, "cuLaunchKernel", 719, cuMemFree_v2=999),
+            lambda h: [f"on {_named(h, 4)}: cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED"],
+        ),
     ],
-    ids=["gpu-lost", "kernel-launch", "no-context", "wrong-answer"],
+    ids=["gpu-lost", "kernel-launch", "no-context", "wrong-answer", "cleanup-fails-too"],
 )
-def test_nvidia_smoke_fails_closed_naming_the_broken_part(
+def test_nvidia_smoke_fails_closed_naming_the_gpu_and_the_call(
     socket_dir, tmp_path, fake_nvml_dir, breakage, expected
 ):
-    with nvidia_worker(socket_dir, tmp_path, fake_nvml_dir, breakage(h100_80g_x8())) as worker:
+    """Messages named no GPU: on an 8-GPU host "cuLaunchKernel failed" and "GPU is lost"
+    left the operator to guess which board."""
+    host = breakage(h100_80g_x8())
+    with nvidia_worker(socket_dir, tmp_path, fake_nvml_dir, host) as worker:
         answer = run_smoke(worker)
     assert (answer["outcome"], answer["error"]["code"]) == ("failed", SMOKE_FAILED)
-    assert expected in answer["error"]["message"]
+    for text in expected(host):
+        assert text in answer["error"]["message"], answer["error"]["message"]
+    assert "cuMemFree" not in answer["error"]["message"]
 
 
 def test_nvidia_smoke_without_the_cuda_driver_fails(socket_dir, tmp_path, fake_nvml_dir):
@@ -206,8 +239,8 @@ def test_nvidia_smoke_without_the_cuda_driver_fails(socket_dir, tmp_path, fake_n
     assert "libcuda.so.1" in answer["error"]["message"]
 
 
-def _cuda_failure(host: dict, device: int, call: str, code: int) -> dict:
-    host["devices"][device]["cuda_failures"] = {call: code}
+def _cuda_failure(host: dict, device: int, call: str, code: int, **more: int) -> dict:
+    host["devices"][device]["cuda_failures"] = {call: code, **more}
     return host
 
 

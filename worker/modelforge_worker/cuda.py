@@ -9,6 +9,7 @@ floats, and the answer is checked element by element on the host.
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from array import array
 from dataclasses import dataclass
@@ -52,11 +53,42 @@ DONE:
 """  # ctypes.c_char_p ends it with the NUL the driver wants
 
 DEFAULT_ELEMENTS = 1 << 20  # 4 MiB per buffer; below 2**23 the answer is exact
+log = logging.getLogger(__name__)
 THREADS_PER_BLOCK = 256
 
 
 class CudaError(Exception):
-    """A driver call failed; the message names the call and the driver's error name."""
+    """A driver call failed; the message names the call and the driver's error name, and,
+    once the device is known, the device (``ordinal``, ``pci_bus_id``)."""
+
+    def __init__(self, message: str, ordinal: int | None = None, pci_bus_id: str = "") -> None:
+        super().__init__(message)
+        self.message, self.ordinal, self.pci_bus_id = message, ordinal, pci_bus_id
+
+    def on_device(self, ordinal: int, pci_bus_id: str) -> CudaError:
+        return CudaError(self.message, ordinal, pci_bus_id)
+
+    def __str__(self) -> str:
+        if self.ordinal is None:
+            return self.message
+        bus = f", PCI {self.pci_bus_id}" if self.pci_bus_id else ""
+        return f"CUDA device {self.ordinal}{bus}: {self.message}"
+
+
+def _release(driver: Driver, calls: list[tuple[str, tuple[Any, ...]]], failing: bool) -> None:
+    """Run cleanup calls; a cleanup that fails after an earlier failure is logged, never
+    raised (the first error is what the operator needs), else the first one is raised."""
+    first: CudaError | None = None
+    for name, args in calls:
+        try:
+            driver(name, *args)
+        except CudaError as exc:
+            if failing or first is not None:
+                log.warning("%s during cleanup after an earlier error: %s", name, exc)
+            else:
+                first = exc
+    if first is not None:
+        raise first
 
 
 @dataclass(frozen=True)
@@ -108,20 +140,26 @@ def device_count(driver: Driver) -> int:
 
 
 def check_device(driver: Driver, ordinal: int, elements: int = DEFAULT_ELEMENTS) -> DeviceResult:
-    """Run saxpy on one GPU and compare every element with the exact answer."""
+    """Run saxpy on one GPU and compare every element with the exact answer. A failure names
+    the device: its CUDA ordinal and, once known, its PCI bus id."""
     began = time.perf_counter()
-    device = ctypes.c_int()
-    driver("cuDeviceGet", ctypes.byref(device), ordinal)
-    name = ctypes.create_string_buffer(256)
-    driver("cuDeviceGetName", name, 256, device)
     bus = ctypes.create_string_buffer(64)
-    driver("cuDeviceGetPCIBusId", bus, 64, device)
-    context = ctypes.c_void_p()
-    driver("cuCtxCreate_v2", ctypes.byref(context), 0, device)
     try:
-        mismatches = _saxpy(driver, elements)
-    finally:
-        driver("cuCtxDestroy_v2", context)
+        device = ctypes.c_int()
+        driver("cuDeviceGet", ctypes.byref(device), ordinal)
+        driver("cuDeviceGetPCIBusId", bus, 64, device)
+        name = ctypes.create_string_buffer(256)
+        driver("cuDeviceGetName", name, 256, device)
+        context = ctypes.c_void_p()
+        driver("cuCtxCreate_v2", ctypes.byref(context), 0, device)
+        failing = True
+        try:
+            mismatches = _saxpy(driver, elements)
+            failing = False
+        finally:
+            _release(driver, [("cuCtxDestroy_v2", (context,))], failing)
+    except CudaError as exc:
+        raise exc.on_device(ordinal, bus.value.decode(errors="replace")) from None
     return DeviceResult(
         ordinal,
         name.value.decode(errors="replace"),
@@ -137,6 +175,7 @@ def _saxpy(driver: Driver, elements: int) -> int:
     driver("cuModuleLoadData", ctypes.byref(module), ctypes.c_char_p(SAXPY_PTX))
     size = elements * ctypes.sizeof(ctypes.c_float)
     x_dev, y_dev = ctypes.c_uint64(), ctypes.c_uint64()
+    failing = True
     try:
         driver("cuModuleGetFunction", ctypes.byref(function), module, b"saxpy")
         driver("cuMemAlloc_v2", ctypes.byref(x_dev), ctypes.c_size_t(size))
@@ -162,12 +201,12 @@ def _saxpy(driver: Driver, elements: int) -> int:
             y_dev,
             ctypes.c_size_t(size),
         )
+        failing = False
     finally:
-        for pointer in (x_dev, y_dev):
-            if pointer.value:
-                driver("cuMemFree_v2", pointer)
+        cleanup = [("cuMemFree_v2", (pointer,)) for pointer in (x_dev, y_dev) if pointer.value]
         if module.value:
-            driver("cuModuleUnload", module)
+            cleanup.append(("cuModuleUnload", (module,)))
+        _release(driver, cleanup, failing)
     expected = array("f", range(1, 2 * elements, 2))
     if result == expected:
         return 0

@@ -9,6 +9,7 @@ This is what the node-loss runbook's "capability smoke" runs (docs/runbooks/node
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -127,43 +128,101 @@ def nvml_check() -> list[dict[str, Any]]:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
             raise CapabilityFailure(SMOKE_FAILED, f"NVML could not be initialised: {exc}") from None
+        failing = True
         try:
-            return _read_gpus(pynvml)
-        except pynvml.NVMLError as exc:
-            raise CapabilityFailure(SMOKE_FAILED, f"NVML query failed: {exc}") from None
+            gpus = _read_gpus(pynvml)
+            failing = False
+            return gpus
         finally:
-            pynvml.nvmlShutdown()
+            try:
+                pynvml.nvmlShutdown()
+            except pynvml.NVMLError as exc:
+                if not failing:  # never in place of the error that is already on its way
+                    raise CapabilityFailure(
+                        SMOKE_FAILED, f"NVML could not be shut down: {exc}"
+                    ) from None
+
+
+def gpu_label(gpu: dict[str, Any], cuda_ordinal: int | None = None) -> str:
+    """``GPU 5 (UUID GPU-…, PCI 00000000:1B:00.0, CUDA device 5)``: every name an operator
+    may look the GPU up by (nvidia-smi's index, its UUID, its slot, CUDA's ordinal)."""
+    parts = [f"UUID {gpu['uuid']}" if gpu.get("uuid") else "UUID unknown"]
+    parts.append(f"PCI {gpu['pci_bus_id']}" if gpu.get("pci_bus_id") else "PCI unknown")
+    if cuda_ordinal is not None:
+        parts.append(f"CUDA device {cuda_ordinal}")
+    return f"GPU {gpu['index']} ({', '.join(parts)})"
 
 
 def _read_gpus(nvml: Any) -> list[dict[str, Any]]:
-    count = nvml.nvmlDeviceGetCount()
+    try:
+        count = nvml.nvmlDeviceGetCount()
+    except nvml.NVMLError as exc:
+        raise CapabilityFailure(
+            SMOKE_FAILED, f"NVML query failed: nvmlDeviceGetCount: {exc}"
+        ) from None
     if count < 1:
         raise CapabilityFailure(SMOKE_FAILED, "NVML reports 0 GPUs on an NVIDIA node")
-    gpus = []
-    for index in range(count):
+    return [_read_gpu(nvml, index) for index in range(count)]
+
+
+def _read_gpu(nvml: Any, index: int) -> dict[str, Any]:
+    """One GPU; a failing NVML call is named with the GPU's index, UUID and PCI bus id
+    (as much of them as NVML still gave)."""
+    gpu: dict[str, Any] = {"index": index}
+    call = "nvmlDeviceGetHandleByIndex"
+    try:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        gpu = {
-            "index": index,
-            "name": _text(nvml.nvmlDeviceGetName(handle)),
-            "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
-            "pci_bus_id": _text(nvml.nvmlDeviceGetPciInfo(handle).busId),
-            "memory_total_bytes": int(memory.total),
-            "memory_used_bytes": int(memory.used),
-        }
-        for key, call in (
+        call = "nvmlDeviceGetPciInfo"
+        with contextlib.suppress(nvml.NVMLError):
+            gpu["pci_bus_id"] = _text(nvml.nvmlDeviceGetPciInfo(handle).busId)
+        call = "nvmlDeviceGetUUID"
+        with contextlib.suppress(nvml.NVMLError):
+            gpu["uuid"] = _text(nvml.nvmlDeviceGetUUID(handle))
+        for name, read in (
+            ("nvmlDeviceGetName", lambda: gpu.update(name=_text(nvml.nvmlDeviceGetName(handle)))),
+            ("nvmlDeviceGetUUID", lambda: gpu.update(uuid=_text(nvml.nvmlDeviceGetUUID(handle)))),
             (
-                "temperature_c",
-                lambda h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU),
+                "nvmlDeviceGetPciInfo",
+                lambda: gpu.update(pci_bus_id=_text(nvml.nvmlDeviceGetPciInfo(handle).busId)),
             ),
-            ("utilization_gpu_percent", lambda h: nvml.nvmlDeviceGetUtilizationRates(h).gpu),
+            ("nvmlDeviceGetMemoryInfo", lambda: _memory(nvml, handle, gpu)),
         ):
-            try:
-                gpu[key] = int(call(handle))
-            except nvml.NVMLError_NotSupported:
-                gpu[key] = None  # not reported by this GPU (MIG, some boards): never invented
-        gpus.append(gpu)
-    return gpus
+            call = name
+            read()
+    except nvml.NVMLError as exc:
+        raise CapabilityFailure(
+            SMOKE_FAILED, f"NVML query failed for {gpu_label(gpu)}: {call}: {exc}"
+        ) from None
+    for key, read_value in (
+        (
+            "temperature_c",
+            lambda h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU),
+        ),
+        ("utilization_gpu_percent", lambda h: nvml.nvmlDeviceGetUtilizationRates(h).gpu),
+    ):
+        try:
+            gpu[key] = int(read_value(handle))
+        except nvml.NVMLError_NotSupported:
+            gpu[key] = None  # not reported by this GPU (MIG, some boards): never invented
+        except nvml.NVMLError as exc:
+            raise CapabilityFailure(
+                SMOKE_FAILED, f"NVML query failed for {gpu_label(gpu)}: {key}: {exc}"
+            ) from None
+    return {
+        "index": index,
+        "name": gpu["name"],
+        "uuid": gpu["uuid"],
+        "pci_bus_id": gpu["pci_bus_id"],
+        "memory_total_bytes": gpu["memory_total_bytes"],
+        "memory_used_bytes": gpu["memory_used_bytes"],
+        "temperature_c": gpu["temperature_c"],
+        "utilization_gpu_percent": gpu["utilization_gpu_percent"],
+    }
+
+
+def _memory(nvml: Any, handle: Any, gpu: dict[str, Any]) -> None:
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    gpu["memory_total_bytes"], gpu["memory_used_bytes"] = int(memory.total), int(memory.used)
 
 
 def _bus_key(bus_id: str) -> tuple[int, str]:
@@ -173,7 +232,9 @@ def _bus_key(bus_id: str) -> tuple[int, str]:
 
 
 def cuda_check(gpus: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Run the kernel on every CUDA device and pair each with its NVML GPU by PCI bus."""
+    """Run the kernel on every CUDA device and pair each with its NVML GPU by PCI bus; a
+    failure names the GPU by NVML index, UUID, PCI bus id and CUDA ordinal."""
+    by_bus = {_bus_key(gpu["pci_bus_id"]): gpu for gpu in gpus}
     try:
         driver = cuda.Driver()
         count = cuda.device_count(driver)
@@ -181,8 +242,18 @@ def cuda_check(gpus: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[st
             raise cuda.CudaError(f"CUDA sees {count} GPU(s) where NVML lists {len(gpus)}")
         runs = [cuda.check_device(driver, ordinal) for ordinal in range(count)]
     except cuda.CudaError as exc:
-        raise CapabilityFailure(SMOKE_FAILED, f"the GPU computation failed: {exc}") from None
-    by_bus = {_bus_key(gpu["pci_bus_id"]): gpu for gpu in gpus}
+        gpu = by_bus.get(_bus_key(exc.pci_bus_id)) if exc.pci_bus_id else None
+        if gpu is not None:
+            where = gpu_label(gpu, exc.ordinal)
+        elif exc.ordinal is not None:
+            where = f"CUDA device {exc.ordinal}" + (
+                f" (PCI {exc.pci_bus_id})" if exc.pci_bus_id else ""
+            )
+        else:
+            where = "the GPUs"
+        raise CapabilityFailure(
+            SMOKE_FAILED, f"the GPU computation failed on {where}: {exc.message}"
+        ) from None
     paired = []
     for run in runs:
         gpu = by_bus.get(_bus_key(run.pci_bus_id))
@@ -194,7 +265,8 @@ def cuda_check(gpus: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[st
         if run.mismatches:
             raise CapabilityFailure(
                 SMOKE_FAILED,
-                f"GPU {gpu['index']} computed {run.mismatches} of {run.elements} elements wrong",
+                f"{gpu_label(gpu, run.ordinal)} computed {run.mismatches} of {run.elements} "
+                "elements wrong",
             )
         paired.append((gpu, run.view()))
     return sorted(paired, key=lambda pair: pair[0]["index"])
