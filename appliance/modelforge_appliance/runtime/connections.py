@@ -153,18 +153,9 @@ class Channel(HTTPChannel):
         self._fresh = True
         self.held = 0  # bytes of the unfinished request, counted in server.bounds
         self.draining = False  # refused mid-body: what arrives is dropped
+        # Server.handle_accept counted this connection against its address (or refused it).
         self.source = self.addr[0] if isinstance(self.addr, tuple) else str(self.addr)
-        self._counted = self.server.count_source(self.source)
-        if not self._counted:
-            self.refuse(
-                busy_answer(
-                    TOO_MANY_CONNECTIONS,
-                    "this address holds as many connections as the control plane allows one "
-                    "address",
-                    "Close idle connections, or raise MODELFORGE_CONNECTIONS_PER_ADDRESS.",
-                    RETRY_AFTER_SECONDS,
-                )
-            )
+        self._counted = True
 
     def refuse(self, answer: bytes, drain: bool = False) -> None:
         """Answer ``answer`` and close, dropping whatever is half-received.
@@ -236,6 +227,14 @@ class Channel(HTTPChannel):
 # waitress accepts one connection per loop turn; a fleet reconnecting at once (after a
 # restart of the control plane) would then wait on the loop, one turn per agent.
 ACCEPTS_PER_TURN = 64
+
+
+_PER_ADDRESS_ANSWER = busy_answer(
+    TOO_MANY_CONNECTIONS,
+    "this address holds as many connections as the control plane allows one address",
+    "Close idle connections, or raise MODELFORGE_CONNECTIONS_PER_ADDRESS.",
+    RETRY_AFTER_SECONDS,
+)
 
 
 class Bounds:
@@ -332,13 +331,31 @@ class Server(TcpWSGIServer):
             channel.will_close = True
 
     def handle_accept(self) -> None:
+        """Accept every waiting connection (up to ACCEPTS_PER_TURN, never past the limit).
+        One from an address at its cap is answered and closed at once, before a channel is
+        made for it: a flood from one address costs the loop little."""
         for _ in range(ACCEPTS_PER_TURN):
-            before = len(self._map)
-            if before >= self.adj.connection_limit:
+            if len(self._map) >= self.adj.connection_limit:
                 return
-            super().handle_accept()
-            if len(self._map) == before:
-                return  # nobody else is waiting (or that accept failed, and was logged)
+            try:
+                accepted = self.accept()
+                if accepted is None:
+                    return  # nobody else is waiting
+                conn, addr = accepted
+                self.set_socket_options(conn)
+            except OSError:
+                if self.adj.log_socket_errors:
+                    log.warning("accept() failed", exc_info=True)
+                return
+            addr = self.fix_addr(addr)
+            source = addr[0] if isinstance(addr, tuple) else str(addr)
+            if not self.count_source(source):
+                with contextlib.suppress(OSError):
+                    conn.setblocking(False)
+                    conn.send(_PER_ADDRESS_ANSWER)
+                conn.close()
+                continue
+            self.channel_class(self, conn, addr, self.adj, map=self._map)
 
     def maintenance(self, now: float) -> None:
         idle_cutoff = now - self.adj.channel_timeout
