@@ -40,7 +40,7 @@ from modelforge_contract import (
 from modelforge_contract.files import write_atomically
 
 from . import __version__, runtime
-from .client import CallFailed, ControlPlaneClient, Refused
+from .client import CallFailed, ControlPlaneClient, Refused, checked_interval
 from .identity import NodeState, StateError, load_state
 from .settings import ConfigError, load_settings
 
@@ -50,6 +50,11 @@ STATUS_FILE_NAME = "status.json"
 STATUS_FORMAT = 1
 # Routine successes are written at most this often (seconds).
 ROUTINE_WRITE_SECONDS = 1.0
+# A running agent whose last good heartbeat is older than this many intervals is wedged, or
+# its heartbeats stopped without failing: unhealthy. The interval is the control plane's
+# (the last heartbeat answer), 10 s until one has answered.
+STALE_AFTER_INTERVALS = 3
+FIRST_INTERVAL_SECONDS = 10.0
 # Paths that name one work item are recorded under their template: one entry per kind of
 # call, however many items the node runs.
 _ITEM_PATHS = tuple(
@@ -104,6 +109,10 @@ class StatusRecorder:
             "node_id": None,
             "calls": {},
             "stopped": None,
+            # The process's start time (clock ticks since boot, /proc/PID/stat field 22):
+            # with the pid it names this process and no later one that reuses the pid.
+            "process_started": process_started(os.getpid()),
+            "heartbeat_interval_seconds": FIRST_INTERVAL_SECONDS,
         }
 
     def enrolled(self, state: NodeState) -> None:
@@ -118,6 +127,14 @@ class StatusRecorder:
             news = "ok_at" not in call or call.get("failed_at", 0) > call["ok_at"]
             call["ok_at"] = now
             if news or now - self._written_at >= ROUTINE_WRITE_SECONDS:
+                self._write()
+
+    def heartbeat_interval(self, seconds: float | None) -> None:
+        if seconds is None:
+            return
+        with self._lock:
+            if self.data.get("heartbeat_interval_seconds") != seconds:
+                self.data["heartbeat_interval_seconds"] = seconds
                 self._write()
 
     def failed(self, method: str, path: str, failure: CallFailed) -> None:
@@ -174,11 +191,32 @@ class RecordingClient(ControlPlaneClient):
                 self.recorder.failed(method, path, failure)
             raise
         if self.recorder is not None:
+            if path == PATH_AGENT_HEARTBEAT:
+                self.recorder.heartbeat_interval(
+                    checked_interval(answer.get("heartbeat_interval_seconds"))
+                )
             self.recorder.succeeded(method, path)
         return answer
 
 
-def _alive(pid: Any) -> bool:
+def process_started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), or None where /proc cannot
+    tell (another PID namespace, no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: fields follow its last ')'.
+    fields = stat.rpartition(")")[2].split()
+    try:
+        return int(fields[19])  # field 22 of the whole line
+    except (IndexError, ValueError):
+        return None
+
+
+def _alive(pid: Any, started: Any = None) -> bool:
+    """The recorded agent process still runs: the pid exists and, when its start time was
+    recorded, it is the same process (a pid reused by another program is not the agent)."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -186,7 +224,10 @@ def _alive(pid: Any) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
+    if isinstance(started, int):
+        now = process_started(pid)
+        return now is None or now == started
     return True
 
 
@@ -233,7 +274,11 @@ def report(state: NodeState | None, recorded: dict[str, Any] | None, url: str | 
     """The status answer (``--json``); ``healthy`` decides the exit status."""
     now = time.time()
     recorded = recorded or {}
-    running = _alive(recorded.get("pid")) and not recorded.get("stopped")
+    running = _alive(recorded.get("pid"), recorded.get("process_started")) and not recorded.get(
+        "stopped"
+    )
+    interval = recorded.get("heartbeat_interval_seconds")
+    interval = interval if isinstance(interval, int | float) and interval > 0 else None
     beat = (recorded.get("calls") or {}).get(f"POST {PATH_AGENT_HEARTBEAT}") or {}
     ok_at, failed_at = beat.get("ok_at"), beat.get("failed_at")
     failing = failed_at is not None and (ok_at is None or failed_at > ok_at)
@@ -259,6 +304,13 @@ def report(state: NodeState | None, recorded: dict[str, Any] | None, url: str | 
     elif ok_at is None:
         problem = "no heartbeat has succeeded yet"
         next_step = "wait a few seconds; see the agent's log if it stays so"
+    elif now - ok_at > STALE_AFTER_INTERVALS * (interval or FIRST_INTERVAL_SECONDS):
+        problem = (
+            f"the last heartbeat succeeded {ago(now - ok_at)} ago, more than "
+            f"{STALE_AFTER_INTERVALS} intervals of {interval or FIRST_INTERVAL_SECONDS:g}s: the "
+            "agent runs but does not heartbeat"
+        )
+        next_step = "see the agent's log, and restart the agent if it stays so"
     else:
         next_step = None
     return {

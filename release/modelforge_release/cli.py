@@ -468,8 +468,15 @@ def verify_image_command(manifest_path: Path, image_name: str, as_json: bool) ->
     required=True,
     help="sha256:<64 hex>, captured (verify-image --json) before the container was created.",
 )
+@click.option(
+    "--user",
+    help="The user the container runs as on purpose when it is not the image's (Unraid's "
+    "template runs the control plane as 99:100); any other user is still a mismatch.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
-def verify_container_command(container: str, image_id: str, as_json: bool) -> None:
+def verify_container_command(
+    container: str, image_id: str, user: str | None, as_json: bool
+) -> None:
     """Check that CONTAINER (name or id) was created from exactly IMAGE_ID (a tag moved to
     another image between the check and the start is caught) and runs it as the image
     says: the same user, entrypoint, command, working directory, health check and stop
@@ -480,7 +487,7 @@ def verify_container_command(container: str, image_id: str, as_json: bool) -> No
     if not is_image_id(image_id):
         _fail(f"--image-id {image_id!r} is not sha256:<64 hex digits>", EXIT_USAGE)
     try:
-        check = verify_container(connect(), container, image_id)
+        check = verify_container(connect(), container, image_id, user)
     except DaemonError as exc:
         _fail(str(exc), EXIT_FAILED)
     document = {

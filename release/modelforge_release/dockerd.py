@@ -153,11 +153,17 @@ def _variables(env: list[str] | None) -> dict[str, str]:
     return {name: value for name, _, value in pairs}
 
 
-def container_config_problems(image_config: Any, container_config: Any) -> list[str]:
+def container_config_problems(
+    image_config: Any, container_config: Any, user: str | None = None
+) -> list[str]:
     """How a container's effective configuration departs from its image's, beyond what an
-    operator may set: every runtime field but the environment must be the image's; the
-    environment may add or change only operator settings (``OPERATOR_ENV_PREFIXES``)."""
+    operator may set: every runtime field but the environment must be the image's (the
+    user may be ``user`` instead, when the operator runs it as another one on purpose, as
+    Unraid's template does); the environment may add or change only operator settings
+    (``OPERATOR_ENV_PREFIXES``)."""
     image, container = runtime_config(image_config), runtime_config(container_config)
+    if user is not None:
+        image["User"] = user
     problems = [
         f"config.{problem.field.removeprefix('config.')}: {problem.message}"
         for problem in config_differences(
@@ -178,7 +184,9 @@ def container_config_problems(image_config: Any, container_config: Any) -> list[
     return problems
 
 
-def verify_container(client: Any, container: str, image_id: str) -> ContainerCheck:
+def verify_container(
+    client: Any, container: str, image_id: str, user: str | None = None
+) -> ContainerCheck:
     """The container was created from exactly this image id (captured before it started),
     and runs it as the image says: user, entrypoint, command, working directory, health
     check, stop signal, and no environment beyond the operator's settings."""
@@ -214,6 +222,6 @@ def verify_container(client: Any, container: str, image_id: str) -> ContainerChe
         ) from None
     check.problems += [
         f"container {container}: {problem}"
-        for problem in container_config_problems(image.get("Config"), attrs.get("Config"))
+        for problem in container_config_problems(image.get("Config"), attrs.get("Config"), user)
     ]
     return check

@@ -370,3 +370,58 @@ def test_status_file_has_one_entry_per_kind_of_call_and_writes_routine_successes
     recorder.succeeded("POST", PATH_AGENT_HEARTBEAT)
     recorder.stopped(0, None)  # stopping writes what was held back
     assert ok_at(PATH_AGENT_HEARTBEAT) == 2001.3
+
+
+def _recorded_running(**extra) -> dict:
+    import os
+
+    from modelforge_node_agent.status import process_started
+
+    return {
+        "pid": os.getpid(),
+        "process_started": process_started(os.getpid()),
+        "heartbeat_interval_seconds": 10,
+        **extra,
+    }
+
+
+def test_status_is_unhealthy_when_the_last_good_heartbeat_is_too_old():
+    """A wedged agent was healthy to every monitor: status said so whatever the age of its
+    last successful heartbeat."""
+    import time
+
+    from modelforge_contract import PATH_AGENT_HEARTBEAT
+    from modelforge_node_agent.identity import new_identity
+    from modelforge_node_agent.status import report
+
+    state = new_identity().with_enrollment("node-1", "mfc_0123456789abcdef_" + "x" * 43)
+    beat = f"POST {PATH_AGENT_HEARTBEAT}"
+    fresh = _recorded_running(calls={beat: {"ok_at": time.time() - 1}})
+    assert report(state, fresh, None)["healthy"]
+    old = _recorded_running(calls={beat: {"ok_at": time.time() - 31}})
+    answer = report(state, old, None)
+    assert not answer["healthy"] and answer["running"]
+    assert "more than 3 intervals of 10s" in answer["problem"]
+    # The interval is the control plane's: with 30 s heartbeats, 31 s is fine.
+    slow = _recorded_running(
+        calls={beat: {"ok_at": time.time() - 31}}, heartbeat_interval_seconds=30
+    )
+    assert report(state, slow, None)["healthy"]
+
+
+def test_a_pid_reused_by_another_process_is_not_the_agent():
+    import time
+
+    from modelforge_contract import PATH_AGENT_HEARTBEAT
+    from modelforge_node_agent.identity import new_identity
+    from modelforge_node_agent.status import report
+
+    state = new_identity().with_enrollment("node-1", "mfc_0123456789abcdef_" + "x" * 43)
+    calls = {f"POST {PATH_AGENT_HEARTBEAT}": {"ok_at": time.time() - 1}}
+    recorded = _recorded_running(calls=calls)
+    assert report(state, recorded, None)["running"]
+    # This test's pid is alive, but it is not the process that wrote the file.
+    reused = {**recorded, "process_started": recorded["process_started"] + 1}
+    answer = report(state, reused, None)
+    assert not answer["running"] and not answer["healthy"]
+    assert answer["problem"].startswith("the agent is not running")

@@ -204,6 +204,11 @@ def test_verify_container_checks_how_the_container_runs_its_image(
         refused = run_release("verify-container", changed.name, "--image-id", image_id)
         assert refused.returncode == 1
         assert f"container {changed.name}: {expected}" in refused.stderr, refused.stderr
+        if "user" in how:  # a user chosen on purpose (Unraid's 99:100) is said so
+            said = run_release(
+                "verify-container", changed.name, "--image-id", image_id, "--user", how["user"]
+            )
+            assert said.returncode == 0, said.stderr
     finally:
         operator.remove(force=True)
         changed.remove(force=True)
