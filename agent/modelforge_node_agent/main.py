@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import sys
 import threading
 import traceback
@@ -31,6 +32,7 @@ from modelforge_contract import (
     EXIT_PROTOCOL_INCOMPATIBLE,
     EXIT_USAGE,
     PROTOCOL_VERSION,
+    instance,
     mask_secrets,
 )
 
@@ -233,8 +235,37 @@ def _load_settings(env_file: Path | None) -> AgentSettings:
         sys.exit(error.exit_code)
 
 
+# One agent per state volume: two would speak for one node with one identity.
+AGENT_LOCK_NAME = "agent.lock"
+
+
 def run(settings: AgentSettings) -> int:
     """Run the agent until stopped or refused; the exit status, also in status.json."""
+    lock = None
+    try:
+        # A volume not made yet holds no identity to share (and an enrollment token is
+        # single-use); it is locked from the next start on.
+        if settings.state_volume.is_dir():
+            lock = instance.hold(settings.state_volume / AGENT_LOCK_NAME)
+    except instance.AlreadyRunning as running:
+        who = f"pid {running.pid}" if running.pid else "another process"
+        log.error(
+            "another node agent (%s) already runs on the state volume %s, with this node's "
+            "identity; stop it first, or give this one its own MODELFORGE_AGENT_STATE_VOLUME",
+            who,
+            settings.state_volume,
+        )
+        return EXIT_USAGE  # status.json stays the running agent's
+    except OSError:
+        pass  # an unusable state volume: run_agent says so, with what to do
+    try:
+        return _run_holding_the_volume(settings)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _run_holding_the_volume(settings: AgentSettings) -> int:
     stop = threading.Event()
     install_signal_handlers(stop)
     recorder = StatusRecorder(

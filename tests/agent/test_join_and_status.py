@@ -425,3 +425,26 @@ def test_a_pid_reused_by_another_process_is_not_the_agent():
     answer = report(state, reused, None)
     assert not answer["running"] and not answer["healthy"]
     assert answer["problem"].startswith("the agent is not running")
+
+
+def test_a_second_agent_on_one_state_volume_exits_2_naming_the_first(
+    sqlite_control_plane, tmp_path
+):
+    """Two agents on one state volume ran side by side with one identity for as long as
+    they were let."""
+    cp = sqlite_control_plane
+    volume = tmp_path / "state"
+    env = agent_env(
+        control_plane_url=cp.url,
+        enrollment_token=cp.mint()["token"],
+        accelerator_mode="cpu",
+        state_volume=volume,
+    )
+    with AgentProcess(env, tmp_path / "first.log") as first:
+        first.wait_for_log(r"enrolled as node ([0-9a-f-]{36})")
+        second = subprocess.run(AGENT_COMMAND, env=env, capture_output=True, text=True, timeout=60)
+        assert second.returncode == EXIT_USAGE, second.stderr
+        assert f"another node agent (pid {first.process.pid}) already runs" in second.stderr
+        # status.json is still the running agent's.
+        assert json.loads((volume / "status.json").read_text())["pid"] == first.process.pid
+        assert first.process.poll() is None

@@ -168,3 +168,26 @@ def test_files_left_by_another_user_are_named_with_the_fix(tmp_path, state_env):
         assert result.returncode == EXIT_USAGE, result.stderr
         assert "modelforge.sqlite3 (nobody)" in result.stderr
         assert f"chown -R root: {store.parent}" in result.stderr
+
+
+def test_a_second_serve_on_one_state_directory_exits_2_naming_the_first(tmp_path, state_env):
+    """It started beside the first on the same SQLite store, and when it stopped it deleted
+    the first one's serving record: the CLI then minted tokens for a dead origin."""
+    with serving(state_env, tmp_path / "serve.log", "--listen", "127.0.0.1:0") as (first, record):
+        second = subprocess.run(
+            [*CLI, "serve", "--listen", "127.0.0.1:0"],
+            env=state_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode == EXIT_USAGE, second.stderr
+        assert "already runs on the state directory" in second.stderr
+        assert f"(pid {first.pid})" in second.stderr
+        # The first still serves, and its record is still its own.
+        record_path = Path(state_env["MODELFORGE_STATE_DIR"]) / "serving.json"
+        assert json.loads(record_path.read_text()) == record
+        assert requests.get(f"http://127.0.0.1:{record['port']}/healthz", timeout=10).ok
+    # Once the first stopped, a serve may start again (the kernel dropped the lock).
+    with serving(state_env, tmp_path / "again.log", "--listen", "127.0.0.1:0"):
+        pass

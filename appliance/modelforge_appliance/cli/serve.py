@@ -8,6 +8,8 @@ import threading
 
 import click
 
+from modelforge_contract import instance
+
 from ..core.settings import Settings, is_unspecified, parse_listen
 from ..identity import admin_tokens
 from ..runtime import serving
@@ -53,6 +55,7 @@ def serve(obj: Context, listen: str | None) -> None:
     host, port = (
         parse_listen(listen, "--listen") if listen else (settings.listen_host, settings.listen_port)
     )
+    _one_serve_per_state_directory(settings)
     store = obj.store(create=True)  # takes the state lock before it migrates; held until we stop
     if not admin_tokens.has_admin_tokens(store):
         click.echo("modelforge: no admin token exists yet; run `modelforge init` first.", err=True)
@@ -78,6 +81,23 @@ def serve(obj: Context, listen: str | None) -> None:
     finally:
         serving.clear_serving(settings, record)
     log.info("stopped")
+
+
+SERVE_LOCK_NAME = "serve.lock"
+
+
+def _one_serve_per_state_directory(settings: Settings) -> None:
+    """A second serve on one state directory would share its SQLite store, and clear the
+    first one's serving record when it stopped: refuse it (exit 2), naming the first."""
+    settings.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        instance.hold(settings.state_dir / SERVE_LOCK_NAME)  # held until this process ends
+    except instance.AlreadyRunning as running:
+        who = f"pid {running.pid}" if running.pid else "another process"
+        fail(
+            f"`modelforge serve` already runs on the state directory {settings.state_dir} "
+            f"({who}); stop it first, or give this one its own MODELFORGE_STATE_DIR"
+        )
 
 
 def _banner(settings: Settings, store: Store, host: str, port: int) -> str:
