@@ -13,7 +13,7 @@
    random bytes, loaded and bundled the same way, where the interpreter's start no longer
    hides the throughput; peak RSS shows whether memory follows the tarball's size.
 
-Everything it tags is ``<name>:0.0.0-bench.<hex>`` and removed at the end.
+Everything it tags is ``<name>:<version>-bench.<hex>`` and removed at the end.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from verify import RELEASE, Run, best, own_peak_rss_bytes, timed, warm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "release"), str(ROOT / "contract")]
 
+from modelforge_contract import __version__  # noqa: E402
 from modelforge_contract.manifest import IMAGE_NAMES, NODE_AGENT_IMAGE  # noqa: E402
 from modelforge_release.build import BuiltImage, image_config, load_images  # noqa: E402
 from modelforge_release.images import SPECS, BuildContext  # noqa: E402
@@ -127,7 +128,7 @@ def main() -> None:
     import docker
 
     client = docker.from_env(timeout=600)
-    version = f"0.0.0-bench.{secrets.token_hex(3)}"
+    version = f"{__version__}-bench.{secrets.token_hex(3)}"
     work = Path(tempfile.mkdtemp(prefix="modelforge-bench-bundle-"))
     tags = [f"{name}:{version}" for name in IMAGE_NAMES] + [f"{NODE_AGENT_IMAGE}:{version}-pad"]
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -167,6 +168,35 @@ def _emit(as_json: bool, document: dict, lines: list[str]) -> None:
             click.echo(line)
 
 
+_CORE = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+")
+_PROJECT_VERSION = re.compile(r'^version\s*=\s*"([^"]+)"', re.M)
+
+
+def _version_of_source(source: Path, asked: str | None) -> str:
+    """The release version for images built from ``source``: ``asked``, when it is the
+    source's own version or a pre-release/build of it; the source's version when not given.
+    Images labelled 1.3.0 that hold 0.1.0's code would pass every check and then be refused
+    by a console that knows better."""
+    try:
+        found = _PROJECT_VERSION.search((source / "pyproject.toml").read_text(encoding="utf-8"))
+    except OSError as exc:
+        _fail(f"cannot read {source / 'pyproject.toml'}: {exc.strerror or exc}", EXIT_USAGE)
+    own = found.group(1) if found else __version__
+    if asked is None:
+        return own
+    _check_release_version(asked)
+    core, own_core = _CORE.match(asked), _CORE.match(own)
+    if core is None or own_core is None or core.group(0) != own_core.group(0):
+        _fail(
+            f"--version {asked} is not the version of the source ({own}, in "
+            f"{source / 'pyproject.toml'}): the images would be labelled {asked} and hold "
+            f"{own}'s code. Give --version {own} (or a pre-release of it, {own}-rc.1), or "
+            "change the version in pyproject.toml first",
+            EXIT_USAGE,
+        )
+    return asked
+
+
 def _check_release_version(version: str) -> None:
     if not is_version(version):
         _fail(
@@ -178,8 +208,9 @@ def _check_release_version(version: str) -> None:
 @click.option(
     "--version",
     "release_version",
-    required=True,
-    help="Release version; every image is tagged <name>:VERSION.",
+    help="Release version; every image is tagged <name>:VERSION [default: the source's "
+    "version, from its pyproject.toml]. Its X.Y.Z must be the source's: a pre-release or "
+    "build of it (0.1.0-rc.1) is fine, another release is refused.",
 )
 @_source_option
 @click.option(
@@ -226,9 +257,9 @@ def images(
     from .dockerd import DaemonError, connect
     from .images import BuildContext, default_epoch, default_revision, default_source_url
 
-    _check_release_version(release_version)
     if source is None:
         _fail("not running from a ModelForge checkout: give --source", EXIT_USAGE)
+    release_version = _version_of_source(source, release_version)
     epoch_text = os.environ.get("SOURCE_DATE_EPOCH")
     if epoch_text is not None and not epoch_text.isdigit():
         _fail(f"SOURCE_DATE_EPOCH={epoch_text!r} is not a number of seconds", EXIT_USAGE)
@@ -259,7 +290,11 @@ def images(
 
 @main.command()
 @click.option(
-    "--version", "release_version", required=True, help="Release version of the images in dockerd."
+    "--version",
+    "release_version",
+    default=__version__,
+    show_default=True,
+    help="Release version of the images in dockerd (modelforge-release images tagged them).",
 )
 @click.option(
     "--out",

@@ -28,7 +28,14 @@ class DaemonError(Exception):
 
 def connect(timeout: int = 300) -> Any:
     """A docker SDK client for the daemon named by DOCKER_HOST (default: the local socket)."""
-    import docker
+    try:
+        import docker
+    except ImportError:
+        raise DaemonError(
+            "this command talks to dockerd through the docker SDK, which is not installed: "
+            "pip install -e '.[release]' in the checkout (scripts/test installs it; "
+            "scripts/run does not)"
+        ) from None
 
     try:
         client = docker.from_env(timeout=timeout)

@@ -157,3 +157,17 @@ def test_output_replaces_previous_file_and_is_world_readable(tmp_path):
     assert (tmp_path / "SHA256SUMS").read_bytes() == sha256sum(*TEMPLATE_ORDER, cwd=tmp_path).stdout
     assert (tmp_path / "SHA256SUMS").stat().st_mode & 0o777 == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*TEMPLATE_ORDER, "SHA256SUMS"])
+
+
+def test_images_refuses_a_version_that_is_not_the_sources(tmp_path):
+    """Following release.md with --version 1.3.0 built images labelled 1.3.0 holding 0.1.0's
+    code, with no warning."""
+    from modelforge_contract import __version__
+    from tests.harness.release_cli import release
+
+    other = release("images", "--version", "9.9.9", "--dist", tmp_path)
+    assert other.returncode == 2
+    assert (
+        f"--version 9.9.9 is not the version of the source ({__version__}" in other.stderr.decode()
+    )
+    assert not list(tmp_path.iterdir())  # refused before anything was built
