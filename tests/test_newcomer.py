@@ -144,12 +144,12 @@ def first_hour(clone: Path, logs: Path, run_args: str, port: int) -> None:
         assert "store " in minted.stderr and str(clone / "var") in minted.stderr
         (token,) = set(TOKEN.findall(minted.stdout))
         printed = [line.strip() for line in minted.stdout.splitlines() if "agent join" in line]
-        # The checkout's command printed for this token is the README's, for this origin.
+        # The checkout's command printed for this token is the README's, for this origin:
+        # the README asks for a CPU node, so the printed join command works on this box.
         readme_here = agent_command.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-        assert readme_here.replace("--accelerator cpu", "--accelerator nvidia") in printed
+        assert readme_here in printed
         # ...and so is the worker's, for the mode asked for.
-        printed_worker = worker_command.replace("MODE=cpu", "MODE=nvidia")
-        assert printed_worker in [line.strip() for line in minted.stdout.splitlines()]
+        assert worker_command in [line.strip() for line in minted.stdout.splitlines()]
 
         session.background(worker_command, "worker")
         session.background(readme_here, "agent", stdin=token + "\n")

@@ -536,7 +536,10 @@ def verify_container_command(
     _emit(
         as_json,
         document,
-        [f"{container}: {'OK' if check.ok else 'FAILED'} (image {check.image_id})"],
+        [
+            f"{container}: {'OK' if check.ok else 'FAILED'}"
+            + (f" (image {check.image_id})" if check.image_id else "")
+        ],
     )
     for problem in check.problems:
         click.echo(f"{PROG}: {problem}", err=True)

@@ -324,3 +324,10 @@ def test_serve_raises_its_own_soft_file_limit_to_fit_the_connections(tmp_path):
         check=True,
     )
     assert result.stdout.split() == ["3064", "3064"]
+
+
+@pytest.mark.parametrize("expires", ["5s", "soon", "48h"])
+def test_an_enrollment_lifetime_out_of_range_names_the_option_and_the_value(state_env, expires):
+    refused = modelforge("enroll", "--name", "gpu", "--expires", expires, env=state_env)
+    assert refused.returncode == 2
+    assert f"Invalid value for --expires: {expires!r}" in refused.stderr

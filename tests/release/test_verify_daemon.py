@@ -249,3 +249,4 @@ def test_verify_container_refuses_a_malformed_id_and_names_a_missing_container(l
     result = run_release("verify-container", missing, "--image-id", "sha256:" + "2" * 64)
     assert result.returncode == 1
     assert f"no container {missing}" in result.stderr
+    assert result.stdout == f"{missing}: FAILED\n"  # no Python None printed

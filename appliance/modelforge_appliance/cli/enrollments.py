@@ -23,13 +23,15 @@ _DURATION = re.compile(r"(\d+)([smhd]?)")
 _UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def parse_duration(text: str) -> int:
+def parse_duration(text: str, option: str = "--expires") -> int:
     match = _DURATION.fullmatch(text.strip().lower())
     if match is None:
-        raise click.BadParameter("use a duration such as 5m, 15m, 1h or 24h")
+        raise click.BadParameter(
+            f"{text!r} is not a duration; use one such as 5m, 15m, 1h or 24h", param_hint=option
+        )
     seconds = int(match.group(1)) * _UNIT[match.group(2)]
     if not ENROLLMENT_EXPIRY_MIN_SECONDS <= seconds <= ENROLLMENT_EXPIRY_MAX_SECONDS:
-        raise click.BadParameter("must be between 5m and 24h")
+        raise click.BadParameter(f"{text!r} is not between 5m and 24h", param_hint=option)
     return seconds
 
 
