@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -61,6 +62,10 @@ def test_scripts_run_serves_healthz_and_reuses_its_state(tmp_path, venv_settings
     assert "First admin token (shown once" in first
     assert first.count("mfa_") == 1
     assert "Enroll a node" in first
+    assert re.search(
+        r"Console: http://127\.0\.0\.1:\d+/console/ \(its password: modelforge admin-password set\)",
+        first,
+    )
     second = run_once(tmp_path / "state", tmp_path / "second.log")
     assert "already initialised" in second
     assert "mfa_" not in second

@@ -308,7 +308,14 @@ def test_admin_password_set_follows_the_cli_conventions(tmp_path):
     state = initialised(tmp_path)
     done = cli(state, "admin-password", "set", "--json", stdin=f"{PASSWORD}\n")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"password_set": True, "sessions_signed_out": 0}
+    # Where to sign in: no server runs, so the listen setting's address (the default).
+    assert json.loads(done.stdout) == {
+        "password_set": True,
+        "sessions_signed_out": 0,
+        "console_url": "http://127.0.0.1:8000/console/",
+    }
+    plain = cli(state, "admin-password", "set", stdin=f"{PASSWORD}\n")
+    assert "Sign in at http://127.0.0.1:8000/console/." in plain.stdout
     assert PASSWORD not in done.stdout + done.stderr
     helped = cli(state, "admin-password", "set", "-h")
     assert helped.returncode == 0 and "--json" in helped.stdout

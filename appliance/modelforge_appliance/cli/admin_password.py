@@ -14,7 +14,9 @@ import click
 
 from modelforge_contract import EXIT_CHECK_FAILED
 
+from ..core.settings import ConfigError
 from ..identity.sessions import PasswordRefused, check_new_password, set_admin_password
+from ..runtime import serving
 from ..store import audit
 from .errors import CliError
 from .support import JSON_OPTION, Context, emit
@@ -69,8 +71,19 @@ def admin_password_set(obj: Context, as_json: bool) -> None:
         raise CliError(f"{exc}; {_UNCHANGED}", "choose another password") from None
     ended = set_admin_password(store, password, audit.CLI_ACTOR)
     suffix = f"; {ended} console session(s) signed out" if ended else ""
+    console = _console_url(obj)
     emit(
         as_json,
-        {"password_set": True, "sessions_signed_out": ended},
-        f"Admin password set{suffix}. Sign in at /console/ on the control plane.",
+        {"password_set": True, "sessions_signed_out": ended, "console_url": console},
+        f"Admin password set{suffix}. Sign in at "
+        + (console or "/console/ on the control plane")
+        + ".",
     )
+
+
+def _console_url(obj: Context) -> str | None:
+    """The console's address, as agents would be told it (None when it is not known)."""
+    try:
+        return serving.token_origin(obj.settings).origin + "/console/"
+    except ConfigError:
+        return None

@@ -62,7 +62,11 @@ def serve(obj: Context, listen: str | None) -> None:
     try:
         server = create_server(settings, store, host, port)
     except OSError as exc:
-        fail(f"cannot listen on {host}:{port}: {exc.strerror}")
+        fail(
+            f"cannot listen on {host}:{port}: {exc.strerror}. Another program (or a control "
+            "plane with another state directory) may listen there: choose another address "
+            "with --listen HOST:PORT or MODELFORGE_LISTEN, or stop that program"
+        )
     log = logging.getLogger("modelforge")
     listening = f"{host}:{server.effective_port}"
     log.info("serving on %s", listening)
@@ -111,6 +115,7 @@ def _banner(settings: Settings, store: Store, host: str, port: int) -> str:
     shown = f"listening on {host}:{port}" + (f", agents use {origin}" if origin else "")
     return (
         f"ModelForge control plane {shown} (store: {kind})\n"
+        f"Console: {url}/console/ (its password: modelforge admin-password set)\n"
         "Enroll a node: modelforge enroll --name NAME --expires 15m, or\n"
         f'  curl -s -X POST -H "X-ModelForge-Admin-Token: $KEY" -H "Content-Type: application/json" \\\n'
         f'    -d \'{{"display_name":"GPU Node","expires_in_seconds":900}}\' \\\n'
