@@ -140,8 +140,11 @@ class StatusRecorder:
     def failed(self, method: str, path: str, failure: CallFailed) -> None:
         with self._lock:
             call = self.data["calls"].setdefault(f"{method} {route(path)}", {})
+            now = self.clock()
+            if call.get("failed_at") is None or call.get("ok_at", 0) > call["failed_at"]:
+                call["failing_since"] = now  # the first failure after the last success
             call.update(
-                failed_at=self.clock(),
+                failed_at=now,
                 failure=failure.describe(),
                 code=failure.code if isinstance(failure, Refused) else None,
             )
@@ -325,6 +328,7 @@ def report(state: NodeState | None, recorded: dict[str, Any] | None, url: str | 
         "last_heartbeat_age_seconds": round(now - ok_at, 1) if ok_at else None,
         "last_failure": beat.get("failure") if failing else None,
         "last_failure_at": failed_at if failing else None,
+        "failing_since": (beat.get("failing_since") or failed_at) if failing else None,
         "stopped": stopped,
         "healthy": problem is None,
         "problem": problem,
@@ -340,7 +344,8 @@ def render(answer: dict[str, Any]) -> str:
         else "never succeeded"
     )
     if answer["last_failure"]:
-        beat = f"failing since {ago(now - answer['last_failure_at'])}: {answer['last_failure']}" + (
+        since = answer.get("failing_since") or answer["last_failure_at"]
+        beat = f"failing since {ago(now - since)}: {answer['last_failure']}" + (
             f" (last ok {ago(now - answer['last_heartbeat_at'])} ago)"
             if answer["last_heartbeat_at"]
             else ""

@@ -448,3 +448,25 @@ def test_a_second_agent_on_one_state_volume_exits_2_naming_the_first(
         # status.json is still the running agent's.
         assert json.loads((volume / "status.json").read_text())["pid"] == first.process.pid
         assert first.process.poll() is None
+
+
+def test_failing_since_counts_from_the_first_failure_of_the_outage(tmp_path):
+    """A 28 s outage read 'failing since 7s': the time of the latest failed try."""
+    from modelforge_contract import PATH_AGENT_HEARTBEAT
+    from modelforge_node_agent.client import TransportFailure
+    from modelforge_node_agent.status import StatusRecorder, read_status
+
+    now = [1000.0]
+    recorder = StatusRecorder(tmp_path, "http://cp.lan:8000", "cpu", clock=lambda: now[0])
+    recorder.succeeded("POST", PATH_AGENT_HEARTBEAT)
+    failure = TransportFailure("ConnectError", "POST", PATH_AGENT_HEARTBEAT)
+    for at in (1010.0, 1017.0, 1038.0):  # the outage begins at 1010; tries back off
+        now[0] = at
+        recorder.failed("POST", PATH_AGENT_HEARTBEAT, failure)
+    call = read_status(tmp_path)["calls"][f"POST {PATH_AGENT_HEARTBEAT}"]
+    assert (call["failing_since"], call["failed_at"]) == (1010.0, 1038.0)
+    now[0] = 1040.0
+    recorder.succeeded("POST", PATH_AGENT_HEARTBEAT)
+    now[0] = 1050.0
+    recorder.failed("POST", PATH_AGENT_HEARTBEAT, failure)  # a new outage, a new start
+    assert read_status(tmp_path)["calls"][f"POST {PATH_AGENT_HEARTBEAT}"]["failing_since"] == 1050.0
