@@ -61,13 +61,15 @@ class Agent:
         self.credential = response.json()["credential"]
         return response.json()
 
-    def heartbeat(self, credential=None, status="ok", gpu_probe="ok"):
+    def heartbeat(self, credential=None, status="ok", gpu_probe="ok", worker=WORKER, message=None):
         body = {
             "node_id": self.node_id,
             "agent_version": "0.1.0",
             # A compatible runtime worker beside the agent (issue 13), as the agent reports it.
-            "health": {"status": status, "gpu_probe": gpu_probe, "worker": WORKER},
+            "health": {"status": status, "gpu_probe": gpu_probe, "worker": worker},
         }
+        if message is not None:
+            body["health"]["message"] = message
         return self.cp.agent(
             "POST", "/api/v1/agent/heartbeat", credential or self.credential, json=body
         )
@@ -179,6 +181,38 @@ def test_each_failing_check_names_its_next_step(
     named = next(c for c in failed if c["name"] == check)
     assert detail in named["detail"]
     assert named["next_step"]
+
+
+def test_a_node_degraded_by_its_worker_is_told_about_the_worker_not_preflight(
+    sqlite_control_plane,
+):
+    """The agent_health next step always said "run --preflight", even when the cause was
+    the runtime worker."""
+    cp = sqlite_control_plane
+    agent = Agent(cp, mode="cpu")
+    unreachable = {  # what the agent reports when nothing answers on the worker socket
+        "reachable": False,
+        "protocol": None,
+        "version": None,
+        "capabilities": [],
+        "accelerator_mode": None,
+        "message": "the runtime worker does not answer on /run/modelforge/worker.sock",
+    }
+    assert (
+        agent.heartbeat(
+            status="degraded",
+            gpu_probe="not_applicable",
+            worker=unreachable,
+            message="the runtime worker does not answer on /run/modelforge/worker.sock",
+        ).status_code
+        == 200
+    )
+    agent.inventory()
+    checks = {c["name"]: c for c in readiness(cp, agent.node_id)["checks"]}
+    assert not checks["agent_health"]["ok"] and not checks["worker"]["ok"]
+    assert "because of its runtime worker" in checks["agent_health"]["detail"]
+    assert checks["agent_health"]["next_step"] == checks["worker"]["next_step"]
+    assert "--preflight" not in checks["agent_health"]["next_step"]
 
 
 def test_telemetry_is_not_applicable_to_a_cpu_node(sqlite_control_plane):

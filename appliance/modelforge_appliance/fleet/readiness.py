@@ -113,8 +113,18 @@ def _agent_health(node: Node) -> Check:
             "Wait for the first heartbeat.",
         )
     preflight = health.get("preflight")
-    if health["status"] != "ok" or health["gpu_probe"] == "failed" or preflight == "failed":
+    gpu_failed = health["gpu_probe"] == "failed" or preflight == "failed"
+    if health["status"] != "ok" or gpu_failed:
         message = health.get("message") or "no message"
+        worker = _worker(node)
+        if not gpu_failed and not worker.ok:
+            # Degraded because of the runtime worker: its check says what to do, not NVML's.
+            return Check(
+                "agent_health",
+                False,
+                f"agent reports {health['status']} because of its runtime worker: {message}",
+                worker.next_step,
+            )
         return Check(
             "agent_health",
             False,
