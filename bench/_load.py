@@ -164,4 +164,9 @@ def start_modelforge(env: dict, **popen: object) -> tuple[int, subprocess.Popen]
     port = free_port()
     command = [sys.executable, "-m", "modelforge_appliance.cli", "serve", "--listen",
                f"127.0.0.1:{port}"]  # fmt: skip
+    # Every simulated agent comes from 127.0.0.1: one address may hold the whole fleet here.
+    env = {
+        "MODELFORGE_CONNECTIONS_PER_ADDRESS": env.get("MODELFORGE_CONNECTION_LIMIT", "10000"),
+        **env,
+    }
     return port, subprocess.Popen(command, env=env, **popen)

@@ -42,6 +42,9 @@ def test_a_thousand_agents_beside_two_hundred_hostile_sockets(tmp_path):
         "MODELFORGE_IDLE_TIMEOUT_SECONDS": str(int(4 * INTERVAL)),
         "MODELFORGE_REQUEST_TIMEOUT_SECONDS": "2",
         "MODELFORGE_CONNECTION_LIMIT": "3000",
+        # Every simulated agent, and every hostile socket, comes from 127.0.0.1: one address
+        # may hold them all here (test_connections.py tests the per-address share).
+        "MODELFORGE_CONNECTIONS_PER_ADDRESS": "3000",
     }
     cli = [sys.executable, "-m", "modelforge_appliance.cli"]
     admin = json.loads(
