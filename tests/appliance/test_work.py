@@ -327,10 +327,15 @@ def test_the_work_cli_submits_lists_shows_and_cancels(sqlite_control_plane):
     listed = json.loads(_cli(cp, "list", "--state", "queued", "--json").stdout)
     assert [item["work_id"] for item in listed["work"]] == [queued["work_id"]]
     assert "queued" in _cli(cp, "show", queued["work_id"]).stdout
+    # A unique prefix names the item, as node ids do; a miss says what the CLI lists them with.
+    assert queued["work_id"] in _cli(cp, "show", queued["work_id"][:8]).stdout
     missing = _cli(cp, "show", "no-such-item")
     assert missing.returncode == EXIT_NOT_FOUND and "Traceback" not in missing.stderr
-    cancelled = _cli(cp, "cancel", queued["work_id"])
-    assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
+    assert "modelforge work list" in missing.stderr and "/api/v1" not in missing.stderr
+    cancelled = _cli(cp, "cancel", queued["work_id"][:8])
+    assert (
+        cancelled.returncode == 0 and f"Work {queued['work_id']} is cancelled" in cancelled.stdout
+    )
     actor = [e for e in work_events(cp) if e["action"] == "work.cancelled"][0]["actor"]
     assert actor == "cli"
     node = WorkNode(cp, "gpu-1").ready()

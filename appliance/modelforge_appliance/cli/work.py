@@ -21,6 +21,7 @@ from modelforge_contract import (
 from ..core.errors import ApiError, NotFound
 from ..core.validation import SUBMIT_WORK_FIELDS, check_object
 from ..store import audit
+from ..store.tables import WorkItem
 from ..work import items, leases
 from .completion import complete_nodes
 from .errors import CliError
@@ -204,16 +205,48 @@ def list_command(obj: Context, state: str | None, limit: int, as_json: bool) -> 
     emit(as_json, answer, _table(answer["work"]) if answer["work"] else "No work items.")
 
 
+def find_work(obj: Context, reference: str) -> str:
+    """The work id a whole id or a unique id prefix names; NotFound or a usage error."""
+    reference = reference.strip().lower()
+    store = obj.store()
+    with store.connection():
+        if WorkItem.get_or_none(WorkItem.work_id == reference) is not None:
+            return reference
+        found = (
+            [
+                row.work_id
+                for row in WorkItem.select(WorkItem.work_id)
+                .where(WorkItem.work_id.startswith(reference))
+                .order_by(WorkItem.work_id)
+                .limit(7)
+            ]
+            if reference
+            else []
+        )
+    if not found:
+        raise NotFound(
+            f"no work item {reference!r} (by id or id prefix)",
+            next_step="list them with `modelforge work list`",
+        )
+    if len(found) > 1:
+        shown = ", ".join(found[:6]) + (" …" if len(found) > 6 else "")
+        raise CliError(
+            f"{reference!r} names {len(found)} work items: {shown}",
+            "give more of the work id (or the whole id)",
+        )
+    return found[0]
+
+
 @work_group.command("show")
 @click.argument("work_id")
 @JSON_OPTION
 @click.pass_obj
 def show(obj: Context, work_id: str, as_json: bool) -> None:
-    """One work item with its result, error and log tail."""
+    """One work item (by id or unique id prefix) with its result, error and log tail."""
     store = obj.store()
     leases.expire_leases(store)
     try:
-        item = items.work_view(items.get_work(store, work_id))
+        item = items.work_view(items.get_work(store, find_work(obj, work_id)))
     except ApiError as exc:
         raise _refused(exc) from None
     emit(as_json, item, _summary(item))
@@ -224,11 +257,12 @@ def show(obj: Context, work_id: str, as_json: bool) -> None:
 @JSON_OPTION
 @click.pass_obj
 def cancel(obj: Context, work_id: str, as_json: bool) -> None:
-    """Cancel a queued or leased item; a running node stops at its next lease renewal."""
+    """Cancel a queued or leased item (by id or unique id prefix); a running node stops at
+    its next lease renewal."""
     store = obj.store()
     leases.expire_leases(store)
     try:
-        item = items.work_view(items.cancel_work(store, work_id, audit.CLI_ACTOR))
+        item = items.work_view(items.cancel_work(store, find_work(obj, work_id), audit.CLI_ACTOR))
     except ApiError as exc:
         raise _refused(exc) from None
-    emit(as_json, item, f"Work {work_id} is {item['state']}.")
+    emit(as_json, item, f"Work {item['work_id']} is {item['state']}.")
