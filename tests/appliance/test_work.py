@@ -338,7 +338,15 @@ def test_the_work_cli_submits_lists_shows_and_cancels(sqlite_control_plane):
     )
     actor = [e for e in work_events(cp) if e["action"] == "work.cancelled"][0]["actor"]
     assert actor == "cli"
+    # No node was enrolled: the submit says the item will wait, instead of waiting silently.
+    lonely = _cli(cp, "submit", "smoke", "--json")
+    assert "no enrolled node's runtime worker offers 'smoke' now" in lonely.stderr
+    assert _cli(cp, "cancel", json.loads(lonely.stdout)["work_id"]).returncode == 0
     node = WorkNode(cp, "gpu-1").ready()
+    cp.heartbeats.flush()  # the CLI reads the store; the server writes heartbeats in batches
+    offered = _cli(cp, "submit", "smoke", "--json")
+    assert "offers" not in offered.stderr
+    assert _cli(cp, "cancel", json.loads(offered.stdout)["work_id"]).returncode == 0
     done = submit(cp)
     assert node.complete(node.lease()).status_code == 200
     again = _cli(cp, "cancel", done["work_id"])

@@ -21,7 +21,7 @@ from modelforge_contract import (
 from ..core.errors import ApiError, NotFound
 from ..core.validation import SUBMIT_WORK_FIELDS, check_object
 from ..store import audit
-from ..store.tables import WorkItem
+from ..store.tables import Node, WorkItem
 from ..work import items, leases
 from .completion import complete_nodes
 from .errors import CliError
@@ -165,6 +165,14 @@ def submit(
     except ApiError as exc:
         raise _refused(exc) from None
     item = items.work_view(submitted.item)
+    offered = _nodes_offering(store, capability)
+    if not offered:
+        click.echo(
+            f"modelforge: warning: no enrolled node's runtime worker offers {capability!r} now; "
+            "the item waits until one does (`modelforge nodes readiness NODE` shows a node's "
+            "worker and its capabilities)",
+            err=True,
+        )
     if not wait:
         note = "" if submitted.created else " (already submitted with this idempotency key)"
         emit(as_json, item, f"Queued work {item['work_id']}{note}.")
@@ -175,6 +183,26 @@ def submit(
     emit(as_json, item, _summary(item))
     if item["state"] != WORK_SUCCEEDED:
         raise SystemExit(EXIT_CHECK_FAILED)
+
+
+def _nodes_offering(store: Any, capability: str) -> list[str]:
+    """Nodes that may take work now whose worker last reported ``capability``."""
+    with store.connection():
+        rows = list(
+            Node.select(Node.node_id, Node.health).where(
+                Node.decommissioned_at.is_null(),
+                Node.cordoned == False,  # noqa: E712
+            )
+        )
+    offering = []
+    for row in rows:
+        try:
+            worker = (json.loads(row.health) if row.health else {}).get("worker") or {}
+        except ValueError:
+            continue
+        if capability in (worker.get("capabilities") or []):
+            offering.append(row.node_id)
+    return offering
 
 
 def _wait(obj: Context, work_id: str) -> dict[str, Any]:
