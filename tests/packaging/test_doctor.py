@@ -100,6 +100,38 @@ def test_doctor_flags_a_taken_port(initialised):
     assert set(failed(report)) == {"listen"}
 
 
+def test_doctor_knows_its_own_running_control_plane(initialised, tmp_path):
+    """doctor called the control plane of its own state directory "another program" and
+    told the operator to stop it."""
+    import time
+
+    port = free_port()
+    env = clean_env(MODELFORGE_STATE_DIR=str(initialised), MODELFORGE_LISTEN=f"127.0.0.1:{port}")
+    with (tmp_path / "serve.log").open("w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "modelforge_appliance.cli", "serve"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        record = initialised / "serving.json"
+        deadline = time.monotonic() + 60
+        while not record.exists():
+            assert server.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        code, report = run_doctor(initialised, MODELFORGE_LISTEN=f"127.0.0.1:{port}")
+        listen = next(check for check in report["checks"] if check["name"] == "listen")
+        assert listen["ok"], listen
+        assert (
+            f"this control plane already serves on 127.0.0.1:{port} (pid {server.pid}"
+            in (listen["detail"])
+        )
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def test_doctor_flags_thresholds_out_of_order(initialised):
     code, report = run_doctor(
         initialised,

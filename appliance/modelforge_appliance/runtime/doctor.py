@@ -13,6 +13,7 @@ import os
 import platform
 import pwd
 import re
+import shutil
 import socket
 import stat
 import sys
@@ -30,7 +31,7 @@ from ..core.settings import ConfigError, Settings, load_settings, parse_listen
 from ..store import tables
 from ..store.database import SCHEMA_VERSION, Store, redact_url
 from .doctor_tls import verify_origin
-from .serving import wildcard_warning
+from .serving import running, wildcard_warning
 
 log = logging.getLogger(__name__)
 
@@ -212,9 +213,27 @@ def check_state_dir(state_dir: Path, uid: int | None = None) -> Check:
     return Check("state_dir", True, f"{state_dir} owned by {me}, mode {mode:04o}")
 
 
-def check_port(host: str, port: int) -> Check:
-    """Bind the listen address the way waitress will (SO_REUSEADDR), then let go."""
+def _who_listens(port: int) -> str:
+    """How to find the program on a port, with a tool this host has."""
+    if shutil.which("ss"):
+        return f"find it with `ss -ltnp 'sport = :{port}'`"
+    if shutil.which("lsof"):
+        return f"find it with `lsof -nP -iTCP:{port} -sTCP:LISTEN`"
+    return f"find it in /proc/net/tcp (port {port:04X} in hex)"
+
+
+def check_port(host: str, port: int, settings: Settings | None = None) -> Check:
+    """Bind the listen address the way waitress will (SO_REUSEADDR), then let go. The
+    control plane of this state directory, running there already, is not a problem."""
     where = f"{host}:{port}"
+    serving = running(settings) if settings is not None else None
+    if serving is not None and serving.port == port:
+        return Check(
+            "listen",
+            True,
+            f"this control plane already serves on {serving.host}:{serving.port} "
+            f"(pid {serving.pid}, state directory {settings.state_dir})",
+        )
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -235,10 +254,9 @@ def check_port(host: str, port: int) -> Check:
                 return Check(
                     "listen",
                     False,
-                    f"{where} is already in use by another program",
-                    f"find it with `ss -ltnp 'sport = :{port}'` and stop it, or set "
-                    "MODELFORGE_LISTEN to a free port (if it is this control plane already "
-                    "running, stop it before running the doctor)",
+                    f"{where} is already in use by another program (not this state "
+                    "directory's control plane)",
+                    f"{_who_listens(port)} and stop it, or set MODELFORGE_LISTEN to a free port",
                 )
             if exc.errno == errno.EACCES:
                 return Check(
@@ -388,7 +406,7 @@ def run_checks(
             if listen
             else (settings.listen_host, settings.listen_port)
         )
-        checks.append(check_port(host, port))
+        checks.append(check_port(host, port, settings))
         origin = check_public_origin(settings, host)
         if origin is not None:
             checks.append(origin)
