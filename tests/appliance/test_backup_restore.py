@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from modelforge_appliance.cli.serve import SERVE_LOCK_NAME
 from tests.harness.control_plane import clean_env, free_port, new_identity, run_cli, serving
 
 NODES = "/api/v1/admin/hardware/nodes"
@@ -281,11 +282,11 @@ def admin_token_ids(host: Host) -> set[str]:
 
 
 def leftovers(host: Host) -> list[str]:
-    """Files in the state directory other than the store, its WAL/SHM and the lock."""
+    """Files in the state directory other than the store, its WAL/SHM and the locks (the
+    state lock, and serve's: one serve per state directory)."""
     state = Path(host.env["MODELFORGE_STATE_DIR"])
-    return sorted(
-        p.name for p in state.iterdir() if p.name not in STATE_FILES | {"modelforge.lock"}
-    )
+    locks = {"modelforge.lock", SERVE_LOCK_NAME}
+    return sorted(p.name for p in state.iterdir() if p.name not in STATE_FILES | locks)
 
 
 def one_line_refusal(result, *phrases: str) -> None:
