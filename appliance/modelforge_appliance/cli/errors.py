@@ -72,6 +72,22 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
+def only_match(
+    reference: str, found: list[str], *, kind: str, by: str, listing: str, id_of: str = ""
+) -> str:
+    """The one id ``reference`` names among ``found`` (sorted); NotFound naming the command
+    that lists them, or a usage error listing the first few when it names several."""
+    if not found:
+        raise NotFound(f"no {kind} {reference!r} ({by})", next_step=f"list them with `{listing}`")
+    if len(found) > 1:
+        shown = ", ".join(found[:6]) + (" …" if len(found) > 6 else "")
+        raise CliError(
+            f"{reference!r} names {len(found)} {kind}s: {shown}",
+            f"give more of the {id_of or kind} id (or the whole id)",
+        )
+    return found[0]
+
+
 def _first_line(text: str) -> str:
     lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
     return lines[0] if lines else ""

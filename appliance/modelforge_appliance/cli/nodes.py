@@ -13,13 +13,12 @@ import click
 from modelforge_contract import DECOMMISSIONED, EXIT_CHECK_FAILED
 
 from .. import lifecycle
-from ..core.errors import NotFound
 from ..fleet import alerts, nodes, readiness
 from ..identity import credentials
 from ..store import audit
 from ..store.tables import Node
 from .completion import complete_nodes
-from .errors import CliError
+from .errors import only_match
 from .support import JSON_OPTION, Context, confirm_or_refuse, emit, fail
 
 NODE_ARGUMENT = click.argument("node", metavar="NODE", shell_complete=complete_nodes)
@@ -39,19 +38,14 @@ def find_node(obj: Context, reference: str) -> Node:
     named = [row for row in rows if row.hostname.lower() == reference.lower()]
     enabled = [row for row in named if row.decommissioned_at is None]
     by_hostname = {row.node_id for row in (enabled or named)}
-    candidates = sorted(by_prefix | by_hostname)
-    if not candidates:
-        raise NotFound(
-            f"no node {reference!r} (by id, id prefix or hostname)",
-            next_step="list them with `modelforge nodes`",
-        )
-    if len(candidates) > 1:
-        shown = ", ".join(candidates[:6]) + (" …" if len(candidates) > 6 else "")
-        raise CliError(
-            f"{reference!r} names {len(candidates)} nodes: {shown}",
-            "give more of the node id (or the whole id)",
-        )
-    return nodes.get_node(store, candidates[0])
+    node_id = only_match(
+        reference,
+        sorted(by_prefix | by_hostname),
+        kind="node",
+        by="by id, id prefix or hostname",
+        listing="modelforge nodes",
+    )
+    return nodes.get_node(store, node_id)
 
 
 def ago(now: float, then: float | None) -> str:

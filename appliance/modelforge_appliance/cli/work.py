@@ -24,7 +24,7 @@ from ..store import audit
 from ..store.tables import Node, WorkItem
 from ..work import items, leases
 from .completion import complete_nodes
-from .errors import CliError
+from .errors import CliError, only_match
 from .nodes import find_node
 from .support import JSON_OPTION, Context, emit, fail
 
@@ -251,18 +251,14 @@ def find_work(obj: Context, reference: str) -> str:
             if reference
             else []
         )
-    if not found:
-        raise NotFound(
-            f"no work item {reference!r} (by id or id prefix)",
-            next_step="list them with `modelforge work list`",
-        )
-    if len(found) > 1:
-        shown = ", ".join(found[:6]) + (" …" if len(found) > 6 else "")
-        raise CliError(
-            f"{reference!r} names {len(found)} work items: {shown}",
-            "give more of the work id (or the whole id)",
-        )
-    return found[0]
+    return only_match(
+        reference,
+        found,
+        kind="work item",
+        by="by id or id prefix",
+        listing="modelforge work list",
+        id_of="work",
+    )
 
 
 @work_group.command("show")
