@@ -18,7 +18,7 @@ from pathlib import Path
 
 def fsync_directory(directory: Path) -> None:
     """Make a rename in ``directory`` durable."""
-    descriptor = os.open(directory, os.O_RDONLY)
+    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(descriptor)
     finally:

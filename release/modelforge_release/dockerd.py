@@ -172,7 +172,7 @@ def container_config_problems(
     if user is not None:
         image["User"] = user
     problems = [
-        f"config.{problem.field.removeprefix('config.')}: {problem.message}"
+        str(problem)
         for problem in config_differences(
             {**image, "Env": None, "Volumes": None, "ExposedPorts": None},
             {**container, "Env": None, "Volumes": None, "ExposedPorts": None},

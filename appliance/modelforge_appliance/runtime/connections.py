@@ -157,20 +157,17 @@ class Channel(HTTPChannel):
         self.source = self.addr[0] if isinstance(self.addr, tuple) else str(self.addr)
         self._counted = True
 
-    def refuse(self, answer: bytes, drain: bool = False) -> None:
-        """Answer ``answer`` and close, dropping whatever is half-received.
+    def refuse(self, answer: bytes) -> None:
+        """Answer ``answer`` to a client still sending a body, dropping what it sent.
 
-        ``drain``: the client is still sending a body. Closing with its bytes unread would
-        reset the connection and lose the answer, so what it sends is read and dropped
-        until it closes, or until the request deadline closes it.
+        Closing with its bytes unread would reset the connection and lose the answer, so
+        what it sends is read and dropped until it closes, or until the request deadline
+        closes it.
         """
         self._release()
         self.request = None
         self.write_soon(answer)
-        if drain:
-            self.draining = True
-        else:
-            self.close_when_flushed = True
+        self.draining = True
 
     def _release(self) -> None:
         if self.held:
@@ -195,8 +192,7 @@ class Channel(HTTPChannel):
                     "Retry after the time Retry-After gives (MODELFORGE_MAX_BUFFERED_BYTES sets "
                     "the bound).",
                     RETRY_AFTER_SECONDS,
-                ),
-                drain=True,
+                )
             )
             return False
         result = super().received(data)

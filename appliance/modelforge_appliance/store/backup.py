@@ -33,6 +33,8 @@ from typing import Any
 
 import peewee as pw
 
+from modelforge_contract.files import fsync_directory
+
 from ..core.clock import Clock
 from ..core.settings import ConfigError, Settings
 from . import audit, finality, statelock
@@ -101,14 +103,6 @@ def _open_read_only(path: Path) -> sqlite3.Connection:
     return sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
 
 
-def _fsync_directory(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _copy(source: Path, destination: Path) -> None:
     """Online-backup source into destination: made in a private directory, renamed into place."""
     private = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
@@ -126,7 +120,7 @@ def _copy(source: Path, destination: Path) -> None:
         with open(temporary, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(temporary, destination)
-        _fsync_directory(destination.parent)
+        fsync_directory(destination.parent)
     finally:
         shutil.rmtree(private, ignore_errors=True)
 
@@ -410,7 +404,7 @@ def restore(
             _fold_wal(target)
             reached_stage("folded")
             os.replace(staged, target)
-            _fsync_directory(target.parent)
+            fsync_directory(target.parent)
             reached_stage("replaced")
         finally:
             _remove(staging)

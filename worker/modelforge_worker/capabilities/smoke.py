@@ -9,7 +9,6 @@ This is what the node-loss runbook's "capability smoke" runs (docs/runbooks/node
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -143,6 +142,10 @@ def nvml_check() -> list[dict[str, Any]]:
                     ) from None
 
 
+def _nvml_failure(gpu: dict[str, Any], call: str, exc: Exception) -> CapabilityFailure:
+    return CapabilityFailure(SMOKE_FAILED, f"NVML query failed for {gpu_label(gpu)}: {call}: {exc}")
+
+
 def gpu_label(gpu: dict[str, Any], cuda_ordinal: int | None = None) -> str:
     """``GPU 5 (UUID GPU-…, PCI 00000000:1B:00.0, CUDA device 5)``: every name an operator
     may look the GPU up by (nvidia-smi's index, its UUID, its slot, CUDA's ordinal)."""
@@ -165,34 +168,47 @@ def _read_gpus(nvml: Any) -> list[dict[str, Any]]:
     return [_read_gpu(nvml, index) for index in range(count)]
 
 
+# A GPU as the smoke result reports it, in this order.
+_GPU_FIELDS = (
+    "index",
+    "name",
+    "uuid",
+    "pci_bus_id",
+    "memory_total_bytes",
+    "memory_used_bytes",
+    "temperature_c",
+    "utilization_gpu_percent",
+)
+
+
 def _read_gpu(nvml: Any, index: int) -> dict[str, Any]:
     """One GPU; a failing NVML call is named with the GPU's index, UUID and PCI bus id
-    (as much of them as NVML still gave)."""
+    (as much of them as NVML still gave): every read is tried once, the first failure is
+    raised after the others filled in the label."""
     gpu: dict[str, Any] = {"index": index}
-    call = "nvmlDeviceGetHandleByIndex"
     try:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        call = "nvmlDeviceGetPciInfo"
-        with contextlib.suppress(nvml.NVMLError):
-            gpu["pci_bus_id"] = _text(nvml.nvmlDeviceGetPciInfo(handle).busId)
-        call = "nvmlDeviceGetUUID"
-        with contextlib.suppress(nvml.NVMLError):
-            gpu["uuid"] = _text(nvml.nvmlDeviceGetUUID(handle))
-        for name, read in (
-            ("nvmlDeviceGetName", lambda: gpu.update(name=_text(nvml.nvmlDeviceGetName(handle)))),
-            ("nvmlDeviceGetUUID", lambda: gpu.update(uuid=_text(nvml.nvmlDeviceGetUUID(handle)))),
-            (
-                "nvmlDeviceGetPciInfo",
-                lambda: gpu.update(pci_bus_id=_text(nvml.nvmlDeviceGetPciInfo(handle).busId)),
-            ),
-            ("nvmlDeviceGetMemoryInfo", lambda: _memory(nvml, handle, gpu)),
-        ):
-            call = name
-            read()
     except nvml.NVMLError as exc:
-        raise CapabilityFailure(
-            SMOKE_FAILED, f"NVML query failed for {gpu_label(gpu)}: {call}: {exc}"
-        ) from None
+        raise _nvml_failure(gpu, "nvmlDeviceGetHandleByIndex", exc) from None
+    first: tuple[str, Exception] | None = None
+    for key, call, read in (
+        (
+            "pci_bus_id",
+            "nvmlDeviceGetPciInfo",
+            lambda: _text(nvml.nvmlDeviceGetPciInfo(handle).busId),
+        ),
+        ("uuid", "nvmlDeviceGetUUID", lambda: _text(nvml.nvmlDeviceGetUUID(handle))),
+        ("name", "nvmlDeviceGetName", lambda: _text(nvml.nvmlDeviceGetName(handle))),
+        ("memory", "nvmlDeviceGetMemoryInfo", lambda: nvml.nvmlDeviceGetMemoryInfo(handle)),
+    ):
+        try:
+            gpu[key] = read()
+        except nvml.NVMLError as exc:
+            first = first or (call, exc)
+    if first is not None:
+        raise _nvml_failure(gpu, *first) from None
+    memory = gpu.pop("memory")
+    gpu["memory_total_bytes"], gpu["memory_used_bytes"] = int(memory.total), int(memory.used)
     for key, read_value in (
         (
             "temperature_c",
@@ -205,24 +221,8 @@ def _read_gpu(nvml: Any, index: int) -> dict[str, Any]:
         except nvml.NVMLError_NotSupported:
             gpu[key] = None  # not reported by this GPU (MIG, some boards): never invented
         except nvml.NVMLError as exc:
-            raise CapabilityFailure(
-                SMOKE_FAILED, f"NVML query failed for {gpu_label(gpu)}: {key}: {exc}"
-            ) from None
-    return {
-        "index": index,
-        "name": gpu["name"],
-        "uuid": gpu["uuid"],
-        "pci_bus_id": gpu["pci_bus_id"],
-        "memory_total_bytes": gpu["memory_total_bytes"],
-        "memory_used_bytes": gpu["memory_used_bytes"],
-        "temperature_c": gpu["temperature_c"],
-        "utilization_gpu_percent": gpu["utilization_gpu_percent"],
-    }
-
-
-def _memory(nvml: Any, handle: Any, gpu: dict[str, Any]) -> None:
-    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-    gpu["memory_total_bytes"], gpu["memory_used_bytes"] = int(memory.total), int(memory.used)
+            raise _nvml_failure(gpu, key, exc) from None
+    return {key: gpu[key] for key in _GPU_FIELDS}
 
 
 def _bus_key(bus_id: str) -> tuple[int, str]:
