@@ -46,10 +46,12 @@ REQUIRED_LABELS = (
     LABEL_VERSION,
     LABEL_REVISION,
     LABEL_CREATED,
-    LABEL_SOURCE,
     LABEL_LICENSES,
     LABEL_AGENT_PROTOCOL,
 )
+# Where the source is published: a URL, or no label at all (a build from a checkout whose
+# origin is a local path, or none).
+SOURCE_URL = re.compile(r"(?:https?|ssh|git)://[^\s/]+\S*")
 
 ARCHITECTURES = ("amd64", "arm64")
 OPERATING_SYSTEMS = ("linux",)
@@ -188,6 +190,11 @@ def _label_problems(labels: Any, tag_version: str | None) -> list[Problem]:
                 f"labels.{LABEL_VERSION}",
                 f"says {labels[LABEL_VERSION]!r} but the tag says {tag_version!r}",
             )
+        )
+    source = labels.get(LABEL_SOURCE)
+    if source is not None and not SOURCE_URL.fullmatch(source):
+        problems.append(
+            Problem(f"labels.{LABEL_SOURCE}", f"{source!r} is not a URL (leave the label out)")
         )
     protocol = labels.get(LABEL_AGENT_PROTOCOL)
     if protocol is not None and protocol != str(PROTOCOL_VERSION):

@@ -69,11 +69,12 @@ def image_labels(ctx: BuildContext, spec: ImageSpec) -> dict[str, str]:
         LABEL_VERSION: ctx.version,
         LABEL_REVISION: ctx.revision,
         LABEL_CREATED: ctx.created,
-        LABEL_SOURCE: ctx.source_url,
         LABEL_LICENSES: LICENSES,
         LABEL_AGENT_PROTOCOL: str(PROTOCOL_VERSION),
         LABEL_DEBIAN_LOCK: ctx.lock.digest(),
     }
+    if ctx.source_url is not None:
+        labels[LABEL_SOURCE] = ctx.source_url
     if LABEL_PYZ in spec.extra_labels:
         archive = ctx.dist / control_plane_archive(ctx.lock.architecture)
         labels[LABEL_PYZ] = hashlib.sha256(archive.read_bytes()).hexdigest()

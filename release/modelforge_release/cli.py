@@ -16,7 +16,13 @@ from pathlib import Path
 import click
 
 from modelforge_contract import EXIT_USAGE, __version__
-from modelforge_contract.manifest import IMAGE_NAMES, ManifestError, is_version, parse_manifest
+from modelforge_contract.manifest import (
+    IMAGE_NAMES,
+    SOURCE_URL,
+    ManifestError,
+    is_version,
+    parse_manifest,
+)
 
 from .sums import (
     SumsError,
@@ -231,7 +237,9 @@ def _check_release_version(version: str) -> None:
     "--revision", help="org.opencontainers.image.revision [default: the commit, -dirty if changed]."
 )
 @click.option(
-    "--source-url", help="org.opencontainers.image.source [default: the git remote 'origin']."
+    "--source-url",
+    help="org.opencontainers.image.source, a URL [default: the git remote 'origin' when it is "
+    "a URL; otherwise the label is left out].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the images built, as JSON.")
 def images(
@@ -260,6 +268,12 @@ def images(
     if source is None:
         _fail("not running from a ModelForge checkout: give --source", EXIT_USAGE)
     release_version = _version_of_source(source, release_version)
+    if source_url is not None and not SOURCE_URL.fullmatch(source_url):
+        _fail(
+            f"--source-url {source_url!r} is not a URL (https://…); leave it out to use the "
+            "git remote 'origin', or no source label when that is not a URL",
+            EXIT_USAGE,
+        )
     epoch_text = os.environ.get("SOURCE_DATE_EPOCH")
     if epoch_text is not None and not epoch_text.isdigit():
         _fail(f"SOURCE_DATE_EPOCH={epoch_text!r} is not a number of seconds", EXIT_USAGE)

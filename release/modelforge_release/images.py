@@ -27,6 +27,7 @@ from modelforge_contract.manifest import (
     NODE_AGENT_IMAGE,
     RUNTIME_WORKER_CPU_IMAGE,
     RUNTIME_WORKER_IMAGE,
+    SOURCE_URL,
 )
 
 from .debian import DebianError, DebianLock, load_lock
@@ -107,7 +108,7 @@ class BuildContext:
     source: Path  # the checkout
     version: str
     revision: str
-    source_url: str
+    source_url: str | None  # None: no source label
     epoch: int
     cache_dir: Path  # downloads (.deb files, wheels), kept between builds
     work_dir: Path  # layer tars and staging, per checkout
@@ -165,8 +166,15 @@ def default_epoch(source: Path) -> int:
     return int(stamp) if stamp and stamp.isdigit() else 315532800
 
 
-def default_source_url(source: Path) -> str:
-    return git(source, "remote", "get-url", "origin") or "local checkout (no git remote)"
+def default_source_url(source: Path) -> str | None:
+    """The git remote 'origin' as a URL for org.opencontainers.image.source; None (no label)
+    when the checkout has no origin or it is a local path, which means nothing elsewhere.
+    An scp-like remote (git@host:owner/repo.git) becomes its https URL."""
+    remote = git(source, "remote", "get-url", "origin") or ""
+    scp_like = re.fullmatch(r"[\w.-]+@([\w.-]+):(?!//)(\S+?)(?:\.git)?/?", remote)
+    if scp_like:
+        remote = f"https://{scp_like.group(1)}/{scp_like.group(2)}"
+    return remote if SOURCE_URL.fullmatch(remote) else None
 
 
 def glibc_version(lock: DebianLock) -> tuple[int, int]:

@@ -10,6 +10,7 @@ import pytest
 from modelforge_contract import PROTOCOL_VERSION
 from modelforge_contract.manifest import (
     LABEL_AGENT_PROTOCOL,
+    LABEL_SOURCE,
     LABEL_VERSION,
     NODE_AGENT_IMAGE,
     REQUIRED_LABELS,
@@ -59,6 +60,10 @@ def test_a_well_formed_entry_has_no_problems():
             f"labels.{LABEL_AGENT_PROTOCOL}",
         ),
         (lambda e: e.update(image_id="abc"), "image_id"),
+        (
+            lambda e: e["labels"].update({LABEL_SOURCE: "/home/me/modelforge"}),
+            f"labels.{LABEL_SOURCE}",
+        ),
         (lambda e: e.pop("config"), "config"),
         (lambda e: e["config"].pop("User"), "config.User"),
         (lambda e: e["config"].update(User=0), "config.User"),
@@ -71,6 +76,16 @@ def test_each_malformed_field_is_named(mutate, field):
     entry = agent_entry()
     mutate(entry)
     assert field in [p.field for p in entry_problems(NODE_AGENT_IMAGE, entry, VERSION)]
+
+
+@pytest.mark.parametrize("source", ["https://github.com/modelforge/modelforge", None])
+def test_the_source_label_is_a_url_or_absent(source):
+    entry = agent_entry()
+    if source is None:
+        entry["labels"].pop(LABEL_SOURCE, None)
+    else:
+        entry["labels"][LABEL_SOURCE] = source
+    assert entry_problems(NODE_AGENT_IMAGE, entry, VERSION) == []
 
 
 def test_differences_ignore_the_image_id_and_name_every_changed_field():

@@ -129,8 +129,8 @@ def test_a_second_build_elsewhere_gives_the_same_release_byte_for_byte(
         release_version,
         "--revision",
         labels[LABEL_REVISION],
-        "--source-url",
-        labels[LABEL_SOURCE],
+        # The label is there only when the checkout's origin is a URL; the copy's is not.
+        *(["--source-url", labels[LABEL_SOURCE]] if LABEL_SOURCE in labels else []),
         "--dist",
         tmp_path / "dist",
         "--json",
