@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Build the ModelForge archives with shiv: one control-plane archive per machine
-architecture (dist/modelforge-x86_64.pyz, dist/modelforge-aarch64.pyz) and one
-architecture-free agent archive (dist/modelforge-node-agent.pyz).
+architecture (dist/modelforge-x86_64.pyz, dist/modelforge-aarch64.pyz) and two
+architecture-free node archives: the agent's (dist/modelforge-node-agent.pyz) and the
+runtime worker's (dist/modelforge-runtime-worker.pyz).
 
-    python3 packaging/build_pyz.py                     # all three
+    python3 packaging/build_pyz.py                     # all four
     python3 packaging/build_pyz.py appliance           # both control-plane archives
-    python3 packaging/build_pyz.py appliance-aarch64   # or: appliance-x86_64, agent
+    python3 packaging/build_pyz.py appliance-aarch64   # or: appliance-x86_64, agent, worker
 
 Standard library only, so it runs before any virtualenv exists, on any supported
 CPython of any architecture: wheels are chosen by explicit interpreter and platform
@@ -18,9 +19,9 @@ One control-plane archive runs on every supported CPython: its compiled modules
 carry the interpreter in their file name (``_psycopg.cpython-312-x86_64-linux-gnu.so``),
 so the wheels for CPython 3.10 to 3.13 are installed one after the other and their
 compiled modules put side by side. Every other file of those wheels must be
-byte-identical to the one already staged, or the build stops. The agent archive is
-installed from implementation-independent wheels only (``py3-none-any``), so it
-holds no compiled module at all.
+byte-identical to the one already staged, or the build stops. The agent and worker
+archives are installed from implementation-independent wheels only (``py3-none-any``),
+so they hold no compiled module at all.
 
 Reproducible: the same commit and SOURCE_DATE_EPOCH give byte-identical files.
 SOURCE_DATE_EPOCH defaults to the commit time of HEAD. The staging tree is
@@ -75,6 +76,7 @@ SOURCE_DIRS = {
     "modelforge_contract": ROOT / "contract" / "modelforge_contract",
     "modelforge_appliance": ROOT / "appliance" / "modelforge_appliance",
     "modelforge_node_agent": ROOT / "agent" / "modelforge_node_agent",
+    "modelforge_worker": ROOT / "worker" / "modelforge_worker",
 }
 
 
@@ -146,6 +148,27 @@ TARGETS = {
             "psycopg2",
             "modelforge_appliance",
             "modelforge_worker",
+        ),
+    ),
+    # The runtime worker for a systemd host (systemd/modelforge-runtime-worker.service): the
+    # images' lock (docker SDK, nvidia-ml-py, their pure-Python dependencies), none of the
+    # CUDA runtime wheel; the smoke needs only the driver's libcuda.so.1.
+    "worker": Target(
+        name="worker",
+        output="modelforge-runtime-worker.pyz",
+        entry_point="modelforge_worker.server:main",
+        requirements="requirements-worker.txt",
+        packages=("modelforge_contract", "modelforge_worker"),
+        forbidden=(
+            "bottle",
+            "peewee",
+            "playhouse",
+            "bcrypt",
+            "waitress",
+            "psycopg2",
+            "modelforge_appliance",
+            "modelforge_node_agent",
+            "nvidia",  # nvidia-cuda-runtime-cu12, the CUDA image's wheel
         ),
     ),
 }

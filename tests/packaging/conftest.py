@@ -30,6 +30,7 @@ OUTPUTS = {
     "appliance-x86_64": "modelforge-x86_64.pyz",
     "appliance-aarch64": "modelforge-aarch64.pyz",
     "agent": "modelforge-node-agent.pyz",
+    "worker": "modelforge-runtime-worker.pyz",
 }
 
 
@@ -108,6 +109,12 @@ def foreign_appliance_pyz(pyz_dist) -> Path:
 def agent_pyz(pyz_dist) -> Path:
     require_agent()
     return build_pyz("agent", pyz_dist, WORK_DIR)
+
+
+@pytest.fixture(scope="session")
+def worker_pyz(pyz_dist) -> Path:
+    """The runtime worker's archive (architecture-free, like the agent's)."""
+    return build_pyz("worker", pyz_dist, WORK_DIR)
 
 
 def pyz_command(pyz: Path, *args: str) -> list[str]:

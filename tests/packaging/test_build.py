@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from modelforge_appliance.runtime import doctor
-from modelforge_contract import PROTOCOL_VERSION, __version__
+from modelforge_contract import PROTOCOL_VERSION, WORKER_PROTOCOL_VERSION, __version__
 from tests.harness.control_plane import clean_env, tomllib
 
 from .conftest import (
@@ -57,6 +57,20 @@ AGENT_MUST_NOT = {
     "psycopg2",
     "modelforge_appliance",
 }
+WORKER_NEEDS = {
+    "modelforge_contract",
+    "modelforge_worker",
+    "docker",
+    "requests",
+    "urllib3",
+    "idna",
+    "certifi",
+    "charset_normalizer",
+    "pynvml",
+    "click",
+}
+# Nor the CUDA runtime wheel (`nvidia`): the image carries it, the host's driver is enough.
+WORKER_MUST_NOT = {*AGENT_MUST_NOT, "modelforge_node_agent", "nvidia"}
 
 
 def sha256(path: Path) -> str:
@@ -96,6 +110,7 @@ FIXTURES = {
     f"appliance-{HOST_MACHINE}": "appliance_pyz",
     f"appliance-{OTHER_MACHINE}": "foreign_appliance_pyz",
     "agent": "agent_pyz",
+    "worker": "worker_pyz",
 }
 ELF_MACHINES = {"x86_64": 62, "aarch64": 183}
 # Anything built for one CPython carries its tag in the name: cpython-312.
@@ -176,8 +191,11 @@ def test_every_compiled_file_is_built_for_the_archives_machine(fixture, request)
     assert wrong == {}
 
 
-def test_agent_archive_holds_no_compiled_module(agent_pyz):
-    files = archive_files(agent_pyz)
+@pytest.mark.parametrize("fixture", ["agent_pyz", "worker_pyz"])
+def test_node_archives_hold_no_compiled_module(fixture, request):
+    if fixture == "agent_pyz":
+        require_agent()
+    files = archive_files(request.getfixturevalue(fixture))
     assert [name for name, data in files.items() if is_elf(data)] == []
     assert [name for name in files if re.search(r"\.(so|pyd)(\.|$)", name)] == []
     assert [name for name in files if VERSION_TIED.search(name)] == []
@@ -213,6 +231,12 @@ def test_agent_pyz_carries_no_control_plane_dependencies(agent_pyz):
     assert not AGENT_MUST_NOT & names, f"must not carry: {AGENT_MUST_NOT & names}"
 
 
+def test_worker_pyz_carries_neither_the_control_plane_nor_the_agent(worker_pyz):
+    names = top_level(worker_pyz)
+    assert names >= WORKER_NEEDS, f"missing: {WORKER_NEEDS - names}"
+    assert not WORKER_MUST_NOT & names, f"must not carry: {WORKER_MUST_NOT & names}"
+
+
 @pytest.mark.parametrize("fixture", sorted(FIXTURES.values()))
 def test_archive_entries_are_normalised(fixture, request):
     """One timestamp, no bytecode, no console-script shims naming the build interpreter."""
@@ -229,7 +253,7 @@ def test_archive_entries_are_normalised(fixture, request):
     assert pyz.read_bytes().startswith(b"#!/usr/bin/env python3\n")
 
 
-@pytest.mark.parametrize("target", ["appliance", "agent"])
+@pytest.mark.parametrize("target", ["appliance", "agent", "worker"])
 def test_pyz_prints_version_and_protocol(target, request, tmp_path):
     """Started as ./archive.pyz: the shebang finds python3, whichever supported one it is."""
     if target == "agent":
@@ -245,7 +269,8 @@ def test_pyz_prints_version_and_protocol(target, request, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert __version__ in result.stdout
-    assert re.search(rf"protocol {PROTOCOL_VERSION}\b", result.stdout), result.stdout
+    protocol = WORKER_PROTOCOL_VERSION if target == "worker" else PROTOCOL_VERSION
+    assert re.search(rf"protocol {protocol}\b", result.stdout), result.stdout
 
 
 def locked_pins(path: Path) -> dict[str, tuple[str, int]]:
@@ -267,7 +292,11 @@ def locked_pins(path: Path) -> dict[str, tuple[str, int]]:
 
 @pytest.mark.parametrize(
     ("extra", "lock"),
-    [("appliance", "requirements-appliance.txt"), ("agent", "requirements-agent.txt")],
+    [
+        ("appliance", "requirements-appliance.txt"),
+        ("agent", "requirements-agent.txt"),
+        ("worker", "requirements-worker.txt"),
+    ],
 )
 def test_lock_files_pin_what_pyproject_pins_with_hashes(extra, lock):
     """The pyz ships exactly the versions the tests ran against, each hash-checked."""
