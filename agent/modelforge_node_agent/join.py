@@ -370,7 +370,8 @@ def join_command(
     stop = threading.Event()
     install_signal_handlers(stop)
     try:
-        status = run_join(request, stop)
+        with runtime.joining():  # refusals advise running join again, not setting variables
+            status = run_join(request, stop)
     except Stopping:
         log.error("interrupted: the env file was not written; run join again")
         status = EXIT_USAGE

@@ -81,6 +81,12 @@ def origin_mismatch(refusal: Refused | None, agent_url: str | None) -> str:
     details = getattr(refusal, "details", None) or {}
     locked = _origin(details.get("api_origin"))
     called = _origin(details.get("request_origin")) or agent_url or "this agent's URL"
+    if runtime.is_joining():
+        use = f"join {locked}" if locked else "join exactly the origin shown when it was minted"
+        return (
+            f"the token is locked to {locked or 'another API origin'}, but this join called "
+            f"{called}; {use} (the URL is join's first argument), or mint a token for {called}"
+        )
     if locked is None:
         return (
             f"the token is locked to another API origin than {called}; set "

@@ -8,9 +8,12 @@ Decided from what the process can see (its cgroup, the container markers), never
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from modelforge_contract import AGENT_ENV_FILE, AGENT_PYZ_PATH, AGENT_SERVICE
@@ -52,6 +55,24 @@ def current() -> str:
     return detect()
 
 
+# Set while `join` runs: its operator typed a join command, not a variable, so a refusal
+# tells them to run join again rather than how to set MODELFORGE_AGENT_* for a start.
+_JOINING: contextvars.ContextVar[bool] = contextvars.ContextVar("joining", default=False)
+
+
+@contextlib.contextmanager
+def joining() -> Iterator[None]:
+    token = _JOINING.set(True)
+    try:
+        yield
+    finally:
+        _JOINING.reset(token)
+
+
+def is_joining() -> bool:
+    return _JOINING.get()
+
+
 def agent_command() -> str:
     """How the operator runs this agent's command line here."""
     program = sys.argv[0] if sys.argv else ""
@@ -84,6 +105,9 @@ def fresh_token_step(how: str | None = None) -> str:
     """How to hand the agent a fresh enrollment token, as this install runs it."""
     how = how or current()
     mint = "mint a fresh token (`modelforge enroll --name NAME` on the control plane)"
+    if is_joining():
+        sudo = "sudo " if agent_command().startswith("python3 ") and how != CONTAINER else ""
+        return f"{mint}, then run `{sudo}{agent_command()} join URL --token-file -` again"
     if how == SYSTEMD:
         return (
             f"{mint}, then run `sudo {agent_command()} join URL --token-file -` and "

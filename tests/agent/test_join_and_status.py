@@ -140,10 +140,21 @@ def test_join_refusals_change_nothing_and_name_both_origins(restartable_control_
     refused = join(cp.url, minted.json()["token"], where)
     assert refused.returncode == EXIT_ENROLLMENT_REFUSED
     line = refused.stderr.strip().splitlines()[-1]
-    assert f"locked to {other}, but this agent called {cp.url}" in line
+    assert f"locked to {other}, but this join called {cp.url}; join {other}" in line
+    # The operator typed a join command and set no variable: the advice is join's own.
+    assert "MODELFORGE_AGENT_" not in line
     assert not (where / "agent.env").exists()
     enrollment = cp.plane.admin("GET", PATH_ADMIN_ENROLLMENTS).json()["enrollments"][0]
     assert enrollment["state"] == "pending"  # the refusal did not spend the token
+
+    # A used token: mint a fresh one and run join again, in join's words.
+    used = cp.plane.mint("GPU Node")["token"]
+    assert join(cp.url, used, tmp_path / "first").returncode == EXIT_OK
+    spent = join(cp.url, used, tmp_path / "second")
+    assert spent.returncode == EXIT_ENROLLMENT_REFUSED
+    line = spent.stderr.strip().splitlines()[-1]
+    assert "already used" in line and "join URL --token-file -` again" in line
+    assert "MODELFORGE_AGENT_ENROLLMENT_TOKEN" not in line
 
 
 def test_join_in_nvidia_mode_runs_the_preflight_first(
