@@ -53,6 +53,7 @@ COMPOSE_FILES = (
     "docker-compose.node-agent.yml",
     "docker-compose.node-agent.private-ca.yml",
     "docker-compose.runtime-worker.yml",
+    "docker-compose.gpu.yml",
     "docker-compose.node-recovery.yml",
 )
 # docker-compose (v1) is a Debian Python program: its YAML library reads its output.
@@ -259,12 +260,13 @@ def test_the_private_ca_file_says_which_variable_is_missing(tmp_path):
     assert "set MODELFORGE_AGENT_" in result.stderr
 
 
-def test_the_runtime_worker_shares_a_socket_volume_and_the_gpus_with_the_agent(tmp_path):
+def test_the_runtime_worker_shares_a_socket_volume_with_the_agent_and_no_gpus(tmp_path):
     model = compose_model(
         tmp_path,
         "docker-compose.yml",
         "docker-compose.node-agent.yml",
         "docker-compose.runtime-worker.yml",
+        MODELFORGE_WORKER_ACCELERATOR_MODE="cpu",
     )
     worker, agent = model["services"]["runtime-worker"], model["services"]["node-agent"]
     assert worker["network_mode"] == "none"  # the socket is the only way in
@@ -273,6 +275,25 @@ def test_the_runtime_worker_shares_a_socket_volume_and_the_gpus_with_the_agent(t
             v["source"] == "worker-socket" and v["target"] == "/run/modelforge-worker"
             for v in _volumes(service)
         )
+        assert gpu_reservation(service) == []  # a CPU node has no nvidia driver to select
+    socket = "/run/modelforge-worker/worker.sock"
+    assert worker["environment"]["MODELFORGE_WORKER_SOCKET"] == socket
+    assert agent["environment"]["MODELFORGE_AGENT_WORKER_SOCKET"] == socket  # the agent finds it
+    assert worker["environment"]["MODELFORGE_WORKER_ACCELERATOR_MODE"] == "cpu"
+    # The worker starts first, so the volume takes its image's socket directory (its user's).
+    assert "runtime-worker" in agent["depends_on"]
+
+
+def test_the_gpu_file_gives_the_agent_and_the_worker_the_nvidia_gpus(tmp_path):
+    model = compose_model(
+        tmp_path,
+        "docker-compose.yml",
+        "docker-compose.node-agent.yml",
+        "docker-compose.runtime-worker.yml",
+        "docker-compose.gpu.yml",
+    )
+    worker, agent = model["services"]["runtime-worker"], model["services"]["node-agent"]
+    for service in (worker, agent):
         (gpus,) = gpu_reservation(service)
         assert gpus["driver"] == "nvidia" and gpus["capabilities"] == ["gpu"]
-    assert worker["environment"]["MODELFORGE_WORKER_SOCKET"] == "/run/modelforge-worker/worker.sock"
+    assert worker["environment"]["MODELFORGE_WORKER_ACCELERATOR_MODE"] == "nvidia"

@@ -3,6 +3,7 @@
     DIR/modelforge-<version>-images.tar     one docker save of the four images
     DIR/modelforge-<version>-manifest.json  what each image is (docs/architecture.md §7)
     DIR/modelforge-x86_64.pyz, modelforge-aarch64.pyz, modelforge-node-agent.pyz
+    DIR/docker-compose*.yml, modelforge-control-plane.xml   the compose files, the Unraid template
     DIR/SHA256SUMS                          in SHA256SUMS.template's order
 
 The images must already be in dockerd under ``<name>:<version>``
@@ -37,6 +38,7 @@ from .dockerd import image_entry, local_image, save_images
 from .names import (
     AGENT_PYZ,
     CONTROL_PLANE_ARCHIVES,
+    DEPLOYMENT_FILES,
     LABEL_PYZ,
     SIGNATURE_NAME,
     SUMS_NAME,
@@ -159,6 +161,7 @@ def make_bundle(
     version: str,
     out: Path,
     dist: Path,
+    source: Path,
     template: list[str] | None = None,
     progress: TextIO | None = None,
 ) -> BundleResult:
@@ -175,6 +178,12 @@ def make_bundle(
     missing = [str(path) for path in pyz_sources.values() if not path.is_file()]
     if missing:
         raise BundleError(f"missing {', '.join(missing)}: modelforge-release images builds them")
+    deployment = {name: source / path for name, path in DEPLOYMENT_FILES.items()}
+    missing = [str(path) for path in deployment.values() if not path.is_file()]
+    if missing:
+        raise BundleError(
+            f"missing {', '.join(missing)}: give --source, the checkout the images came from"
+        )
     image = manifest["images"][CONTROL_PLANE_IMAGE]
     in_image = pyz_sources[control_plane_archive(image["architecture"])]
     if image["labels"].get(LABEL_PYZ) != sha256_file(in_image):
@@ -196,9 +205,9 @@ def make_bundle(
         out / manifest_name(version),
         (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode(),
     )
-    for name, source in pyz_sources.items():
-        if source.resolve() != (out / name).resolve():
-            shutil.copyfile(source, out / name)
+    for name, path in {**pyz_sources, **deployment}.items():
+        if path.resolve() != (out / name).resolve():
+            shutil.copyfile(path, out / name)
 
     started = time.monotonic()
     named = names_relative_to(out, [out / name for name in release_names(version)])

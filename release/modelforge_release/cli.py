@@ -329,11 +329,18 @@ def images(
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the files and images written, as JSON."
 )
+@_source_option
 def bundle(
-    release_version: str, out: Path, dist: Path | None, template: Path | None, as_json: bool
+    release_version: str,
+    out: Path,
+    dist: Path | None,
+    template: Path | None,
+    source: Path | None,
+    as_json: bool,
 ) -> None:
-    """Write the release directory: the images tarball, the manifest, the pyz files and
-    SHA256SUMS (which sha256sum -c --strict accepts).
+    """Write the release directory: the images tarball, the manifest, the pyz files, the
+    compose files and the Unraid template (from --source), and SHA256SUMS (which
+    sha256sum -c --strict accepts).
 
     The four images must be in dockerd as <name>:VERSION (modelforge-release images).
     """
@@ -341,18 +348,23 @@ def bundle(
     from .dockerd import DaemonError, connect
 
     _check_release_version(release_version)
-    checkout = _checkout()
-    dist = dist or (checkout / "dist" if checkout else None)
-    template = template or (checkout / "SHA256SUMS.template" if checkout else None)
-    if dist is None:
-        _fail("not running from a ModelForge checkout: give --dist", EXIT_USAGE)
+    dist = dist or (source / "dist" if source else None)
+    template = template or (source / "SHA256SUMS.template" if source else None)
+    if dist is None or source is None:
+        _fail("not running from a ModelForge checkout: give --source and --dist", EXIT_USAGE)
     try:
         names = (
             read_template(template, release_version) if template and template.is_file() else None
         )
         client = connect()
         result = make_bundle(
-            client, release_version, out.absolute(), dist.absolute(), names, progress=sys.stderr
+            client,
+            release_version,
+            out.absolute(),
+            dist.absolute(),
+            source.absolute(),
+            names,
+            progress=sys.stderr,
         )
     except SumsError as exc:
         _fail(str(exc), EXIT_USAGE)

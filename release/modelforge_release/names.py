@@ -14,6 +14,17 @@ SIGNATURE_NAME = "SHA256SUMS.sig"
 # The control-plane image pins the archive it carries by this label (its SHA-256 hex): the
 # release's archive for that architecture must be exactly it.
 LABEL_PYZ = "io.modelforge.control-plane-pyz-sha256"
+# What an operator runs the release with, shipped beside the images: {name in the release
+# directory: its path in the checkout}.
+DEPLOYMENT_FILES = {
+    "docker-compose.yml": "docker-compose.yml",
+    "docker-compose.node-agent.yml": "docker-compose.node-agent.yml",
+    "docker-compose.node-agent.private-ca.yml": "docker-compose.node-agent.private-ca.yml",
+    "docker-compose.runtime-worker.yml": "docker-compose.runtime-worker.yml",
+    "docker-compose.gpu.yml": "docker-compose.gpu.yml",
+    "docker-compose.node-recovery.yml": "docker-compose.node-recovery.yml",
+    "modelforge-control-plane.xml": "packaging/unraid/modelforge-control-plane.xml",
+}
 # SHA256SUMS.template, as the verifier needs it when no checkout is at hand (a test keeps
 # the two the same).
 TEMPLATE_NAMES = (
@@ -21,6 +32,7 @@ TEMPLATE_NAMES = (
     "modelforge-{version}-manifest.json",
     *CONTROL_PLANE_ARCHIVES.values(),
     AGENT_PYZ,
+    *DEPLOYMENT_FILES,
 )
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from modelforge_release.names import DEPLOYMENT_FILES
+
 RELEASE = Path(sys.executable).with_name("modelforge-release")
 
 
@@ -36,6 +38,7 @@ RELEASE_FILES = {
     "modelforge-x86_64.pyz": os.urandom(70_000),
     "modelforge-aarch64.pyz": os.urandom(80_000),
     "modelforge-node-agent.pyz": b"",  # an empty file has a well-known sum
+    **{name: f"# {name}\n".encode() for name in DEPLOYMENT_FILES},
 }
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from modelforge_contract.manifest import IMAGE_NAMES
+from modelforge_release.names import release_names
 
 from .control_plane import clean_env
 from .release_cli import RELEASE
@@ -180,13 +181,7 @@ def resum(directory: Path) -> None:
     """Write SHA256SUMS again, so a mutation is caught by the check meant for it."""
     files = bundle_files(directory)
     version = files["version"]
-    names = [
-        f"modelforge-{version}-images.tar",
-        f"modelforge-{version}-manifest.json",
-        "modelforge-x86_64.pyz",
-        "modelforge-aarch64.pyz",
-        "modelforge-node-agent.pyz",
-    ]
+    names = release_names(version)
     result = run_release(
         "sums",
         "--template",

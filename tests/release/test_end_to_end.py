@@ -1,8 +1,9 @@
-"""One host, the release images and the compose files as an operator uses them.
+"""One host, the release images and the bundle's compose files as an operator uses them.
 
 The control plane from docker-compose.yml serves; an agent from docker-compose.node-agent.yml
-(with the env file and the token the API returned) enrolls and shows online; its identity
-survives ``down``/``up`` with the same state volume; the recovery compose file enrolls a
+with its CPU runtime worker from docker-compose.runtime-worker.yml (the env file and the token
+the API returned, the ``-cpu`` worker image) enrolls, shows online and becomes READY; its
+identity survives ``down``/``up`` with the same state volume; the recovery compose file enrolls a
 disposable identity and, after its credential is revoked, re-enrolls it under the same node
 id. Compose v1 (Debian's docker-compose) runs the files; the test talks to the control plane
 on 127.0.0.1 only, the containers reach it on their compose network.
@@ -26,24 +27,25 @@ from tests.harness.release_images import ROOT, release_env, run_release, unique,
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 CONTROL_PLANE = ["docker-compose.yml"]
-AGENT = ["docker-compose.yml", "docker-compose.node-agent.yml"]
+AGENT = ["docker-compose.yml", "docker-compose.node-agent.yml", "docker-compose.runtime-worker.yml"]
 RECOVERY = ["docker-compose.node-recovery.yml"]
 ORIGIN = "http://control-plane:8000"  # how the agents reach it on the compose network
 
 
 class Deployment:
-    def __init__(self, project: str, port: int, env: dict[str, str]) -> None:
+    def __init__(self, project: str, port: int, env: dict[str, str], directory: Path) -> None:
         self.project, self.port, self.env = project, port, env
+        self.directory = directory  # the release bundle, which ships the compose files
         self.url = f"http://127.0.0.1:{port}"
         self.admin_token = ""
 
     def compose(self, files: list[str], *args: str, **extra: str) -> subprocess.CompletedProcess:
         argv = ["docker-compose", "-p", self.project]
         for name in files:
-            argv += ["-f", str(ROOT / name)]
+            argv += ["-f", str(self.directory / name)]
         result = subprocess.run(
             [*argv, *args],
-            cwd=ROOT,
+            cwd=self.directory,
             env={**self.env, **extra},
             capture_output=True,
             text=True,
@@ -69,11 +71,15 @@ class Deployment:
         headers = {HEADER_ADMIN_TOKEN: self.admin_token}
         return requests.request(method, self.url + path, headers=headers, timeout=30, **kwargs)
 
-    def mint(self, name: str) -> dict[str, Any]:
+    def mint(self, name: str, accelerator_mode: str = "cpu") -> dict[str, Any]:
         response = self.admin(
             "POST",
             "/api/v1/admin/node-enrollments",
-            json={"display_name": name, "expires_in_seconds": 900},
+            json={
+                "display_name": name,
+                "expires_in_seconds": 900,
+                "accelerator_mode": accelerator_mode,
+            },
         )
         assert response.status_code == 201, response.text
         return response.json()
@@ -98,19 +104,21 @@ def wait_for(
 
 
 @pytest.fixture
-def deployment(docker_client, built_images, release_version, tmp_path):
+def deployment(docker_client, built_images, release_version, release_bundle, tmp_path):
     project = unique("mfe2e")
     port = free_port()
     env = release_env(
         MODELFORGE_CONTROL_PLANE_IMAGE=f"modelforge-control-plane:{release_version}",
         MODELFORGE_NODE_AGENT_IMAGE=f"modelforge-node-agent:{release_version}",
+        MODELFORGE_RUNTIME_WORKER_IMAGE=f"modelforge-runtime-worker-cpu:{release_version}",
+        MODELFORGE_WORKER_ACCELERATOR_MODE="cpu",
         MODELFORGE_CONTROL_PLANE_PUBLISH=f"127.0.0.1:{port}",
         MODELFORGE_PUBLIC_API_ORIGIN=ORIGIN,
         MODELFORGE_HEARTBEAT_INTERVAL_SECONDS="1",
         MODELFORGE_NODE_STALE_AFTER_SECONDS="5",
         MODELFORGE_NODE_OFFLINE_AFTER_SECONDS="10",
     )
-    plane = Deployment(project, port, env)
+    plane = Deployment(project, port, env, release_bundle)
     try:
         yield plane
     finally:
@@ -119,9 +127,9 @@ def deployment(docker_client, built_images, release_version, tmp_path):
         empty.touch()
         result = subprocess.run(
             ["docker-compose", "-p", project]
-            + [arg for name in AGENT + RECOVERY for arg in ("-f", str(ROOT / name))]
+            + [arg for name in AGENT + RECOVERY for arg in ("-f", str(release_bundle / name))]
             + ["down", "-v", "--remove-orphans"],
-            cwd=ROOT,
+            cwd=release_bundle,
             env={
                 **env,
                 "MODELFORGE_AGENT_CONTROL_PLANE_URL": ORIGIN,
@@ -151,9 +159,8 @@ def test_control_plane_and_agent_from_the_compose_files(
     minted = deployment.mint("GPU Node")
     assert minted["api_origin"] == ORIGIN
     env_file = tmp_path / minted["env_file_name"]
-    env_file.write_text(
-        minted["env_file"].replace("ACCELERATOR_MODE=nvidia", "ACCELERATOR_MODE=cpu")
-    )
+    assert "MODELFORGE_AGENT_ACCELERATOR_MODE=cpu\n" in minted["env_file"]
+    env_file.write_text(minted["env_file"])
     manifest = next(release_bundle.glob("*-manifest.json"))
     checked = run_release(
         "verify-image", "--manifest", manifest, "--image", "modelforge-node-agent", "--json"
@@ -194,6 +201,18 @@ def test_control_plane_and_agent_from_the_compose_files(
     assert node["hostname"] == "gpu-node"
     assert minted["token"] not in agent_logs()
 
+    def worker_logs() -> str:
+        return agent_logs() + deployment.container(docker_client, "runtime-worker").logs().decode()
+
+    def ready() -> Any:
+        answer = deployment.admin("GET", f"/api/v1/admin/hardware/nodes/{node['node_id']}/readiness")
+        assert answer.status_code == 200, answer.text
+        return answer.json() if answer.json()["ready"] else None
+
+    # Online is not enough: the agent finds its worker on the shared socket and is READY.
+    readiness = wait_for("the node to be ready", ready, worker_logs)
+    assert {check["name"]: check["ok"] for check in readiness["checks"]}["worker"] is True
+
     # down/up without the token: the same node, from the identity in the state volume.
     deployment.compose(AGENT, "down")
     deployment.compose(AGENT, "up", "-d", "--no-build")
@@ -204,6 +223,7 @@ def test_control_plane_and_agent_from_the_compose_files(
         "the agent to come back", online(1, after=node["last_heartbeat_at"]), agent_logs
     )
     assert (again["node_id"], again["hostname"]) == (node["node_id"], "gpu-node")
+    wait_for("the node to be ready again", ready, worker_logs)
     credentials = deployment.admin(
         "GET", f"/api/v1/admin/hardware/nodes/{node['node_id']}/credentials"
     ).json()

@@ -14,6 +14,13 @@ TEMPLATE_ORDER = [
     "modelforge-x86_64.pyz",
     "modelforge-aarch64.pyz",
     "modelforge-node-agent.pyz",
+    "docker-compose.yml",
+    "docker-compose.node-agent.yml",
+    "docker-compose.node-agent.private-ca.yml",
+    "docker-compose.runtime-worker.yml",
+    "docker-compose.gpu.yml",
+    "docker-compose.node-recovery.yml",
+    "modelforge-control-plane.xml",
 ]
 
 
@@ -133,7 +140,7 @@ def test_files_must_be_exactly_the_templates(tmp_path):
         "sums", "--template", TEMPLATE, "--version", "0.1.0", *TEMPLATE_ORDER[:-1], cwd=tmp_path
     )
     assert short.returncode == 2
-    assert b"not given: modelforge-node-agent.pyz" in short.stderr
+    assert b"not given: modelforge-control-plane.xml" in short.stderr
     assert not (tmp_path / "SHA256SUMS").exists()
 
 
