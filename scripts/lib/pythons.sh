@@ -69,11 +69,24 @@ QUICK_MARKERS="not slow and not docker and not browser and not checkout"
 # How many runs (heavy and quick) selected at least one test; scripts/test fails when none did.
 RUNS_WITH_TESTS=0
 
+# pytest_run PYTHON [PYTEST ARGS]: PYTHON -m pytest with Ctrl-C's SIGINT and SIGQUIT at their
+# defaults. A job started with & from a script, or a scripts/test itself started that way,
+# inherits them ignored, and a signal ignored at exec stays ignored in every program the tests
+# start: bash under test could then not trap Ctrl-C (tests/test_suite_signals.py checks).
+pytest_run() {
+    local python="$1"
+    shift
+    "$python" -c 'import os, signal, sys
+for number in (signal.SIGINT, signal.SIGQUIT):
+    signal.signal(number, signal.SIG_DFL)
+os.execv(sys.executable, [sys.executable, "-m", "pytest", *sys.argv[1:]])' "$@"
+}
+
 # run_heavy_tests [PYTEST ARGS]: the heavy part on .venv's CPython.
 run_heavy_tests() {
     local code=0
     log "pytest on $(.venv/bin/python --version 2>&1) (-m '$HEAVY_MARKERS')"
-    .venv/bin/python -m pytest -m "$HEAVY_MARKERS" "$@" || code=$?
+    pytest_run .venv/bin/python -m "$HEAVY_MARKERS" "$@" || code=$?
     case $code in
         0) RUNS_WITH_TESTS=$((RUNS_WITH_TESTS + 1)) ;;
         5) log "no test marked slow, docker, browser or checkout among those selected" ;;
@@ -138,7 +151,7 @@ run_quick_tests() {
         log "pytest on $("${pythons[i]}" --version 2>&1) (-m '$QUICK_MARKERS') in the background: $logs/pytest-py$version.log"
         (
             started=$SECONDS code=0
-            "${pythons[i]}" -m pytest -q -p no:cacheprovider -m "$QUICK_MARKERS" "$@" || code=$?
+            pytest_run "${pythons[i]}" -q -p no:cacheprovider -m "$QUICK_MARKERS" "$@" || code=$?
             echo "(ran for $((SECONDS - started)) s)"
             exit "$code"
         ) > "$logs/pytest-py$version.log" 2>&1 &
