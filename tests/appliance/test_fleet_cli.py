@@ -111,6 +111,60 @@ def test_readiness_fails_the_cordoned_check(tmp_path):
         assert {c["name"]: c["ok"] for c in answer["checks"]}["cordoned"] is True
 
 
+def test_nodes_shows_readiness_beside_liveness(tmp_path):
+    """`modelforge nodes` showed liveness only: a node whose agent runs without its worker
+    read `online` like a ready one."""
+    worker = {"reachable": True, "protocol": 1, "version": "0.1.0", "capabilities": ["smoke"]}
+    with fleet(tmp_path, past=False) as f:
+        # The CLI reads liveness on its own clock: windows of a day keep the nodes fresh.
+        f.env.update(
+            MODELFORGE_NODE_STALE_AFTER_SECONDS="86400",
+            MODELFORGE_NODE_OFFLINE_AFTER_SECONDS="172800",
+            MODELFORGE_INVENTORY_MAX_AGE_SECONDS="172800",
+        )
+        ready, no_worker = f.enroll("ready-1"), f.enroll("no-worker-1")
+        f.enroll("pending-1")
+        retired = f.enroll("retired-1")
+        for node, reported in ((ready, worker), (no_worker, None)):
+            health = {"status": "ok", "gpu_probe": "not_applicable", "worker": reported}
+            calls = (
+                ("POST", "/api/v1/agent/heartbeat", {"health": health}),
+                ("PUT", "/api/v1/agent/inventory", {"accelerators": []}),
+            )
+            for method, path, fields in calls:
+                body = {"node_id": node.node_id, "agent_version": "0.1.0", **fields}
+                answer = f.plane.agent(method, path, node.credential, json=body)
+                assert answer.status_code == 200, answer.text
+        f.plane.heartbeats.flush()
+        assert f.cli("nodes", "decommission", "retired-1", "--yes").returncode == 0
+
+        shown = f.cli("nodes")
+        assert shown.returncode == 0, shown.stderr
+        header, *lines = shown.stdout.splitlines()
+        assert header.split()[-4:] == ["LIVENESS", "READY", "LAST", "SEEN"]
+
+        def column(line: str, name: str) -> str:
+            return line[header.index(name) :].split("  ")[0].strip()
+
+        by_host = {column(line, "HOSTNAME"): line for line in lines}
+        assert {host: column(line, "READY") for host, line in by_host.items()} == {
+            "ready-1": "READY",
+            "no-worker-1": "NOT READY (worker)",
+            "pending-1": "NOT READY (connection)",
+            "retired-1": "-",
+        }, shown.stdout
+        assert column(by_host["ready-1"], "LIVENESS") == "online"
+        assert column(by_host["no-worker-1"], "LIVENESS") == "online"  # the same green before
+
+        listed = {
+            n["hostname"]: n["readiness"]
+            for n in json.loads(f.cli("nodes", "--json").stdout)["nodes"]
+        }
+        assert listed["ready-1"] == {"ready": True, "failing": []}
+        assert listed["no-worker-1"] == {"ready": False, "failing": ["worker"]}
+        assert listed[retired.hostname]["ready"] is False
+
+
 def test_alerts_fail_on_severity(tmp_path):
     with fleet(tmp_path) as f:
         assert f.cli("alerts", "--fail-on", "warning").returncode == 0

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import pytest
 
+from modelforge_appliance.fleet import readiness as readiness_module
 from modelforge_appliance.store.tables import Node
 from modelforge_contract import (
     CONFIRMATION_INVALID,
@@ -233,6 +237,67 @@ def test_readiness_is_tied_to_the_exact_node_id(sqlite_control_plane):
     assert readiness(cp, ready.node_id)["ready"] is True
     assert readiness(cp, other.node_id)["ready"] is False
     assert cp.admin("GET", f"{NODES}/{ready.node_id[:-1]}x/readiness").status_code == 404
+
+
+def test_the_node_list_carries_each_nodes_readiness_in_a_fixed_number_of_queries(
+    clocked_control_plane, caplog
+):
+    """The fleet list showed liveness only: a node without its worker was as green as a ready
+    one. Each row now carries the readiness its own endpoint answers, and the list costs the
+    same number of queries for 3 nodes as for 12 (the fleet can be 5,000)."""
+    cp = clocked_control_plane
+
+    def listed() -> dict[str, dict]:
+        response = cp.admin("GET", NODES)
+        assert response.status_code == 200, response.text
+        return {node["node_id"]: node["readiness"] for node in response.json()["nodes"]}
+
+    def queries_of_one_listing() -> int:
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="peewee"):
+            readiness_module.list_nodes(cp.store, cp.settings)
+        here = threading.get_ident()  # not the server's own threads
+        return sum(1 for record in caplog.records if record.thread == here)
+
+    ready = Agent(cp, mode="cpu", hostname="ready")
+    ready.heartbeat(gpu_probe="not_applicable"), ready.inventory()
+    no_worker = Agent(cp, mode="cpu", hostname="no-worker")
+    no_worker.heartbeat(gpu_probe="not_applicable", worker=None), no_worker.inventory()
+    cordoned = Agent(cp, mode="cpu", hostname="cordoned")
+    cordoned.heartbeat(gpu_probe="not_applicable"), cordoned.inventory()
+    assert cp.admin("POST", f"{NODES}/{cordoned.node_id}/cordon").status_code == 200
+    few = queries_of_one_listing()
+    assert few > 0, "the store's queries were not seen"
+
+    reenrolled = Agent(cp, mode="cpu", hostname="reenrolled")
+    reenrolled.heartbeat(gpu_probe="not_applicable"), reenrolled.inventory()
+    reenrolled.enroll()  # its newest credential has not called yet
+    revoked = Agent(cp, mode="cpu", hostname="revoked")
+    revoked.heartbeat(gpu_probe="not_applicable"), revoked.inventory()
+    assert cp.admin("DELETE", f"{NODES}/{revoked.node_id}/credential").status_code == 200
+    retired = Agent(cp, mode="cpu", hostname="retired")
+    preview = cp.admin("POST", f"{NODES}/{retired.node_id}/decommission/preview").json()
+    confirmation = {"confirmation": preview["confirmation"]}
+    executed = cp.admin(
+        "POST", f"{NODES}/{retired.node_id}/decommission/execute", json=confirmation
+    )
+    assert executed.status_code == 200, executed.text
+    for n in range(6):
+        Agent(cp, hostname=f"pending-{n}")
+    assert queries_of_one_listing() == few
+
+    shown = listed()
+    assert len(shown) == 12
+    for node_id, summary in shown.items():
+        answer = readiness(cp, node_id)
+        in_order = [check["name"] for check in answer["checks"] if not check["ok"]]
+        assert summary == {"ready": answer["ready"], "failing": in_order}, node_id
+    assert shown[ready.node_id] == {"ready": True, "failing": []}
+    assert shown[no_worker.node_id]["failing"] == ["worker"]
+    assert shown[cordoned.node_id]["failing"] == ["cordoned"]
+    assert shown[reenrolled.node_id]["failing"] == ["connection"]
+    assert shown[revoked.node_id]["failing"][0] == "connection"
+    assert shown[retired.node_id]["ready"] is False
 
 
 # -- the runbook's diagnosis table and its recoveries ------------------------------

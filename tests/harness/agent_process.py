@@ -16,7 +16,7 @@ from typing import Any
 
 from modelforge_appliance.core.clock import Clock
 from modelforge_appliance.core.settings import Settings
-from modelforge_appliance.fleet import nodes
+from modelforge_appliance.fleet import readiness
 from modelforge_appliance.identity import admin_tokens
 from modelforge_appliance.runtime.server import create_server, run_until
 from modelforge_appliance.store import audit
@@ -167,15 +167,15 @@ class RestartableControlPlane:
             self.store = None
 
     def nodes(self) -> list[dict[str, Any]]:
-        """The fleet with liveness, read from the store (also while the server is down)."""
+        """The fleet with liveness and readiness, from the store (also while the server is down)."""
         if self.store is not None:
             self.server.heartbeats.flush()  # as every admin read does
-            return nodes.list_nodes(self.store, self.settings)
+            return readiness.list_nodes(self.store, self.settings)
         # The appliance binds its models to one global database, so only one Store may be
         # open per process: open one for this read only while the server is stopped.
         store = Store(self.settings.database_url, Clock())
         try:
-            return nodes.list_nodes(store, self.settings)
+            return readiness.list_nodes(store, self.settings)
         finally:
             with contextlib.suppress(Exception):
                 store.close()

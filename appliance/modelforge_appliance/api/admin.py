@@ -93,7 +93,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
 
     @app.get(PATH_ADMIN_NODES, auth=ADMIN)
     def fleet():
-        listed = nodes.list_nodes(store, settings)
+        listed = readiness.list_nodes(store, settings)
         # server_time lets the console show ages on the control plane's clock, not the browser's.
         return json_response({"nodes": listed, "server_time": isoformat(clock.now())})
 

@@ -59,13 +59,23 @@ def ago(now: float, then: float | None) -> str:
     return f"{seconds:.0f}s ago"
 
 
+def ready_column(row: dict) -> str:
+    """READY, or NOT READY with the first failing check; '-' for a retired node (its
+    liveness already says why it takes no work)."""
+    if row["liveness"] == DECOMMISSIONED:
+        return "-"
+    readiness = row["readiness"]
+    return "READY" if readiness["ready"] else f"NOT READY ({readiness['failing'][0]})"
+
+
 def _table(rows: list[dict], now: float, seen: dict[str, float | None]) -> str:
-    lines = [f"{'NODE ID':38} {'NAME':20} {'HOSTNAME':20} {'LIVENESS':14} LAST SEEN"]
+    lines = [f"{'NODE ID':38} {'NAME':20} {'HOSTNAME':20} {'LIVENESS':14} {'READY':25} LAST SEEN"]
     for row in rows:
         cordoned = " (cordoned)" if row["cordoned"] and row["liveness"] != DECOMMISSIONED else ""
         lines.append(
             f"{row['node_id']:38} {row['display_name'][:20]:20} {row['hostname'][:20]:20} "
-            f"{row['liveness']:14} {ago(now, seen.get(row['node_id']))}{cordoned}"
+            f"{row['liveness']:14} {ready_column(row):25} "
+            f"{ago(now, seen.get(row['node_id']))}{cordoned}"
         )
     return "\n".join(lines)
 
@@ -74,13 +84,13 @@ def _table(rows: list[dict], now: float, seen: dict[str, float | None]) -> str:
 @JSON_OPTION
 @click.pass_context
 def nodes_group(ctx: click.Context, as_json: bool) -> None:
-    """List nodes with their liveness, or act on one (see the commands below).
+    """List nodes with their liveness and readiness, or act on one (see the commands below).
 
     NODE is a node id, a unique prefix of one, or a hostname.
     """
     if ctx.invoked_subcommand is None:
         store = ctx.obj.store()
-        rows = nodes.list_nodes(store, ctx.obj.settings)
+        rows = readiness.list_nodes(store, ctx.obj.settings)
         with store.connection():
             seen = {
                 n.node_id: n.last_heartbeat_at

@@ -71,13 +71,6 @@ def node_view(node: Node, now: float, settings: Settings) -> dict[str, Any]:
     }
 
 
-def list_nodes(store: Store, settings: Settings) -> list[dict[str, Any]]:
-    with store.connection():
-        rows = list(Node.select().order_by(Node.created_at, Node.node_id))
-    now = store.clock.now()
-    return [node_view(row, now, settings) for row in rows]
-
-
 def get_node(store: Store, node_id: str) -> Node:
     with store.connection():
         node = Node.get_or_none(Node.node_id == node_id)

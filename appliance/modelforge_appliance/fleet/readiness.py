@@ -1,4 +1,5 @@
-"""Readiness of one node: is it really able to take work, and if not, what to do next.
+"""Readiness of a node: is it really able to take work, and if not, what to do next; and the
+node list, which carries every node's readiness beside its liveness.
 
 A node is not ready merely because it connected: each check must pass on its own.
 """
@@ -22,7 +23,7 @@ from modelforge_contract import (
 from ..core.settings import Settings
 from ..store.database import Store
 from ..store.tables import Credential, Node
-from .nodes import get_node, liveness_of
+from .nodes import get_node, liveness_of, node_view
 
 
 def worker_answer(health: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
@@ -103,8 +104,7 @@ def _protocol(node: Node) -> Check:
     return Check("protocol", True, f"agent protocol {node.protocol_version} is {answer}")
 
 
-def _agent_health(node: Node) -> Check:
-    health = json.loads(node.health) if node.health else None
+def _agent_health(health: dict[str, Any] | None, worker: Check) -> Check:
     if health is None:
         return Check(
             "agent_health",
@@ -116,7 +116,6 @@ def _agent_health(node: Node) -> Check:
     gpu_failed = health["gpu_probe"] == "failed" or preflight == "failed"
     if health["status"] != "ok" or gpu_failed:
         message = health.get("message") or "no message"
-        worker = _worker(node)
         if not gpu_failed and not worker.ok:
             # Degraded because of the runtime worker: its check says what to do, not NVML's.
             return Check(
@@ -162,9 +161,9 @@ def _telemetry(node: Node, now: float, settings: Settings) -> Check:
     return Check("telemetry_age", True, f"telemetry {age:.0f}s old")
 
 
-def _worker(node: Node) -> Check:
+def _worker(health: dict[str, Any] | None) -> Check:
     """The runtime worker beside the agent, as the agent last reported it (issue 13)."""
-    answer, worker = worker_answer(json.loads(node.health) if node.health else None)
+    answer, worker = worker_answer(health)
     if answer == "UNREPORTED":
         return Check(
             "worker",
@@ -199,6 +198,24 @@ def _cordoned(node: Node) -> Check:
     return Check("cordoned", True, "the node is not cordoned")
 
 
+def checks_of(node: Node, active: Credential | None, now: float, settings: Settings) -> list[Check]:
+    """Every readiness check of ``node``, in READINESS_CHECKS order; ``active`` is its newest
+    unrevoked credential (None when it has none)."""
+    if node.decommissioned_at is not None:
+        return [Check(name, False, "the node is decommissioned") for name in READINESS_CHECKS]
+    health = json.loads(node.health) if node.health else None
+    worker = _worker(health)
+    return [
+        _connection(node, active, now, settings),
+        _inventory(node, now, settings),
+        _protocol(node),
+        _agent_health(health, worker),
+        _telemetry(node, now, settings),
+        worker,
+        _cordoned(node),
+    ]
+
+
 def readiness_of(store: Store, settings: Settings, node_id: str) -> dict[str, Any]:
     """The readiness answer for exactly this node id (docs/architecture.md §3)."""
     node = get_node(store, node_id)
@@ -209,21 +226,40 @@ def readiness_of(store: Store, settings: Settings, node_id: str) -> dict[str, An
             .order_by(Credential.created_at.desc())
             .first()
         )
-    now = store.clock.now()
-    if node.decommissioned_at is not None:
-        checks = [Check(name, False, "the node is decommissioned") for name in READINESS_CHECKS]
-    else:
-        checks = [
-            _connection(node, active, now, settings),
-            _inventory(node, now, settings),
-            _protocol(node),
-            _agent_health(node),
-            _telemetry(node, now, settings),
-            _worker(node),
-            _cordoned(node),
-        ]
+    checks = checks_of(node, active, store.clock.now(), settings)
     return {
         "node_id": node.node_id,
         "ready": all(check.ok for check in checks),
         "checks": [asdict(check) for check in checks],
     }
+
+
+def summary_of(checks: list[Check]) -> dict[str, Any]:
+    """What the node list carries of a node's readiness: whether it is ready and the names
+    of its failing checks, in check order (the node's readiness answer has the details)."""
+    failing = [check.name for check in checks if not check.ok]
+    return {"ready": not failing, "failing": failing}
+
+
+def list_nodes(store: Store, settings: Settings) -> list[dict[str, Any]]:
+    """Every node with its liveness and readiness, oldest first.
+
+    Two queries for the whole fleet, however large: the nodes, and every unrevoked
+    credential (the connection check's only other input), never one query per node.
+    """
+    with store.connection():
+        rows = list(Node.select().order_by(Node.created_at, Node.node_id))
+        credentials = Credential.select(
+            Credential.node, Credential.created_at, Credential.last_used_at
+        ).where(Credential.revoked_at.is_null())
+        active: dict[str, Credential] = {}
+        for credential in credentials.order_by(Credential.created_at):
+            active[credential.node_id] = credential  # the newest one wins
+    now = store.clock.now()
+    return [
+        {
+            **node_view(row, now, settings),
+            "readiness": summary_of(checks_of(row, active.get(row.node_id), now, settings)),
+        }
+        for row in rows
+    ]
