@@ -117,6 +117,17 @@ def worker_pyz(pyz_dist) -> Path:
     return build_pyz("worker", pyz_dist, WORK_DIR)
 
 
+def unit_directives(unit: str) -> dict[str, list[str]]:
+    """Every Key=value of systemd/UNIT, repeated keys kept in order."""
+    found: dict[str, list[str]] = {}
+    for line in (ROOT / "systemd" / unit).read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", ";", "[")):
+            key, _, value = line.partition("=")
+            found.setdefault(key.strip(), []).append(value.strip())
+    return found
+
+
 def pyz_command(pyz: Path, *args: str) -> list[str]:
     """Run an archive with only the standard library around it (-I -S): nothing from this
     virtualenv or the system's site-packages can stand in for something the pyz lacks."""

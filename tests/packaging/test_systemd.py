@@ -11,12 +11,18 @@ import pytest
 
 from tests.harness.control_plane import IN_CI
 
-from .conftest import ROOT
+from .conftest import ROOT, unit_directives
 
 UNITS = ROOT / "systemd"
-# Issue 5: the control plane rates 2.0 or better (lower is better); the agent,
-# which must keep the NVIDIA devices, is held to the same bar.
-EXPOSURE_LIMITS = {"modelforge.service": 2.0, "modelforge-node-agent.service": 2.0}
+# Issue 5: the control plane rates 2.0 or better (lower is better); the agent and the
+# runtime worker, which must keep the NVIDIA devices, are held to the same bar.
+EXPOSURE_LIMITS = {
+    "modelforge.service": 2.0,
+    "modelforge-node-agent.service": 2.0,
+    "modelforge-runtime-worker.service": 2.0,
+}
+# The worker keeps nothing between starts; the others keep their store or identity.
+STATELESS = {"modelforge-runtime-worker.service"}
 
 
 def systemd_analyze() -> str:
@@ -27,17 +33,6 @@ def systemd_analyze() -> str:
             pytest.fail(message)
         pytest.skip(message)
     return path
-
-
-def directives(unit: str) -> dict[str, list[str]]:
-    """Every Key=value of a unit file, repeated keys kept in order."""
-    found: dict[str, list[str]] = {}
-    for line in (UNITS / unit).read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith(("#", ";", "[")):
-            key, _, value = line.partition("=")
-            found.setdefault(key.strip(), []).append(value.strip())
-    return found
 
 
 @pytest.mark.parametrize("unit", sorted(EXPOSURE_LIMITS))
@@ -69,9 +64,9 @@ def test_unit_security_exposure_within_limit(unit, limit):
 
 @pytest.mark.parametrize("unit", sorted(EXPOSURE_LIMITS))
 def test_unit_keeps_state_and_cache_where_the_service_owns_them(unit):
-    found = directives(unit)
+    found = unit_directives(unit)
     name = unit.removesuffix(".service")
-    assert found["StateDirectory"] == [name]
+    assert found.get("StateDirectory") == (None if unit in STATELESS else [name])
     assert found["CacheDirectory"] == [name]
     assert f"SHIV_ROOT=%C/{name}" in " ".join(found["Environment"])
     assert found["EnvironmentFile"] == [f"/etc/modelforge/{name}.env"]
@@ -87,9 +82,14 @@ def test_unit_keeps_state_and_cache_where_the_service_owns_them(unit):
     assert Path(archive).parent == Path("/opt/modelforge")
 
 
-def test_agent_unit_keeps_nvidia_devices_and_nvml():
-    found = directives("modelforge-node-agent.service")
+@pytest.mark.parametrize(
+    "unit", ["modelforge-node-agent.service", "modelforge-runtime-worker.service"]
+)
+def test_node_units_keep_nvidia_devices_and_nvml(unit):
+    found = unit_directives(unit)
     assert found.get("PrivateDevices", ["no"]) == ["no"]
+    # Hosts that give /dev/nvidia* to a group need the user's supplementary groups.
+    assert "PrivateUsers" not in found
     assert found["DevicePolicy"] == ["closed"]
     assert "char-nvidia-frontend rw" in found["DeviceAllow"]
     assert "char-nvidia-uvm rw" in found["DeviceAllow"]
@@ -97,8 +97,33 @@ def test_agent_unit_keeps_nvidia_devices_and_nvml():
     assert "ProcSubset" not in found
 
 
+def test_worker_unit_has_no_network_and_a_socket_only_the_agents_user_reaches():
+    """The worker talks to nothing but the agent, over the socket the agent looks for by
+    default; its runtime directory is the worker's, entered by its group alone."""
+    from modelforge_node_agent.settings import DEFAULT_WORKER_SOCKET
+    from modelforge_worker.server import SOCKET_MODE
+    from modelforge_worker.settings import DEFAULT_SOCKET
+
+    found = unit_directives("modelforge-runtime-worker.service")
+    assert found["PrivateNetwork"] == ["yes"]
+    assert found["RestrictAddressFamilies"] == ["AF_UNIX"]
+    assert found["IPAddressDeny"] == ["any"] and "IPAddressAllow" not in found
+    (runtime,) = found["RuntimeDirectory"]
+    socket = next(
+        value.partition("=")[2]
+        for value in found["Environment"]
+        if value.startswith("MODELFORGE_WORKER_SOCKET=")
+    )
+    assert socket == f"%t/{runtime}/worker.sock"
+    assert socket.replace("%t", "/run") == DEFAULT_WORKER_SOCKET == DEFAULT_SOCKET
+    # Group may enter and connect (the socket is 0660), others may do neither.
+    assert found["RuntimeDirectoryMode"] == ["0750"] and SOCKET_MODE == 0o660
+    assert found["User"] == found["Group"] == ["modelforge-worker"]
+    assert "2" in found["RestartPreventExitStatus"][0].split()
+
+
 def test_control_plane_unit_has_no_devices():
-    found = directives("modelforge.service")
+    found = unit_directives("modelforge.service")
     assert found["PrivateDevices"] == ["yes"]
     assert "DeviceAllow" not in found
 
@@ -109,6 +134,6 @@ def test_control_plane_unit_has_descriptors_for_the_default_connection_limit():
     from modelforge_appliance.core.settings import load_settings
     from modelforge_appliance.runtime.server import SPARE_DESCRIPTORS
 
-    limit = int(directives("modelforge.service")["LimitNOFILE"][0])
+    limit = int(unit_directives("modelforge.service")["LimitNOFILE"][0])
     assert limit >= load_settings({}).connection_limit + SPARE_DESCRIPTORS
-    assert "~@privileged @resources" in directives("modelforge.service")["SystemCallFilter"]
+    assert "~@privileged @resources" in unit_directives("modelforge.service")["SystemCallFilter"]
