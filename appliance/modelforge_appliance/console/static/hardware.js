@@ -1,10 +1,13 @@
-// The Hardware page: every node with its liveness, refreshed in place every few seconds.
+// The Hardware page: every node with its liveness and readiness, refreshed in place every few
+// seconds; a hint instead of an empty table while no node is enrolled.
 import { api, age, el, errorText, gib, setText } from "./console.js";
 
 export const REFRESH_SECONDS = 5;
 const tbody = document.getElementById("fleet-rows");
 const status = document.getElementById("fleet-status");
 const alertsBox = document.getElementById("alerts");
+const emptyHint = document.getElementById("fleet-empty");
+const table = document.getElementById("fleet-table");
 const rows = new Map(); // node_id -> {tr, cells}
 let refreshes = 0;
 
@@ -18,11 +21,22 @@ function gpuSummary(accelerators) {
   return [...kinds].map(([key, count]) => `${count} × ${key}`).join(", ");
 }
 
+// READY, or NOT READY and the first failing check (the node page lists them all); a
+// decommissioned node is never ready, and its liveness already says why.
+function readinessText(node) {
+  if (node.liveness === "decommissioned") return ["retired", "—", ""];
+  const { ready, failing } = node.readiness;
+  if (ready) return ["ready", "READY", "every readiness check passes"];
+  return ["not-ready", `NOT READY · ${failing[0]}`, `failing: ${failing.join(", ")}`];
+}
+
 function makeRow(node) {
   const badge = el("span", { class: "badge" });
+  const ready = el("span", { class: "ready" });
   const link = el("a", { href: `/console/nodes/${encodeURIComponent(node.node_id)}` });
   const cells = {
     badge,
+    ready,
     link,
     hostname: el("td"),
     gpus: el("td"),
@@ -34,6 +48,7 @@ function makeRow(node) {
     "tr",
     { "data-testid": "node-row", "data-node-id": node.node_id },
     el("td", {}, badge),
+    el("td", { "data-field": "ready" }, ready),
     el("td", {}, link),
     cells.hostname,
     cells.gpus,
@@ -41,7 +56,7 @@ function makeRow(node) {
     cells.cordoned,
     cells.eligible,
   );
-  return { tr, cells, liveness: null };
+  return { tr, cells, liveness: null, ready: null };
 }
 
 function updateRow(row, node, now) {
@@ -52,6 +67,14 @@ function updateRow(row, node, now) {
     row.tr.setAttribute("data-liveness", node.liveness);
   }
   setText(cells.badge, node.liveness);
+  const [state, text, title] = readinessText(node);
+  if (row.ready !== state) {
+    cells.ready.className = `ready ready-${state}`;
+    row.ready = state;
+    row.tr.setAttribute("data-ready", state);
+  }
+  setText(cells.ready, text);
+  if (cells.ready.title !== title) cells.ready.title = title;
   setText(cells.link, node.display_name);
   setText(cells.hostname, node.hostname);
   setText(cells.gpus, gpuSummary(node.accelerators));
@@ -132,6 +155,9 @@ async function refreshOnce() {
       rows.delete(nodeId);
     }
   }
+  const empty = fleet.nodes.length === 0;
+  emptyHint.hidden = !empty;
+  table.hidden = empty;
   refreshes += 1;
   // Timings for the browser test and bench/console.py: the whole refresh, and its DOM part.
   const done = performance.now();

@@ -6,10 +6,18 @@
   </div>
   <div id="alerts" class="alerts" data-testid="alerts"></div>
   <p id="fleet-status" class="muted" data-testid="fleet-status">Loading…</p>
-  <table class="fleet">
+  <div id="fleet-empty" class="empty card" data-testid="fleet-empty" hidden>
+    <h2>No node is enrolled yet</h2>
+    <p>Press <strong>Enroll node</strong> above: it mints a one-time token and shows the
+      commands to run on the node. Or, on the control-plane host:</p>
+    <pre class="command">modelforge enroll --name "GPU Node" --accelerator nvidia   # or --accelerator cpu</pre>
+    <p>and run the join command it prints on the node. A node shows here once its agent has
+      enrolled, and is ready for work once every readiness check passes.</p>
+  </div>
+  <table class="fleet" id="fleet-table">
     <thead>
-      <tr><th>Liveness</th><th>Name</th><th>Hostname</th><th>GPUs</th><th>Last heartbeat</th>
-          <th>Cordoned</th><th>Production eligible</th></tr>
+      <tr><th>Liveness</th><th>Ready</th><th>Name</th><th>Hostname</th><th>GPUs</th>
+          <th>Last heartbeat</th><th>Cordoned</th><th>Production eligible</th></tr>
     </thead>
     <tbody id="fleet-rows"></tbody>
   </table>
