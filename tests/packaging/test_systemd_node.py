@@ -1,4 +1,4 @@
-"""docs/install-systemd.md §3 and §4 end in a node that readiness calls READY.
+"""docs/install-systemd.md, sections 3 and 4, end in a node that readiness calls READY.
 
 systemd does not run here, so each unit is run the way systemd would run it: its own
 ExecStart=, Environment= and EnvironmentFile=, as its User= and Group= (with their
@@ -227,7 +227,7 @@ def test_the_systemd_install_of_a_node_ends_ready(
     (worker_user,), (agent_user,) = worker_unit["User"], agent_unit["User"]
     ensure_users(worker_user, agent_user)
 
-    # §3: the worker's archive, its env file (this node is CPU-only), its unit.
+    # Section 3: the worker's archive, its env file (this node is CPU-only), its unit.
     host.install(worker_pyz, worker_unit["ExecStart"][0].split()[1])
     (worker_env,) = worker_unit["EnvironmentFile"]
     host.path(worker_env).parent.mkdir(parents=True)
@@ -252,7 +252,7 @@ def test_the_systemd_install_of_a_node_ends_ready(
         assert grp.getgrgid(socket.stat().st_gid).gr_name == worker_unit["Group"][0]
         assert refused_to("nobody", socket) == errno.EACCES  # nobody else reaches it
 
-        # §4: the agent's archive, a cpu token, the printed join command, the unit.
+        # Section 4: the agent's archive, a cpu token, the printed join command, the unit.
         host.install(agent_pyz, AGENT_PYZ_PATH)
         minted = requests.post(
             url + PATH_ADMIN_ENROLLMENTS,
