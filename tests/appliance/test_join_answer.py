@@ -52,6 +52,32 @@ def test_mint_answer_carries_join_commands_and_an_env_file_without_a_hostname(
     assert refused.status_code == 400 and error_code(refused) == "FIELD_CHOICE"
 
 
+def test_mint_answer_carries_the_worker_commands_and_human_titles(sqlite_control_plane):
+    """The wizard shows what the CLI's enroll prints: the Runtime Worker beside the agent,
+    each command under a title a person reads, not a raw key."""
+    from modelforge_appliance.identity.enrollment import WORKER_SOCKET
+    from modelforge_appliance.identity.join_commands import INSTALL_TYPES, checkout_worker_command
+
+    cp = sqlite_control_plane
+    body = cp.admin(
+        "POST",
+        PATH_ADMIN_ENROLLMENTS,
+        json={"display_name": "CPU box", "expires_in_seconds": 900, "accelerator_mode": "cpu"},
+    ).json()
+    assert parse_env_file(body["env_file"])["MODELFORGE_AGENT_WORKER_SOCKET"] == WORKER_SOCKET
+    worker = body["worker_command"]
+    assert f"MODELFORGE_WORKER_SOCKET={WORKER_SOCKET} " in worker
+    assert "MODELFORGE_WORKER_ACCELERATOR_MODE=cpu " in worker
+    assert body["join_worker_commands"] == {"checkout": checkout_worker_command("cpu")}
+    titles = body["command_titles"]
+    assert set(titles["join_commands"]) == set(body["join_commands"]) == set(INSTALL_TYPES)
+    for kind, title in titles["join_commands"].items():
+        assert INSTALL_TYPES[kind] in title and "_" not in title.split("(")[0], title
+    assert set(titles["join_worker_commands"]) == set(body["join_worker_commands"])
+    assert titles["worker_command"] == "Runtime Worker for the start command"
+    assert body["token"] not in str(titles) + worker
+
+
 def test_an_origin_mismatch_names_both_origins(sqlite_control_plane):
     cp = sqlite_control_plane
     token = cp.mint()["token"]

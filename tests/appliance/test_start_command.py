@@ -1,7 +1,8 @@
-"""The Bash start command the mint answer (and the wizard) gives, run by real bash.
+"""The Bash start command the mint answer (and the wizard) gives, run by real bash, and
+the Runtime Worker command beside it.
 
-A stand-in ``modelforge-node-agent`` on PATH records the environment and arguments it
-was started with. The command runs on a real pseudo-terminal, as an operator pastes it:
+A stand-in ``modelforge-node-agent`` on PATH (or in a checkout's .venv) records the
+environment and arguments it was started with. The command runs on a real pseudo-terminal, as an operator pastes it:
 the token must not echo, the temporary env file must be mode 0600 while it exists and
 gone after success, a failing agent, Ctrl-C (SIGINT) and SIGTERM; caller-side tracing
 (``set -x``) must print no token.
@@ -20,7 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from modelforge_appliance.identity.enrollment import START_COMMAND, agent_env_file
+from modelforge_appliance.identity.enrollment import (
+    START_COMMAND,
+    WORKER_SOCKET,
+    agent_env_file,
+    worker_command,
+)
+from modelforge_contract import AGENT_PYZ_PATH
 
 TOKEN = "mfe_0123456789abcdef_" + "Tk9" * 14 + "x"
 STANDIN = """#!/bin/bash
@@ -142,6 +149,8 @@ def test_success_starts_the_agent_with_the_token_and_removes_the_file(node):
     assert f"MODELFORGE_AGENT_ENROLLMENT_TOKEN={TOKEN}\n" in record
     assert "MODELFORGE_AGENT_CONTROL_PLANE_URL=http://127.0.0.1:8000\n" in record
     assert "MODELFORGE_AGENT_ACCELERATOR_MODE=nvidia\n" in record
+    # Where the worker command below puts the worker's socket.
+    assert f"MODELFORGE_AGENT_WORKER_SOCKET={WORKER_SOCKET}\n" in record
     # The host name is left to the machine: two nodes minted as "GPU Node" never share one.
     assert "MODELFORGE_AGENT_HOSTNAME" not in record
     argv_lines = [line for line in record.splitlines() if line.startswith(("ARGV=", "/bin/bash"))]
@@ -215,3 +224,94 @@ def test_tracing_in_the_callers_shell_prints_no_token(node, caller):
     assert TOKEN not in result.stdout + result.stderr
     assert f"MODELFORGE_AGENT_ENROLLMENT_TOKEN={TOKEN}" in node["record"].read_text()
     assert temp_files(node) == []
+
+
+# -- finding the agent the way each documented install has it ------------------------------
+
+
+def standin(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(STANDIN)
+    path.chmod(0o755)
+    return path
+
+
+def test_a_checkouts_agent_is_found_before_one_on_path(node):
+    """Run from a checkout's root (where its modelforge-node.env sits), its .venv's agent."""
+    standin(node["work"] / ".venv" / "bin" / "modelforge-node-agent")
+    terminal = Terminal(node, START_COMMAND)
+    terminal.read_until(b"Enrollment token: ")
+    terminal.type(TOKEN + "\r")
+    assert terminal.finish() == 0
+    record = node["record"].read_text()
+    assert ".venv/bin/modelforge-node-agent" in record  # its command line
+    assert f"MODELFORGE_AGENT_ENROLLMENT_TOKEN={TOKEN}\n" in record
+    assert temp_files(node) == []
+
+
+def test_without_any_agent_it_names_what_it_looked_for_and_asks_nothing(node):
+    if Path(AGENT_PYZ_PATH).exists():
+        pytest.skip(f"{AGENT_PYZ_PATH} is installed on this host")
+    bare = {**node["env"], "PATH": "/usr/bin:/bin"}
+    if any((Path(d) / "modelforge-node-agent").exists() for d in ("/usr/bin", "/bin")):
+        pytest.skip("modelforge-node-agent is installed on this host")
+    terminal = Terminal({**node, "env": bare}, START_COMMAND)
+    assert terminal.finish() == 127
+    said = terminal.output.decode()
+    assert "modelforge: no node agent found" in said
+    for looked in (
+        ".venv/bin/modelforge-node-agent",
+        "modelforge-node-agent on PATH",
+        f"{AGENT_PYZ_PATH} (the agent pyz, run by /usr/bin/python3)",
+    ):
+        assert looked in said, said
+    assert "Enrollment token" not in said and temp_files(node) == []
+
+
+def test_the_worker_command_listens_where_the_env_file_points_the_agent(node, tmp_path):
+    from modelforge_node_agent.settings import DEFAULT_WORKER_SOCKET
+    from modelforge_worker.settings import DEFAULT_SOCKET
+
+    assert WORKER_SOCKET == DEFAULT_WORKER_SOCKET == DEFAULT_SOCKET  # the documented default
+    standin(tmp_path / "bin" / "modelforge-runtime-worker")
+    result = subprocess.run(
+        ["bash", "-c", worker_command("cpu")],
+        cwd=node["work"],
+        env=node["env"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    record = node["record"].read_text()
+    assert f"MODELFORGE_WORKER_SOCKET={WORKER_SOCKET}\n" in record
+    assert "MODELFORGE_WORKER_ACCELERATOR_MODE=cpu\n" in record
+    assert (
+        f"MODELFORGE_AGENT_WORKER_SOCKET={WORKER_SOCKET}\n"
+        in (node["work"] / "modelforge-node.env").read_text()
+    )
+
+    # A checkout's own worker first; none at all is named, not a bare 127.
+    standin(node["work"] / ".venv" / "bin" / "modelforge-runtime-worker")
+    result = subprocess.run(
+        ["bash", "-c", worker_command("nvidia")], cwd=node["work"], env=node["env"], timeout=30
+    )
+    assert result.returncode == 0
+    assert ".venv/bin/modelforge-runtime-worker" in node["record"].read_text()
+    (node["work"] / ".venv" / "bin" / "modelforge-runtime-worker").unlink()
+    bare = {**node["env"], "PATH": "/usr/bin:/bin"}
+    if any((Path(d) / "modelforge-runtime-worker").exists() for d in ("/usr/bin", "/bin")):
+        pytest.skip("modelforge-runtime-worker is installed on this host")
+    result = subprocess.run(
+        ["bash", "-c", worker_command("cpu")],
+        cwd=node["work"],
+        env=bare,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 127
+    assert "no runtime worker found: looked for .venv/bin/modelforge-runtime-worker" in (
+        result.stderr
+    )
+    assert "modelforge-runtime-worker on PATH" in result.stderr

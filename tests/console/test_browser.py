@@ -17,6 +17,8 @@ import requests
 from playwright.sync_api import expect
 
 from modelforge_appliance.fleet.telemetry import TelemetryHistory
+from modelforge_appliance.identity.enrollment import WORKER_SOCKET, worker_command
+from modelforge_appliance.identity.join_commands import INSTALL_TYPES, checkout_worker_command
 from modelforge_contract import READINESS_CHECKS, __version__
 from tests.harness.agent_process import wait_until
 from tests.harness.console_client import PASSWORD, set_password
@@ -243,6 +245,34 @@ def test_revoking_the_unused_token_clears_it(browser, sqlite_control_plane, capl
     assert_token_gone_from_server(cp, caplog, token)
 
 
+def test_checking_readiness_before_the_agent_enrolled_keeps_the_token(
+    browser, sqlite_control_plane
+):
+    """Pressing Check too early must not cost the operator the token: it stays while the
+    enrollment is pending, and goes once a node has enrolled with it."""
+    cp = sqlite_control_plane
+    set_password(cp)
+    page = browser.new_page()
+    sign_in(page, cp.url)
+    token = open_wizard_and_mint(page)
+    page.locator('[data-step-button="readiness"]').click()
+    page.get_by_test_id("enroll-readiness").click()
+    result = page.get_by_test_id("readiness-result")
+    result.locator('[data-enrollment-state="pending"]').wait_for()
+    assert page.get_by_test_id("enroll-token").get_attribute("data-cleared") is None
+    page.locator('[data-step-button="settings"]').click()
+    page.get_by_test_id("enroll-reveal").click()
+    assert page.get_by_test_id("enroll-token").text_content() == token  # still there
+    page.get_by_test_id("enroll-reveal").click()
+
+    assert cp.enroll(token).status_code == 201  # a node enrolls with it
+    page.locator('[data-step-button="readiness"]').click()
+    page.get_by_test_id("enroll-readiness").click()
+    result.locator("[data-node-id]").wait_for()
+    expect(page.get_by_test_id("enroll-token")).to_have_attribute("data-cleared", "readiness")
+    assert token not in page.content()
+
+
 def test_reaching_the_expiry_clears_the_token(browser, sqlite_control_plane, caplog):
     caplog.set_level(logging.DEBUG)
     cp = sqlite_control_plane
@@ -336,7 +366,11 @@ def test_pasted_manifest_entries_are_checked_field_by_field(browser, tmp_path):
         assert "Accepted" in text and "image_id ignored" in text
         script = page.locator('[data-command="start_script"]').text_content()
         assert f"image=modelforge-node-agent:{release}\n" in script
-        assert "--no-build --pull never" in script
+        assert "no_pull=(--pull never)" in script
+        # The wizard sent the mode it minted with (cpu): the CPU worker, no GPUs reserved.
+        compose = page.locator('[data-command="compose_file"]').text_content()
+        assert f"image: modelforge-runtime-worker-cpu:{release}\n" in compose
+        assert "driver: nvidia" not in compose
 
 
 def check_raw(page, text: str) -> str:
@@ -481,11 +515,12 @@ def test_the_wizard_shows_every_command_field_the_mint_answer_carries(
     sign_in(page, cp.url)
     open_wizard_and_mint(page)
     blocks = page.get_by_test_id("enroll-command")
-    expect(blocks).to_have_count(4)
+    expect(blocks).to_have_count(5)  # and the real answer's checkout worker command
     text = page.get_by_test_id("enroll-more-commands").inner_text()
     for item in extra["join_commands"]:
         assert item["install_type"] in text and item["command"] in text
     assert "modelforge-node-agent --preflight" in text
+    assert "Doctor command" in text  # a key without a title, as words
     page.get_by_test_id("enroll-close").click()
     expect(blocks).to_have_count(0)
 
@@ -499,14 +534,22 @@ def test_the_wizard_shows_the_real_join_commands_for_the_chosen_mode(browser, sq
     sign_in(page, cp.url)
     token = open_wizard_and_mint(page, mode="cpu")
     blocks = page.get_by_test_id("enroll-command")
-    expect(blocks).to_have_count(3)
+    expect(blocks).to_have_count(4)
+    titles = blocks.locator("h3").all_text_contents()
+    assert titles == [
+        f"Join command: {INSTALL_TYPES[kind]}" for kind in ("systemd", "checkout", "container")
+    ] + ["Runtime Worker for the checkout's join command (start it first)"]
     text = page.get_by_test_id("enroll-more-commands").inner_text()
-    for kind in ("systemd", "checkout", "container"):
-        assert f"join commands: {kind}" in text.lower(), text
+    assert "join commands" not in text.lower()  # no raw keys
     assert text.count(f"join {cp.url} --accelerator cpu --token-file -") == 3
+    assert checkout_worker_command("cpu") in text
     assert "--gpus" not in text and token not in text
     env_file = page.get_by_test_id("enroll-env").text_content()
     assert "MODELFORGE_AGENT_ACCELERATOR_MODE=cpu" in env_file
+    # The worker for the start command, on the socket the env file gives the agent.
+    worker = page.get_by_test_id("enroll-worker-command").text_content()
+    assert worker == worker_command("cpu")
+    assert f"MODELFORGE_AGENT_WORKER_SOCKET={WORKER_SOCKET}" in env_file
     page.get_by_test_id("enroll-close").click()
     expect(blocks).to_have_count(0)
 

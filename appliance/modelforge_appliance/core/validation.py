@@ -278,10 +278,12 @@ TELEMETRY_FIELDS = {
     "samples": Field(list, low=1, high=64, items=Field(dict, fields=SAMPLE_FIELDS)),
 }
 
-# The Enroll node wizard's image step: a pasted manifest entry, or a registry reference.
+# The Enroll node wizard's image step: a pasted manifest entry, or a registry reference, and
+# the accelerator mode the enrollment was minted with (the worker image, GPUs or not).
 IMAGE_CHECK_FIELDS = {
     "entry": Field(dict, required=False),
     "registry_image": Field(str, required=False, low=1, high=500),
+    "accelerator_mode": Field(str, required=False, choices=ACCELERATOR_MODES),
 }
 
 # -- the work plane (docs/architecture.md §5) ----------------------------------

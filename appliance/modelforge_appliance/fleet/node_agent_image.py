@@ -15,6 +15,13 @@ loaded image against the same values (its user, entrypoint, command, environment
 other runtime fields included), records the local image id before Compose starts, and
 checks that the created container runs that id as that user with that command. Alternate mode: a registry image
 pinned by ``@sha256:`` digest, which Docker itself verifies on pull.
+
+Beside the agent the files run the release's Runtime Worker (``modelforge-runtime-worker``
+for ``nvidia``, ``modelforge-runtime-worker-cpu`` otherwise), loaded from the same bundle,
+sharing the worker's socket through a volume: without it a node is online but never ready.
+GPUs are reserved only for the ``nvidia`` accelerator mode the enrollment was minted with.
+The script runs whichever Compose the host has: ``docker compose`` (v2) or
+``docker-compose`` (v1, Debian 12's).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from modelforge_contract import (
+    ACCELERATOR_MODES,
     IMAGE_ENTRY_REJECTED,
     RELEASE_MANIFEST_UNREADABLE,
     __version__,
@@ -33,6 +41,8 @@ from modelforge_contract import (
 from modelforge_contract.manifest import (
     NODE_AGENT_IMAGE,
     RUNTIME_FIELDS,
+    RUNTIME_WORKER_CPU_IMAGE,
+    RUNTIME_WORKER_IMAGE,
     ManifestError,
     Problem,
     entry_differences,
@@ -43,6 +53,7 @@ from modelforge_contract.manifest import (
 
 from ..core.errors import ApiError, Invalid
 from ..core.settings import Settings
+from ..identity.enrollment import DEFAULT_ACCELERATOR_MODE
 
 COMPOSE_FILE = "docker-compose.modelforge-node-agent.yml"
 START_SCRIPT = "modelforge-node-agent-start.sh"
@@ -58,16 +69,22 @@ _REGISTRY_IMAGE = re.compile(
     r"@sha256:[0-9a-f]{64}"
 )
 
-COMPOSE = f"docker compose -f {COMPOSE_FILE}"
-# After the token was used: recreate the container without it (the token file variable is
-# unset, so Compose reads /dev/null), keeping the named state volume with the identity.
-RECREATE_COMMAND = (
-    f"{COMPOSE} up -d --no-build --pull never --force-recreate {SERVICE} && "
-    f"docker inspect --format '{{{{range .Config.Env}}}}{{{{println .}}}}{{{{end}}}}' "
-    f'"$({COMPOSE} ps -q {SERVICE})" | grep -c "^MODELFORGE_AGENT_ENROLLMENT_TOKEN=" '
-    "| grep -qx 0 && echo 'the container no longer carries the enrollment token'"
-)
-CLEANUP_COMMAND = f"{COMPOSE} down   # keeps the state volume; never add -v"
+WORKER_SERVICE = "runtime-worker"
+WORKER_SOCKET_VOLUME = "modelforge-worker-socket"
+# The worker image makes this directory its user's (release/modelforge_release/layers.py):
+# Docker copies that ownership into the empty volume when the worker's container is created
+# (the agent's container is created after it), and both images run as that user.
+WORKER_SOCKET_DIR = "/run/modelforge-worker"
+WORKER_SOCKET = f"{WORKER_SOCKET_DIR}/worker.sock"
+# The host's name, which the start script sets from `hostname`: a container's own name is
+# its id, new at every recreate, so without it every recreate would report a new hostname.
+HOSTNAME_VARIABLE = "MODELFORGE_NODE_AGENT_HOSTNAME"
+TOKEN_FILE_VARIABLE = "MODELFORGE_NODE_AGENT_TOKEN_FILE"
+
+# After the token was used: recreate both containers without it, keeping the named state
+# volume with the identity. The script finds the host's Compose and sets the host name.
+RECREATE_COMMAND = f"bash {START_SCRIPT} --recreate"
+CLEANUP_COMMAND = f"bash {START_SCRIPT} --down   # keeps the state volume"
 
 
 def release_version(settings: Settings) -> str:
@@ -139,8 +156,21 @@ def entry_check_problems(settings: Settings, pasted: Any) -> list[Problem]:
     return problems
 
 
+def worker_image(version: str, accelerator_mode: str) -> str:
+    """The Runtime Worker image of the release: the CUDA one only for ``nvidia``."""
+    name = RUNTIME_WORKER_IMAGE if accelerator_mode == "nvidia" else RUNTIME_WORKER_CPU_IMAGE
+    return f"{name}:{version}"
+
+
 def check(settings: Settings, fields: dict[str, Any]) -> dict[str, Any]:
-    """Check the wizard's image choice; answer the commands for it, or 400 naming each field."""
+    """Check the wizard's image choice; answer the commands for it, or 400 naming each field.
+
+    ``accelerator_mode`` is the mode the enrollment was minted with (``nvidia`` when not
+    sent, as for minting): it decides the worker image and whether GPUs are reserved."""
+    mode = fields.get("accelerator_mode") or DEFAULT_ACCELERATOR_MODE
+    if mode not in ACCELERATOR_MODES:  # the API's field check says so first
+        raise _rejected([Problem("accelerator_mode", f"must be one of {ACCELERATOR_MODES}")])
+    worker = worker_image(release_version(settings), mode)
     registry_image = fields.get("registry_image")
     if registry_image is not None:
         if "entry" in fields:
@@ -154,7 +184,7 @@ def check(settings: Settings, fields: dict[str, Any]) -> dict[str, Any]:
                 "registry_image", "must be REPOSITORY@sha256:<64 hex>, pinned by digest"
             )
             raise _rejected([problem])
-        return _answer(registry_image, None, "registry image pinned by digest")
+        return _answer(registry_image, None, "registry image pinned by digest", worker, mode)
     if "entry" not in fields:
         raise Invalid(
             "send the pasted manifest entry as entry (or registry_image)",
@@ -170,7 +200,7 @@ def check(settings: Settings, fields: dict[str, Any]) -> dict[str, Any]:
         if settings.release_manifest
         else f"control plane version {__version__}"
     )
-    return _answer(pasted["tag"], pasted, against)
+    return _answer(pasted["tag"], pasted, against, worker, mode)
 
 
 def _rejected(problems: list[Problem]) -> Invalid:
@@ -183,9 +213,13 @@ def _rejected(problems: list[Problem]) -> Invalid:
     )
 
 
-def _answer(image: str, entry: dict[str, Any] | None, against: str) -> dict[str, Any]:
+def _answer(
+    image: str, entry: dict[str, Any] | None, against: str, worker: str, mode: str
+) -> dict[str, Any]:
     return {
         "image": image,
+        "worker_image": worker,
+        "accelerator_mode": mode,
         "mode": "registry" if entry is None else "release-bundle",
         "checked_against": against,
         "ignored": ["image_id"] if entry is not None else [],
@@ -194,48 +228,91 @@ def _answer(image: str, entry: dict[str, Any] | None, against: str) -> dict[str,
                 "name": "compose_file",
                 "title": f"Save beside {ENV_FILE} as {COMPOSE_FILE}",
                 "file": COMPOSE_FILE,
-                "text": compose_file(image),
+                "text": compose_file(image, worker, mode),
             },
             {
                 "name": "start_script",
                 "title": f"Save as {START_SCRIPT}, then run: bash {START_SCRIPT}",
                 "file": START_SCRIPT,
-                "text": start_script(image, entry),
+                "text": start_script(image, entry, worker),
             },
             {
                 "name": "cleanup",
-                "title": "To stop and remove the container",
+                "title": "To stop and remove the containers (the state volume stays)",
                 "text": CLEANUP_COMMAND,
             },
         ],
     }
 
 
-def compose_file(image: str) -> str:
-    """The Compose file naming the exact image; the token only ever comes from a temp file."""
+_GPUS = (
+    "    deploy:\n"
+    "      resources:\n"
+    "        reservations:\n"
+    "          devices:\n"
+    "            - {driver: nvidia, count: all, capabilities: [gpu]}\n"
+)
+_HARDENED = (
+    "    read_only: true\n"
+    "    tmpfs:\n"
+    "      - /tmp\n"
+    "    cap_drop: [ALL]\n"
+    '    security_opt: ["no-new-privileges:true"]\n'
+)
+
+
+def compose_file(image: str, worker: str, accelerator_mode: str) -> str:
+    """The Compose file naming the exact images; the token only ever comes from a temp file.
+
+    Compose v1 and v2 both read it. The second ``env_file`` entry is the token file for the
+    first start, and otherwise the env file again as ``./`` + its name (v1 refuses
+    ``/dev/null``, which is no file, and an entry listed twice)."""
+    gpus = _GPUS if accelerator_mode == "nvidia" else ""
+    hardware = (
+        "# The NVIDIA GPUs are reserved for both services (accelerator mode nvidia).\n"
+        if gpus
+        else f"# No GPUs are reserved (accelerator mode {accelerator_mode}); a GPU node is "
+        "minted with nvidia.\n"
+    )
     return (
-        f"# Generated by the ModelForge console for {image}. No secrets here: the enrollment\n"
-        f"# token is read by {START_SCRIPT} into a temporary file for the first start only.\n"
-        "services:\n"
-        f"  {SERVICE}:\n"
+        "# Generated by the ModelForge console: the node agent from\n"
+        f"#   {image}\n"
+        "# and its Runtime Worker from\n"
+        f"#   {worker}.\n"
+        "# No secrets here: the enrollment token is read by the start script into a\n"
+        "# temporary file for the first start only. Run Compose through that script\n"
+        f"# (bash {START_SCRIPT} --recreate, --down): it sets\n"
+        f"# {HOSTNAME_VARIABLE} to this host's name and finds docker compose or\n"
+        "# docker-compose.\n" + hardware + "services:\n"
+        f"  {WORKER_SERVICE}:\n"
+        f"    image: {worker}\n"
+        "    pull_policy: never\n"
+        "    restart: unless-stopped\n"
+        "    network_mode: none\n"
+        "    environment:\n"
+        f"      MODELFORGE_WORKER_SOCKET: {WORKER_SOCKET}\n"
+        f"      MODELFORGE_WORKER_ACCELERATOR_MODE: {accelerator_mode}\n"
+        "    volumes:\n"
+        f"      - {WORKER_SOCKET_VOLUME}:{WORKER_SOCKET_DIR}\n"
+        + _HARDENED
+        + gpus
+        + f"  {SERVICE}:\n"
         f"    image: {image}\n"
         "    pull_policy: never\n"
         "    restart: unless-stopped\n"
+        f"    hostname: ${{{HOSTNAME_VARIABLE}:?set {HOSTNAME_VARIABLE} to this host's name "
+        f"(bash {START_SCRIPT} does)}}\n"
+        f"    depends_on: [{WORKER_SERVICE}]\n"
         "    env_file:\n"
         f"      - {ENV_FILE}\n"
-        '      - "${MODELFORGE_NODE_AGENT_TOKEN_FILE:-/dev/null}"\n'
+        f'      - "${{{TOKEN_FILE_VARIABLE}:-./{ENV_FILE}}}"\n'
+        "    environment:\n"
+        f"      MODELFORGE_AGENT_WORKER_SOCKET: {WORKER_SOCKET}\n"
         "    volumes:\n"
         f"      - {STATE_VOLUME}:/var/lib/modelforge-node-agent\n"
-        "    read_only: true\n"
-        "    cap_drop: [ALL]\n"
-        '    security_opt: ["no-new-privileges:true"]\n'
-        "    deploy:\n"
-        "      resources:\n"
-        "        reservations:\n"
-        "          devices:\n"
-        "            - {driver: nvidia, count: all, capabilities: [gpu]}\n"
-        "volumes:\n"
+        f"      - {WORKER_SOCKET_VOLUME}:{WORKER_SOCKET_DIR}\n" + _HARDENED + gpus + "volumes:\n"
         f"  {STATE_VOLUME}: {{}}\n"
+        f"  {WORKER_SOCKET_VOLUME}: {{}}\n"
     )
 
 
@@ -299,8 +376,23 @@ def _container_lines(entry: dict[str, Any]) -> list[str]:
     return lines
 
 
-def start_script(image: str, entry: dict[str, Any] | None) -> str:
-    """Bash: verify the image, note its id, start with the token from a temp file, check the id."""
+def _worker_lines(worker: str) -> list[str]:
+    """The worker image is loaded and is the release's (its title and version labels)."""
+    q = shlex.quote
+    name, _, version = worker.rpartition(":")
+    return [
+        'docker image inspect "$worker_image" >/dev/null 2>&1 || fail "$worker_image is not '
+        "loaded: run docker image load -i the release's -images.tar first\"",
+        f"expect 'worker labels.org.opencontainers.image.title' {q(name)} "
+        '"$(inspect_worker \'{{index .Config.Labels "org.opencontainers.image.title"}}\')"',
+        f"expect 'worker labels.org.opencontainers.image.version' {q(version)} "
+        '"$(inspect_worker \'{{index .Config.Labels "org.opencontainers.image.version"}}\')"',
+    ]
+
+
+def start_script(image: str, entry: dict[str, Any] | None, worker: str) -> str:
+    """Bash: verify the images, note their ids, start with the token from a temp file (or
+    recreate without it, or stop), check the ids the containers run."""
     q = shlex.quote
     if entry is not None:
         obtain = [
@@ -310,44 +402,101 @@ def start_script(image: str, entry: dict[str, Any] | None) -> str:
         ]
     else:
         obtain = ['docker pull "$image" >/dev/null || fail "cannot pull $image"']
+    compose_up = '"${compose[@]}" up -d --no-build ${no_pull[@]+"${no_pull[@]}"}'
     body = [
         "#!/usr/bin/env bash",
-        f"# Generated by the ModelForge console: start the node agent from {image}.",
+        f"# Generated by the ModelForge console: start the node agent from {image}",
+        f"# and its Runtime Worker from {worker}.",
         "# No secret is in this file: the enrollment token is asked for without echo.",
-        "# bash THIS_FILE --verify-only checks the image and prints its id, starting nothing.",
+        "#   bash THIS_FILE                first start: asks for the enrollment token",
+        "#   bash THIS_FILE --verify-only  checks the images and prints their ids, starting nothing",
+        "#   bash THIS_FILE --recreate     (re)creates both containers without the token: after",
+        "#                                 the token was used, after --down, after an upgrade",
+        "#   bash THIS_FILE --down         stops and removes both containers; the state volume",
+        "#                                 (the node's identity and credential) stays",
+        "# Compose v2 (docker compose) when the host has it, else v1 (docker-compose).",
         "set +x",
         "set -euo pipefail",
         "umask 077",
         f"image={q(image)}",
-        f"compose=(docker compose -f {COMPOSE_FILE})",
+        f"worker_image={q(worker)}",
+        'action="${1:-start}"',
         'fail() { echo "modelforge: $*" >&2; exit 1; }',
+        'case "$action" in',
+        "    start | --verify-only | --recreate | --down) ;;",
+        '    *) fail "unknown option $action: use --verify-only, --recreate or --down" ;;',
+        "esac",
+        f"unset {TOKEN_FILE_VARIABLE}  # only the first start passes a token file",
+        "find_compose() {",
+        f"    [ -f {ENV_FILE} ] || fail 'run this beside {ENV_FILE} and {COMPOSE_FILE}'",
+        "    if docker compose version >/dev/null 2>&1; then",
+        f"        compose=(docker compose -f {COMPOSE_FILE})",
+        "        no_pull=(--pull never)",
+        "    elif command -v docker-compose >/dev/null 2>&1; then",
+        "        # Compose v1 has no --pull option; the file's pull_policy: never holds.",
+        f"        compose=(docker-compose -f {COMPOSE_FILE})",
+        "        no_pull=()",
+        "    else",
+        '        fail "neither docker compose (Compose v2) nor docker-compose (v1) runs here: '
+        'install one (Debian: apt-get install docker-compose)"',
+        "    fi",
+        f'    {HOSTNAME_VARIABLE}="${{{HOSTNAME_VARIABLE}:-$(hostname)}}"',
+        f"    export {HOSTNAME_VARIABLE}",
+        "}",
+        'if [ "$action" = --down ]; then',
+        "    find_compose",
+        '    "${compose[@]}" down',
+        "    echo 'stopped the node agent and its worker; the state volume stays'",
+        "    exit 0",
+        "fi",
         'expect() { [ "$3" = "$2" ] || fail "the image does not match: $1 is \'$3\', expected \'$2\'"; }',
         'inspect() { docker image inspect --format "$1" "$image"; }',
+        'inspect_worker() { docker image inspect --format "$1" "$worker_image"; }',
         'expect_running() { [ "$3" = "$2" ] || { "${compose[@]}" down; fail "the container does '
         "not run as its image says: $1 is '$3', expected '$2'; stopped it\"; }; }",
         *obtain,
+        *_worker_lines(worker),
         "image_id=$(inspect '{{.Id}}')",
+        "worker_image_id=$(inspect_worker '{{.Id}}')",
         'echo "verified $image (local image id $image_id)"',
-        'if [ "${1:-}" = --verify-only ]; then exit 0; fi',
-        f"[ -f {ENV_FILE} ] || fail 'run this beside {ENV_FILE} and {COMPOSE_FILE}'",
-        "tok_file=$(mktemp)",
-        "trap 'rm -f \"$tok_file\"' EXIT",
-        "trap 'rm -f \"$tok_file\"; exit 130' INT",
-        "trap 'rm -f \"$tok_file\"; exit 143' TERM",
-        "trap 'rm -f \"$tok_file\"; exit 129' HUP",
-        "IFS= read -rsp 'Enrollment token: ' tok; echo >&2",
-        f"[[ $tok =~ {TOKEN_PATTERN} ]] || fail 'that is not an enrollment token (mfe_...)'",
-        'printf \'MODELFORGE_AGENT_ENROLLMENT_TOKEN=%s\\n\' "$tok" > "$tok_file"; unset tok',
-        'MODELFORGE_NODE_AGENT_TOKEN_FILE="$tok_file" "${compose[@]}" up -d --no-build '
-        f"--pull never {SERVICE}",
-        'rm -f "$tok_file"',
+        'echo "verified $worker_image (local image id $worker_image_id)"',
+        'if [ "$action" = --verify-only ]; then exit 0; fi',
+        "find_compose",
+        'if [ "$action" = start ]; then',
+        "    tok_file=$(mktemp)",
+        "    trap 'rm -f \"$tok_file\"' EXIT",
+        "    trap 'rm -f \"$tok_file\"; exit 130' INT",
+        "    trap 'rm -f \"$tok_file\"; exit 143' TERM",
+        "    trap 'rm -f \"$tok_file\"; exit 129' HUP",
+        "    IFS= read -rsp 'Enrollment token: ' tok; echo >&2",
+        f"    [[ $tok =~ {TOKEN_PATTERN} ]] || fail 'that is not an enrollment token (mfe_...)'",
+        '    printf \'MODELFORGE_AGENT_ENROLLMENT_TOKEN=%s\\n\' "$tok" > "$tok_file"; unset tok',
+        f'    {TOKEN_FILE_VARIABLE}="$tok_file" {compose_up} {WORKER_SERVICE} {SERVICE}',
+        '    rm -f "$tok_file"',
+        "else",
+        f"    {compose_up} --force-recreate {WORKER_SERVICE} {SERVICE}",
+        "fi",
         f'container=$("${{compose[@]}}" ps -q {SERVICE})',
+        f'worker_container=$("${{compose[@]}}" ps -q {WORKER_SERVICE})',
         "running=$(docker inspect --format '{{.Image}}' \"$container\")",
         'if [ "$running" != "$image_id" ]; then',
         '    "${compose[@]}" down',
         '    fail "the container ran $running, not the verified $image_id: stopped it"',
         "fi",
+        "running=$(docker inspect --format '{{.Image}}' \"$worker_container\")",
+        'if [ "$running" != "$worker_image_id" ]; then',
+        '    "${compose[@]}" down',
+        '    fail "the worker container ran $running, not the verified $worker_image_id: stopped it"',
+        "fi",
         *(_container_lines(entry) if entry is not None else []),
-        'echo "node agent started from $image ($image_id)"',
+        'if [ "$action" = --recreate ]; then',
+        "    carried=$(docker inspect --format '{{range .Config.Env}}{{println .}}{{end}}' "
+        '"$container" | grep -c "^MODELFORGE_AGENT_ENROLLMENT_TOKEN=" || true)',
+        '    [ "$carried" = 0 ] || fail "the recreated container still carries the enrollment '
+        f'token: is {TOKEN_FILE_VARIABLE} set in a .env file here?"',
+        "    echo 'the container no longer carries the enrollment token'",
+        "fi",
+        'echo "node agent started from $image ($image_id), worker from $worker_image '
+        '($worker_image_id)"',
     ]
     return "\n".join(body) + "\n"

@@ -10,6 +10,7 @@ from typing import Any
 import peewee as pw
 
 from modelforge_contract import (
+    AGENT_PYZ_PATH,
     ENROLLMENT_NOT_REVOCABLE,
     ENROLLMENT_ORIGIN_MISMATCH,
     ENROLLMENT_TOKEN_CONSUMED,
@@ -31,7 +32,12 @@ from ..store import audit, finality
 from ..store.database import Store
 from ..store.tables import EnrollmentToken, Node
 from . import credentials
-from .join_commands import join_commands
+from .join_commands import (
+    AGENT_PYZ_INTERPRETER,
+    checkout_worker_command,
+    command_titles,
+    join_commands,
+)
 
 # What the env file and join commands say when the minting side does not choose: fail
 # closed on a GPU fleet (invariant 9); `--accelerator cpu|auto` changes it.
@@ -69,11 +75,16 @@ def enrollment_view(row: EnrollmentToken, now: float) -> dict[str, Any]:
     }
 
 
+# Where the agent started by START_COMMAND finds its Runtime Worker, and where
+# WORKER_COMMAND puts it: the default of both (a test keeps the three equal).
+WORKER_SOCKET = "/run/modelforge/worker.sock"
+
+
 def agent_env_file(api_origin: str, accelerator_mode: str = DEFAULT_ACCELERATOR_MODE) -> str:
     """The non-secret agent settings; the token is entered separately, never written here.
 
     The host name is left to the machine: two nodes minted with one display name must not
-    claim one hostname.
+    claim one hostname. The generated Compose file sets its own worker socket over this one.
     """
     return (
         "# ModelForge Node Agent settings (no secrets: the enrollment token is read at start)\n"
@@ -82,20 +93,34 @@ def agent_env_file(api_origin: str, accelerator_mode: str = DEFAULT_ACCELERATOR_
         "MODELFORGE_AGENT_TLS_VERIFY=true\n"
         "MODELFORGE_AGENT_IDENTITY_MODE=persisted\n"
         "MODELFORGE_AGENT_STATE_VOLUME=/var/lib/modelforge-node-agent\n"
+        f"MODELFORGE_AGENT_WORKER_SOCKET={WORKER_SOCKET}\n"
         "# MODELFORGE_AGENT_HOSTNAME=  (unset: the machine's own host name)\n"
     )
 
 
 # The start command for Bash (agent pyz under systemd's user, or a checkout). Tracing is
-# turned off first; the token is read without echo, checked for its shape (so nothing else
-# is ever sourced), written to a mode-0600 temporary env file that is removed before the
-# agent starts, and on any exit, error or signal; it never reaches argv or shell history.
+# turned off first; the agent is found the way each documented install has it (a
+# checkout's .venv, the command on PATH, the agent pyz) before anything is asked; the token
+# is read without echo, checked for its shape (so nothing else is ever sourced), written to
+# a mode-0600 temporary env file that is removed before the agent starts, and on any exit,
+# error or signal; it never reaches argv or shell history.
 # tests/appliance/test_start_command.py runs it with real bash.
+_CHECKOUT_AGENT = ".venv/bin/modelforge-node-agent"
+_AGENT_PYZ = f"{AGENT_PYZ_INTERPRETER} {AGENT_PYZ_PATH}"
+_FIND_AGENT = (
+    f"if [ -x {_CHECKOUT_AGENT} ]; then agent=({_CHECKOUT_AGENT}); "
+    "elif command -v modelforge-node-agent >/dev/null 2>&1; then agent=(modelforge-node-agent); "
+    f"elif [ -f {AGENT_PYZ_PATH} ] && [ -x {AGENT_PYZ_INTERPRETER} ]; then agent=({_AGENT_PYZ}); "
+    f'else echo "modelforge: no node agent found: looked for {_CHECKOUT_AGENT} (run from the '
+    f"root of a checkout), modelforge-node-agent on PATH and {AGENT_PYZ_PATH} (the agent pyz, "
+    f'run by {AGENT_PYZ_INTERPRETER}); install one (docs/node-agent.md)" >&2; exit 127; fi'
+)
 _START_STEPS = (
     "set +x",
     "umask 077",
     '[ -f ./modelforge-node.env ] || { echo "modelforge: run this in the directory that '
     'holds modelforge-node.env" >&2; exit 2; }',
+    _FIND_AGENT,
     "tok_file=$(mktemp) || exit 1",
     'trap "rm -f \\"$tok_file\\"" EXIT',
     'trap "rm -f \\"$tok_file\\"; exit 130" INT',
@@ -112,9 +137,27 @@ _START_STEPS = (
     '. "$tok_file"',
     "set +a",
     'rm -f "$tok_file"',
-    "exec modelforge-node-agent",
+    'exec "${agent[@]}"',
 )
 START_COMMAND = "bash -c '" + "; ".join(_START_STEPS) + "'"
+
+_CHECKOUT_WORKER = ".venv/bin/modelforge-runtime-worker"
+
+
+def worker_command(accelerator_mode: str) -> str:
+    """The Runtime Worker for START_COMMAND's agent, for Bash, run in the same directory:
+    found like the agent (a checkout's .venv, or on PATH), on the env file's socket."""
+    steps = (
+        f"if [ -x {_CHECKOUT_WORKER} ]; then worker={_CHECKOUT_WORKER}; "
+        "elif command -v modelforge-runtime-worker >/dev/null 2>&1; then "
+        "worker=modelforge-runtime-worker; "
+        f'else echo "modelforge: no runtime worker found: looked for {_CHECKOUT_WORKER} (run '
+        "from the root of a checkout) and modelforge-runtime-worker on PATH; install one "
+        '(docs/work.md)" >&2; exit 127; fi',
+        f"MODELFORGE_WORKER_SOCKET={WORKER_SOCKET} "
+        f'MODELFORGE_WORKER_ACCELERATOR_MODE={accelerator_mode} exec "$worker"',
+    )
+    return "bash -c '" + "; ".join(steps) + "'"
 
 
 @dataclass(frozen=True)
@@ -132,7 +175,10 @@ class MintedEnrollment:
             "env_file": agent_env_file(self.row.api_origin, self.accelerator_mode),
             "env_file_name": "modelforge-node.env",
             "start_command": START_COMMAND,
+            "worker_command": worker_command(self.accelerator_mode),
             "join_commands": join_commands(self.row.api_origin, self.accelerator_mode),
+            "join_worker_commands": {"checkout": checkout_worker_command(self.accelerator_mode)},
+            "command_titles": command_titles(),
         }
 
 

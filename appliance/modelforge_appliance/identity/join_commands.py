@@ -77,6 +77,19 @@ def checkout_worker_command(accelerator_mode: str) -> str:
     )
 
 
+def command_titles() -> dict[str, object]:
+    """Human titles for the command fields of a mint answer, as the console shows them:
+    ``{field: title}`` for a single command, ``{field: {key: title}}`` for a mapping."""
+    return {
+        "start_command": "Start command for Bash",
+        "worker_command": "Runtime Worker for the start command",
+        "join_commands": {kind: f"Join command: {text}" for kind, text in INSTALL_TYPES.items()},
+        "join_worker_commands": {
+            "checkout": "Runtime Worker for the checkout's join command (start it first)"
+        },
+    }
+
+
 def describe(commands: dict[str, str]) -> str:
     """The commands as the CLI prints them."""
     blocks = [f"  {INSTALL_TYPES[kind]}:\n\n    {command}\n" for kind, command in commands.items()]
@@ -87,6 +100,7 @@ __all__ = [
     "AGENT_ENV_FILE",
     "INSTALL_TYPES",
     "checkout_worker_command",
+    "command_titles",
     "describe",
     "join_commands",
 ]

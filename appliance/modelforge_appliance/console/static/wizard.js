@@ -1,6 +1,7 @@
 // The Enroll node wizard. The one-time token lives only in this module's memory while the
 // wizard is open: never in storage, a cookie, the URL or a server-rendered page. Closing
-// the wizard, checking readiness, revoking the token or reaching its expiry clears it.
+// the wizard, revoking the token, reaching its expiry, or checking readiness once a node has
+// enrolled with it clears it; a check while the enrollment is still pending keeps it.
 import { api, el, errorText, setText } from "./console.js";
 
 const $ = (id) => document.getElementById(id);
@@ -44,7 +45,7 @@ function clearToken(reason) {
   }
   const notes = {
     closed: "cleared",
-    readiness: "cleared from this page (readiness was checked)",
+    readiness: "cleared from this page (a node enrolled with it)",
     revoked: "revoked",
     expired: "expired",
   };
@@ -55,7 +56,7 @@ function reset() {
   clearToken("closed");
   enrollment = null;
   expiresAtMs = null;
-  for (const id of ["enroll-id", "enroll-expires", "enroll-env", "enroll-start-command"]) {
+  for (const id of ["enroll-id", "enroll-expires", "enroll-env", "enroll-start-command", "enroll-worker-command"]) {
     $(id).textContent = "";
   }
   for (const id of ["enroll-more-commands", "manifest-result", "image-commands", "readiness-result", "enroll-error"]) {
@@ -81,15 +82,26 @@ function tick() {
   setText(countdown, `${minutes}:${String(left % 60).padStart(2, "0")} left`);
 }
 
-// Whatever command fields the mint answer carries (start_command, join_commands, …).
+// A key as words, when the answer carries no title for it: "join_commands" → "Join commands".
+function words(key) {
+  const text = String(key).replace(/_/g, " ");
+  return text.charAt(0).toUpperCase() + text.slice(1);
+}
+
+// Whatever command fields the mint answer carries (join_commands, …), titled by its
+// command_titles: {field: title} or {field: {key: title}}. The start and worker commands
+// have places of their own.
 function commandBlocks(answer) {
+  const titles = answer.command_titles || {};
   const blocks = [];
   const add = (title, text) => {
     if (typeof text === "string" && text) blocks.push([title, text]);
   };
   for (const [key, value] of Object.entries(answer)) {
-    if (key === "start_command" || !/_commands?$/.test(key)) continue;
-    const label = key.replace(/_/g, " ");
+    if (key === "start_command" || key === "worker_command" || !/_commands?$/.test(key)) continue;
+    const own = titles[key];
+    const label = typeof own === "string" ? own : words(key);
+    const titleOf = (name) => (own && typeof own === "object" && typeof own[name] === "string" ? own[name] : `${label}: ${name}`);
     if (typeof value === "string") add(label, value);
     else if (Array.isArray(value)) {
       value.forEach((item, i) => {
@@ -100,8 +112,8 @@ function commandBlocks(answer) {
       });
     } else if (value && typeof value === "object") {
       for (const [name, item] of Object.entries(value)) {
-        if (typeof item === "string") add(`${label}: ${name}`, item);
-        else if (item && typeof item === "object") add(item.title || `${label}: ${name}`, item.command || item.text);
+        if (typeof item === "string") add(titleOf(name), item);
+        else if (item && typeof item === "object") add(item.title || titleOf(name), item.command || item.text);
       }
     }
   }
@@ -139,6 +151,7 @@ async function mint() {
   // The answer's env file and join commands already carry the chosen accelerator mode.
   $("enroll-env").textContent = enrollment.env_file;
   $("enroll-start-command").textContent = enrollment.start_command;
+  $("enroll-worker-command").textContent = enrollment.worker_command || "";
   $("enroll-more-commands").replaceChildren(...commandBlocks(enrollment));
   tick();
   timer = window.setInterval(tick, 1000);
@@ -190,12 +203,14 @@ async function checkImage() {
   const commands = $("image-commands");
   result.replaceChildren();
   commands.replaceChildren();
+  // The mode the token was minted with: the worker image, and GPUs reserved or not.
+  const accelerator_mode = (enrollment && enrollment.accelerator_mode) || "nvidia";
   let body;
   if ($("image-mode").value === "registry") {
-    body = { registry_image: $("registry-image").value.trim() };
+    body = { registry_image: $("registry-image").value.trim(), accelerator_mode };
   } else {
     try {
-      body = { entry: JSON.parse($("manifest-entry").value) };
+      body = { entry: JSON.parse($("manifest-entry").value), accelerator_mode };
     } catch (error) {
       result.replaceChildren(el("p", { class: "error", text: `Not JSON: ${error.message}` }));
       return;
@@ -241,12 +256,14 @@ function renderChecks(readiness) {
 
 async function checkReadiness() {
   if (!enrollment) return;
-  clearToken("readiness");
   const out = $("readiness-result");
   out.replaceChildren(el("p", { class: "muted", text: "Checking…" }));
   try {
     const { enrollments } = await api("GET", "/admin/node-enrollments");
     const mine = enrollments.find((e) => e.enrollment_id === enrollment.enrollment_id);
+    // The token is needed until a node has enrolled with it: only then is it cleared here.
+    // Once revoked or expired it is of no use either.
+    if (mine && mine.state !== "pending") clearToken(mine.node_id ? "readiness" : mine.state);
     if (!mine || !mine.node_id) {
       const state = mine ? mine.state : "unknown";
       out.replaceChildren(

@@ -72,13 +72,18 @@
       <button type="button" id="enroll-reveal" data-testid="enroll-reveal">Reveal</button>
       <button type="button" id="enroll-copy" data-testid="enroll-copy">Copy</button>
     </div>
-    <p class="muted">Shown only while this wizard is open. Closing it, checking readiness,
-      revoking the token or its expiry clears it.</p>
+    <p class="muted">Shown only while this wizard is open. Closing it, revoking the token, its
+      expiry, or checking readiness once a node has enrolled with it clears it.</p>
     <h3>modelforge-node.env <span class="muted">(no secrets)</span></h3>
     <pre id="enroll-env" data-testid="enroll-env" class="command"></pre>
     <h3>Start command for Bash</h3>
     <p class="muted">Run it beside modelforge-node.env; it asks for the token without echo.</p>
     <pre id="enroll-start-command" data-testid="enroll-start-command" class="command"></pre>
+    <h3>Runtime Worker for the start command</h3>
+    <p class="muted">The node is ready only while its Runtime Worker answers beside the agent.
+      Start it first, in another terminal in the same directory, as the same user; it listens
+      on the socket modelforge-node.env names.</p>
+    <pre id="enroll-worker-command" data-testid="enroll-worker-command" class="command"></pre>
     <div id="enroll-more-commands" data-testid="enroll-more-commands"></div>
     <div class="actions">
       <button type="button" id="enroll-revoke" data-testid="enroll-revoke" class="danger">Revoke unused token</button>
@@ -115,13 +120,15 @@
 
   <section data-step="readiness" hidden>
     <p>Start the agent on the node, then check. Readiness is tied to the node id this
-      enrollment produced; checking clears the token from this page.</p>
+      enrollment produced; once a node has enrolled with the token, checking clears it from
+      this page (while the enrollment is pending, the token stays).</p>
     <button type="button" id="enroll-readiness" data-testid="enroll-readiness">Check node readiness</button>
     <div id="readiness-result" data-testid="readiness-result" class="result"></div>
     <div id="recreate" data-testid="enroll-recreate" hidden>
       <h3>Drop the token from the container</h3>
-      <p>The token is used. If the agent runs in a container, recreate it without the token;
-        the state volume keeps the node's identity and credential:</p>
+      <p>The token is used. If the agent runs in a container (the image step's files), recreate
+        it without the token, beside those files; the state volume keeps the node's identity and
+        credential. The same command starts the node again after a stop:</p>
       <pre class="command">{{recreate_command}}</pre>
     </div>
   </section>
