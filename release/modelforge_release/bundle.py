@@ -2,7 +2,8 @@
 
     DIR/modelforge-<version>-images.tar     one docker save of the four images
     DIR/modelforge-<version>-manifest.json  what each image is (docs/architecture.md §7)
-    DIR/modelforge-x86_64.pyz, modelforge-aarch64.pyz, modelforge-node-agent.pyz
+    DIR/modelforge-x86_64.pyz, modelforge-aarch64.pyz, modelforge-node-agent.pyz,
+        modelforge-runtime-worker.pyz
     DIR/docker-compose*.yml, modelforge-control-plane.xml   the compose files, the Unraid template
     DIR/SHA256SUMS                          in SHA256SUMS.template's order
 
@@ -42,6 +43,7 @@ from .names import (
     LABEL_PYZ,
     SIGNATURE_NAME,
     SUMS_NAME,
+    WORKER_PYZ,
     control_plane_archive,
     manifest_name,
     release_names,
@@ -173,7 +175,7 @@ def make_bundle(
     )
     started = time.monotonic()
     manifest = release_manifest(client, version)
-    names = (*CONTROL_PLANE_ARCHIVES.values(), AGENT_PYZ)
+    names = (*CONTROL_PLANE_ARCHIVES.values(), AGENT_PYZ, WORKER_PYZ)
     pyz_sources = {name: dist / name for name in names}
     missing = [str(path) for path in pyz_sources.values() if not path.is_file()]
     if missing:

@@ -257,8 +257,8 @@ def images(
     packaging/images/debian-packages.lock and the hash-locked wheels in
     packaging/requirements-*.txt; no image is pulled. The layers are the same byte for byte
     on every build of the same commit (mtimes from SOURCE_DATE_EPOCH, default: the commit
-    time). Also writes modelforge-x86_64.pyz, modelforge-aarch64.pyz and
-    modelforge-node-agent.pyz into --dist.
+    time). Also writes modelforge-x86_64.pyz, modelforge-aarch64.pyz,
+    modelforge-node-agent.pyz and modelforge-runtime-worker.pyz into --dist.
     """
     from .build import build_images, load_images
     from .debian import DebianError

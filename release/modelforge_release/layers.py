@@ -28,7 +28,7 @@ from .images import (
     BuildError,
     glibc_version,
 )
-from .names import AGENT_PYZ, CONTROL_PLANE_PYZ, control_plane_archive
+from .names import AGENT_PYZ, CONTROL_PLANE_PYZ, WORKER_PYZ, control_plane_archive
 from .python_packages import ensure_pip, install_locked
 from .rootfs import Tree
 
@@ -184,16 +184,21 @@ LAYER_DESCRIPTIONS = {
 
 
 def build_pyz(ctx: BuildContext) -> None:
-    """Every shiv archive into ``dist``: the control plane's for each machine and the agent's
-    (the control-plane image carries the one for its architecture as modelforge.pyz)."""
+    """Every shiv archive into ``dist``: the control plane's for each machine, the agent's and
+    the worker's (the control-plane image carries the one for its architecture as
+    modelforge.pyz)."""
     started = time.monotonic()
-    ctx.say(f"building the control-plane archives and {AGENT_PYZ} (packaging/build_pyz.py)")
+    ctx.say(
+        f"building the control-plane archives, {AGENT_PYZ} and {WORKER_PYZ} "
+        "(packaging/build_pyz.py)"
+    )
     result = subprocess.run(
         [
             sys.executable,
             str(ctx.source / "packaging" / "build_pyz.py"),
             "appliance",
             "agent",
+            "worker",
             "--dist",
             str(ctx.dist),
             "--work-dir",

@@ -9,6 +9,8 @@ from __future__ import annotations
 CONTROL_PLANE_PYZ = "modelforge.pyz"
 CONTROL_PLANE_ARCHIVES = {"amd64": "modelforge-x86_64.pyz", "arm64": "modelforge-aarch64.pyz"}
 AGENT_PYZ = "modelforge-node-agent.pyz"
+# The runtime worker's archive, beside the agent's on a systemd host (docs/install-systemd.md).
+WORKER_PYZ = "modelforge-runtime-worker.pyz"
 SUMS_NAME = "SHA256SUMS"
 SIGNATURE_NAME = "SHA256SUMS.sig"
 # The control-plane image pins the archive it carries by this label (its SHA-256 hex): the
@@ -32,6 +34,7 @@ TEMPLATE_NAMES = (
     "modelforge-{version}-manifest.json",
     *CONTROL_PLANE_ARCHIVES.values(),
     AGENT_PYZ,
+    WORKER_PYZ,
     *DEPLOYMENT_FILES,
 )
 

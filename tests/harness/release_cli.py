@@ -38,6 +38,7 @@ RELEASE_FILES = {
     "modelforge-x86_64.pyz": os.urandom(70_000),
     "modelforge-aarch64.pyz": os.urandom(80_000),
     "modelforge-node-agent.pyz": b"",  # an empty file has a well-known sum
+    "modelforge-runtime-worker.pyz": os.urandom(60_000),
     **{name: f"# {name}\n".encode() for name in DEPLOYMENT_FILES},
 }
 

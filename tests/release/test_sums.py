@@ -14,6 +14,7 @@ TEMPLATE_ORDER = [
     "modelforge-x86_64.pyz",
     "modelforge-aarch64.pyz",
     "modelforge-node-agent.pyz",
+    "modelforge-runtime-worker.pyz",
     "docker-compose.yml",
     "docker-compose.node-agent.yml",
     "docker-compose.node-agent.private-ca.yml",
