@@ -71,6 +71,7 @@ def _programs():
         "modelforge_node_agent.main": agent,
         "modelforge-release": release,
         "modelforge-runtime-worker": worker,
+        "modelforge-runtime-worker.pyz": worker,
         "modelforge_worker": worker,
     }
 
