@@ -39,6 +39,8 @@ from modelforge_contract import (
     __version__,
 )
 from modelforge_contract.manifest import (
+    LABEL_TITLE,
+    LABEL_VERSION,
     NODE_AGENT_IMAGE,
     RUNTIME_FIELDS,
     RUNTIME_WORKER_CPU_IMAGE,
@@ -380,14 +382,16 @@ def _worker_lines(worker: str) -> list[str]:
     """The worker image is loaded and is the release's (its title and version labels)."""
     q = shlex.quote
     name, _, version = worker.rpartition(":")
-    return [
+    lines = [
         'docker image inspect "$worker_image" >/dev/null 2>&1 || fail "$worker_image is not '
         "loaded: run docker image load -i the release's -images.tar first\"",
-        f"expect 'worker labels.org.opencontainers.image.title' {q(name)} "
-        '"$(inspect_worker \'{{index .Config.Labels "org.opencontainers.image.title"}}\')"',
-        f"expect 'worker labels.org.opencontainers.image.version' {q(version)} "
-        '"$(inspect_worker \'{{index .Config.Labels "org.opencontainers.image.version"}}\')"',
     ]
+    for label, value in ((LABEL_TITLE, name), (LABEL_VERSION, version)):
+        template = f'{{{{index .Config.Labels "{label}"}}}}'
+        lines.append(
+            f'expect {q("worker labels." + label)} {q(value)} "$(inspect_worker {q(template)})"'
+        )
+    return lines
 
 
 def start_script(image: str, entry: dict[str, Any] | None, worker: str) -> str:
@@ -432,10 +436,12 @@ def start_script(image: str, entry: dict[str, Any] | None, worker: str) -> str:
         "    if docker compose version >/dev/null 2>&1; then",
         f"        compose=(docker compose -f {COMPOSE_FILE})",
         "        no_pull=(--pull never)",
+        "        echo 'using docker compose (Compose v2)'",
         "    elif command -v docker-compose >/dev/null 2>&1; then",
         "        # Compose v1 has no --pull option; the file's pull_policy: never holds.",
         f"        compose=(docker-compose -f {COMPOSE_FILE})",
         "        no_pull=()",
+        "        echo 'using docker-compose (Compose v1)'",
         "    else",
         '        fail "neither docker compose (Compose v2) nor docker-compose (v1) runs here: '
         'install one (Debian: apt-get install docker-compose)"',
