@@ -4,7 +4,8 @@
     DIR/modelforge-<version>-manifest.json  what each image is (docs/architecture.md §7)
     DIR/modelforge-x86_64.pyz, modelforge-aarch64.pyz, modelforge-node-agent.pyz,
         modelforge-runtime-worker.pyz
-    DIR/docker-compose*.yml, modelforge-control-plane.xml   the compose files, the Unraid template
+    DIR/docker-compose*.yml, modelforge-control-plane.xml, modelforge*.service
+                                            the compose files, the Unraid template, the units
     DIR/SHA256SUMS                          in SHA256SUMS.template's order
 
 The images must already be in dockerd under ``<name>:<version>``

@@ -26,6 +26,9 @@ DEPLOYMENT_FILES = {
     "docker-compose.gpu.yml": "docker-compose.gpu.yml",
     "docker-compose.node-recovery.yml": "docker-compose.node-recovery.yml",
     "modelforge-control-plane.xml": "packaging/unraid/modelforge-control-plane.xml",
+    "modelforge.service": "systemd/modelforge.service",
+    "modelforge-node-agent.service": "systemd/modelforge-node-agent.service",
+    "modelforge-runtime-worker.service": "systemd/modelforge-runtime-worker.service",
 }
 # SHA256SUMS.template, as the verifier needs it when no checkout is at hand (a test keeps
 # the two the same).

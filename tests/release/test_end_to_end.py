@@ -15,6 +15,7 @@ import json
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ import requests
 
 from modelforge_contract import HEADER_ADMIN_TOKEN
 from tests.harness.control_plane import free_port
-from tests.harness.release_images import ROOT, release_env, run_release, unique, wait_for_healthz
+from tests.harness.release_images import release_env, run_release, unique, wait_for_healthz
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -205,7 +206,9 @@ def test_control_plane_and_agent_from_the_compose_files(
         return agent_logs() + deployment.container(docker_client, "runtime-worker").logs().decode()
 
     def ready() -> Any:
-        answer = deployment.admin("GET", f"/api/v1/admin/hardware/nodes/{node['node_id']}/readiness")
+        answer = deployment.admin(
+            "GET", f"/api/v1/admin/hardware/nodes/{node['node_id']}/readiness"
+        )
         assert answer.status_code == 200, answer.text
         return answer.json() if answer.json()["ready"] else None
 

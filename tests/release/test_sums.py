@@ -22,6 +22,9 @@ TEMPLATE_ORDER = [
     "docker-compose.gpu.yml",
     "docker-compose.node-recovery.yml",
     "modelforge-control-plane.xml",
+    "modelforge.service",
+    "modelforge-node-agent.service",
+    "modelforge-runtime-worker.service",
 ]
 
 
@@ -141,7 +144,7 @@ def test_files_must_be_exactly_the_templates(tmp_path):
         "sums", "--template", TEMPLATE, "--version", "0.1.0", *TEMPLATE_ORDER[:-1], cwd=tmp_path
     )
     assert short.returncode == 2
-    assert b"not given: modelforge-control-plane.xml" in short.stderr
+    assert b"not given: modelforge-runtime-worker.service" in short.stderr
     assert not (tmp_path / "SHA256SUMS").exists()
 
 
