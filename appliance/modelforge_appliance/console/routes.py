@@ -14,7 +14,7 @@ from typing import Any
 
 import bottle
 
-from modelforge_contract import SESSION_COOKIE, __version__
+from modelforge_contract import SESSION_COOKIE, WORK_STATES, __version__
 
 from ..core.errors import ApiError, NotFound
 from ..core.validation import Field
@@ -22,6 +22,7 @@ from ..fleet import node_agent_image, nodes
 from ..identity import sessions
 from ..web.auth import PUBLIC, SESSION, SIGN_IN_PATH, signed_in_session
 from ..web.http import ApiContext, json_response, redirect, request_origin
+from ..work import items
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,18 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         except NotFound:
             return page("not_found", status=404, session=session, what=f"node {node_id}")
         return page("node", session=session, node_id=node.node_id, display_name=node.display_name)
+
+    @app.get("/console/work", auth=SESSION)
+    def work_page(session: sessions.Session):
+        return page("work", session=session, states=WORK_STATES)
+
+    @app.get("/console/work/<work_id>", auth=SESSION)
+    def work_item_page(work_id: str, session: sessions.Session):
+        try:
+            item = items.get_work(store, work_id)
+        except NotFound:
+            return page("not_found", status=404, session=session, what=f"work item {work_id}")
+        return page("work_item", session=session, work_id=item.work_id)
 
     @app.get("/console/static/<path:path>", auth=PUBLIC)
     def static(path: str):

@@ -73,6 +73,33 @@ export function when(iso) {
   return iso ? new Date(iso).toLocaleString() : "—";
 }
 
+// A JSON value as "key: value" pairs: nested keys dotted (constraints.gpu_count), list items
+// indexed unless they are plain values (joined), null and empty as "none". Never HTML.
+export function flatten(value, prefix = "", pairs = []) {
+  const plain = (v) => v === null || typeof v !== "object";
+  if (Array.isArray(value) && value.length && !value.every(plain)) {
+    value.forEach((item, index) => flatten(item, `${prefix}[${index}]`, pairs));
+  } else if (value !== null && typeof value === "object" && !Array.isArray(value) && Object.keys(value).length) {
+    for (const key of Object.keys(value).sort()) flatten(value[key], prefix ? `${prefix}.${key}` : key, pairs);
+  } else if (prefix) {
+    pairs.push([prefix, Array.isArray(value) ? value.map(shown).join(", ") || "none" : shown(value)]);
+  }
+  return pairs;
+}
+
+function shown(value) {
+  if (value === null || value === undefined || (typeof value === "object" && !Object.keys(value).length)) return "none";
+  return value === "" ? '""' : String(value);
+}
+
+// The pairs of flatten() as a definition list (text nodes only), or a dash when there are none.
+export function keyValues(value, attrs = {}) {
+  if (value !== null && value !== undefined && typeof value !== "object") return el("span", { text: String(value) });
+  const pairs = flatten(value);
+  if (!pairs.length) return el("span", { class: "muted", text: "—" });
+  return el("dl", { class: "kv", ...attrs }, ...pairs.flatMap(([key, text]) => [el("dt", { text: key }), el("dd", { text })]));
+}
+
 export function errorText(error) {
   if (error instanceof ApiError) {
     return `${error.message}${error.nextStep ? ` — ${error.nextStep}` : ""}`;

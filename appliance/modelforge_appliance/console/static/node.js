@@ -1,5 +1,5 @@
 // A node page: facts, actions, readiness, per-GPU charts of the last hour, credentials, audit.
-import { api, age, el, errorText, gib, setText, when } from "./console.js";
+import { api, age, el, errorText, gib, keyValues, setText, when } from "./console.js";
 
 const $ = (id) => document.getElementById(id);
 const nodeId = $("node").getAttribute("data-node-id");
@@ -75,7 +75,7 @@ async function loadAudit() {
   const answer = await api("GET", `/admin/audit-events?limit=50&node_id=${encodeURIComponent(nodeId)}`);
   $("audit").replaceChildren(
     ...answer.events.map((e) =>
-      el("tr", {}, el("td", { text: when(e.at) }), el("td", { text: e.actor }), el("td", { text: e.action }), el("td", { class: "detail", text: JSON.stringify(e.detail) })),
+      el("tr", {}, el("td", { text: when(e.at) }), el("td", { text: e.actor }), el("td", { text: e.action }), el("td", { class: "detail" }, keyValues(e.detail))),
     ),
   );
 }
