@@ -263,7 +263,8 @@ def run_join(request: JoinRequest, stop: threading.Event) -> int:
         env_file.commit()
     finally:
         env_file.discard()
-    _give_to_service_user(state_dir)
+    if str(request.state_dir) == AGENT_STATE_DIR:  # the systemd unit's StateDirectory=
+        _give_to_service_user(state_dir)
     print(
         f"Joined {request.url} as node {enrolled.state.node_id} ({settings.hostname}, "
         f"{settings.accelerator_mode} mode).\n"

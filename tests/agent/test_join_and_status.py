@@ -21,6 +21,7 @@ from modelforge_contract import (
     ONLINE,
     PATH_ADMIN_ENROLLMENTS,
 )
+from modelforge_node_agent import join as join_module
 from modelforge_node_agent import refusals, runtime
 from tests.harness.agent_process import AGENT_COMMAND, AgentProcess, agent_env, nvml_env, wait_until
 from tests.harness.control_plane import free_port
@@ -118,6 +119,37 @@ def test_join_writes_settings_and_state_then_a_second_join_changes_nothing(
     assert {e["enrollment_id"]: e["state"] for e in enrollments}[
         spare["enrollment_id"]
     ] == "pending"
+
+
+def test_join_leaves_a_state_directory_of_its_own_choosing_to_the_user_who_ran_it(
+    restartable_control_plane, tmp_path
+):
+    """A checkout's join as root (--state-dir var/node-agent) gave the directory to the
+    systemd unit's user whenever that user existed on the host, and the checkout's CLI then
+    refused its own state directory: only the unit's StateDirectory= is the service's."""
+    import os
+    import pwd
+
+    if os.geteuid() != 0:
+        pytest.skip("joins as root")
+    try:
+        pwd.getpwnam(join_module.SERVICE_USER)
+    except KeyError:
+        subprocess.run(
+            [
+                "useradd",
+                "--system",
+                "--no-create-home",
+                "--shell",
+                "/usr/sbin/nologin",
+                join_module.SERVICE_USER,
+            ],
+            check=True,
+        )
+    cp = restartable_control_plane
+    where = tmp_path / "agent"
+    assert join(cp.url, cp.plane.mint("GPU Node")["token"], where).returncode == EXIT_OK
+    assert {path.stat().st_uid for path in (where, *where.iterdir())} == {0}
 
 
 def test_join_refusals_change_nothing_and_name_both_origins(restartable_control_plane, tmp_path):
