@@ -174,7 +174,8 @@ def _refusal_fields(body: Any) -> tuple[str | None, str | None]:
     )
 
 
-REFUSAL_DETAILS = ("api_origin", "request_origin")
+# LEASE_LOST: how the lease ended ("cancelled" makes the agent stop the item's run).
+REFUSAL_DETAILS = ("api_origin", "request_origin", "lease_end")
 
 
 def _refusal_details(body: Any) -> dict[str, Any]:

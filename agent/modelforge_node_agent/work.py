@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -30,7 +31,10 @@ from modelforge_contract import (
     PATH_AGENT_WORK_CLAIM,
     PATH_AGENT_WORK_COMPLETE,
     PATH_AGENT_WORK_RENEW,
+    WORK_CANCELLED,
+    WORK_TIMEOUT_MAX_SECONDS,
     WORKER_COMPATIBILITY_NEXT_STEPS,
+    WORKER_PATH_CANCEL,
     WORKER_PATH_INFO,
     WORKER_PATH_RUN,
     WORKER_PROTOCOL_VERSION,
@@ -39,13 +43,20 @@ from modelforge_contract import (
 )
 
 from .backoff import BACKOFF_STEPS, Backoff, seconds
-from .client import ControlPlaneClient, Refused, TransportFailure
+from .client import ControlPlaneClient, Refused, TransportFailure, checked_node_id, printable
 from .settings import AgentSettings
 
 log = logging.getLogger(__name__)
 
 INFO_TIMEOUT = 5.0
 RUN_GRACE_SECONDS = 30.0  # beyond the item's timeout, for the worker to answer
+# A running item's lease is renewed every third of its period, and at least this often: the
+# renewal is how the agent learns that an item was cancelled, so a cancel stops a run within
+# about this long (docs/work.md).
+RENEW_MAX_SECONDS = 5.0
+STOP_WAIT_SECONDS = 30.0  # for the worker's run to end once it was told to stop
+# What the agent accepts in a lease (anything else is refused, never run).
+LEASE_SECONDS_RANGE = (1.0, 86400.0)
 
 
 # -- the worker, over its unix socket ------------------------------------------------
@@ -120,6 +131,67 @@ class WorkerClient:
             raise WorkerUnavailable(f"HTTP {status} on POST {WORKER_PATH_RUN}")
         return answer
 
+    def cancel(self, work_id: str) -> int:
+        """Ask the worker to stop the runs of ``work_id`` (a container is killed); how many."""
+        body = {"work_id": work_id}
+        status, answer = self._request("POST", WORKER_PATH_CANCEL, body, INFO_TIMEOUT * 6)
+        stopped = answer.get("cancelled")
+        if status != 200 or isinstance(stopped, bool) or not isinstance(stopped, int):
+            raise WorkerUnavailable(f"HTTP {status} on POST {WORKER_PATH_CANCEL}")
+        return stopped
+
+
+def _number_in(value: object, low: float, high: float) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or not low <= value <= high:
+        return None
+    return float(value)
+
+
+def checked_lease(lease: dict[str, Any], offered: tuple[str, ...]) -> tuple[dict | None, str]:
+    """The lease with the fields the agent uses checked, or None and what is wrong with it.
+
+    A lease comes from the control plane, which the agent does not have to believe: an id
+    that could forge a log line or a path, a capability the worker never offered, a timeout
+    that is not a number of seconds — any of these and the lease is refused, not run.
+    """
+    problems = []
+    work_id, lease_id = (
+        checked_node_id(lease.get("work_id")),
+        checked_node_id(lease.get("lease_id")),
+    )
+    if work_id is None:
+        problems.append("work_id is not an id")
+    if lease_id is None:
+        problems.append("lease_id is not an id")
+    capability = lease.get("capability")
+    if not isinstance(capability, str) or capability not in offered:
+        problems.append("capability is not one this node's worker offers")
+    if not isinstance(lease.get("input"), dict):
+        problems.append("input is not an object")
+    timeout = _number_in(lease.get("timeout_seconds"), 0.001, WORK_TIMEOUT_MAX_SECONDS)
+    if timeout is None:
+        problems.append(
+            f"timeout_seconds is not a number of seconds up to {WORK_TIMEOUT_MAX_SECONDS}"
+        )
+    lease_seconds = _number_in(lease.get("lease_seconds"), *LEASE_SECONDS_RANGE)
+    if lease_seconds is None:
+        problems.append("lease_seconds is not a number of seconds")
+    attempt = lease.get("attempt")
+    if attempt is not None and (isinstance(attempt, bool) or not isinstance(attempt, int)):
+        problems.append("attempt is not a whole number")
+    if problems:
+        return None, "; ".join(problems)
+    checked = {
+        **lease,
+        "work_id": work_id,
+        "lease_id": lease_id,
+        "timeout_seconds": timeout,
+        "lease_seconds": lease_seconds,
+    }
+    return checked, ""
+
 
 @dataclass(frozen=True)
 class WorkerState:
@@ -176,8 +248,8 @@ def state_from_info(info: dict[str, Any], expected_mode: str) -> WorkerState:
         )
     elif state.accelerator_mode != expected_mode:
         problem = (
-            f"the runtime worker runs in {state.accelerator_mode} mode but this node is "
-            f"{expected_mode}: set MODELFORGE_WORKER_ACCELERATOR_MODE={expected_mode}"
+            f"the runtime worker runs in {printable(state.accelerator_mode)} mode but this node "
+            f"is {expected_mode}: set MODELFORGE_WORKER_ACCELERATOR_MODE={expected_mode}"
         )
     elif not capabilities:
         problem = "the runtime worker offers no capability"
@@ -214,10 +286,10 @@ class WorkerWatch:
             if state.usable:
                 log.info(
                     "runtime worker %s (worker protocol %s, %s mode) offers %s",
-                    state.version,
+                    printable(state.version),
                     state.protocol,
-                    state.accelerator_mode,
-                    ", ".join(state.capabilities),
+                    printable(state.accelerator_mode),
+                    ", ".join(printable(c) for c in state.capabilities),
                 )
             else:
                 log.warning("%s; not claiming work, reporting degraded health", state.problem)
@@ -253,12 +325,24 @@ class WorkLoop:
 
     def start(self) -> list[threading.Thread]:
         threads = [
-            threading.Thread(target=self.slot_loop, name=f"work-slot-{i}", daemon=True)
+            threading.Thread(target=self.slot, name=f"work-slot-{i}", daemon=True)
             for i in range(self.settings.work_slots)
         ]
         for thread in threads:
             thread.start()
         return threads
+
+    def slot(self) -> None:
+        """One slot's thread: the slot loop, started again after anything it did not expect,
+        so no answer of the control plane or the worker can leave the node claiming nothing."""
+        while not self.stop.is_set():
+            try:
+                self.slot_loop()
+                return
+            except Exception as exc:  # logged by type only: its text may quote an answer
+                log.error("work slot stopped by %s; claiming again in %s",
+                          type(exc).__name__, seconds(self.steps[-1]))  # fmt: skip
+                self.stop.wait(self.steps[-1])
 
     def slot_loop(self) -> None:
         backoff = Backoff(self.steps)
@@ -291,24 +375,42 @@ class WorkLoop:
         return False
 
     def claim(self, state: WorkerState) -> dict[str, Any] | None:
-        body = {"node_id": self.node_id, "capabilities": list(state.capabilities)}
+        body = {
+            "node_id": self.node_id,
+            "capabilities": list(state.capabilities),
+            # The control plane leases a node at most this many items (or its own maximum).
+            "work_slots": self.settings.work_slots,
+        }
+        # A 429 (claiming too fast) is a Refused like any other: slot_loop backs off.
         answer = self.client.call("POST", PATH_AGENT_WORK_CLAIM, body)
         lease = answer.get("lease")
         if not isinstance(lease, dict):
             reason = (answer.get("headers") or {}).get(HEADER_CLAIM_REASON.lower())
             if reason != self._reason:
-                log.info("no work for this node (%s)", reason or "no reason given")
+                log.info("no work for this node (%s)", printable(reason or "no reason given"))
                 self._reason = reason
             return None
         self._reason = None
+        checked, problem = checked_lease(lease, state.capabilities)
+        if checked is None:
+            log.warning(
+                "refusing a malformed lease from the control plane (work %s, capability %s): "
+                "%s; claiming again in %s",
+                printable(lease.get("work_id")),
+                printable(lease.get("capability")),
+                problem,
+                seconds(self.steps[0]),
+            )
+            self.stop.wait(self.steps[0])
+            return None
         log.info(
             "work %s leased: %s, attempt %s, timeout %ss",
-            lease["work_id"],
-            lease["capability"],
-            lease.get("attempt"),
-            lease["timeout_seconds"],
+            checked["work_id"],
+            checked["capability"],
+            checked.get("attempt"),
+            f"{checked['timeout_seconds']:g}",
         )
-        return lease
+        return checked
 
     def execute(self, lease: dict[str, Any]) -> None:
         """Relay to the worker, renewing until it answers; then complete (or let go)."""
@@ -318,7 +420,7 @@ class WorkLoop:
         )
         began = time.monotonic()
         runner.start()
-        renew_every = max(0.2, float(lease.get("lease_seconds") or 60) / 3)
+        renew_every = max(0.2, min(RENEW_MAX_SECONDS, lease["lease_seconds"] / 3))
         give_up_at = began + lease["timeout_seconds"] + RUN_GRACE_SECONDS
         held = True
         while True:
@@ -331,6 +433,8 @@ class WorkLoop:
                 held = False
             if held:
                 held = self.renew(lease)
+                if not held:
+                    self._stop_run(lease, runner)
         if self.stop.is_set() or not held:
             return  # the item is not ours any more (or we are stopping): the lease expires
         if "answer" not in box:
@@ -342,6 +446,18 @@ class WorkLoop:
             self.watch.refresh()
             return
         self.complete(lease, box["answer"], time.monotonic() - began)
+
+    def _stop_run(self, lease: dict[str, Any], runner: threading.Thread) -> None:
+        """The item is no longer ours: the worker stops its run, and the slot waits for it."""
+        try:
+            stopped = self.watch.client.cancel(lease["work_id"])
+        except WorkerUnavailable as unavailable:
+            log.warning("work %s: the runtime worker could not stop its run (%s)",
+                        lease["work_id"], unavailable)  # fmt: skip
+            return
+        runner.join(STOP_WAIT_SECONDS)
+        log.info("work %s: the runtime worker stopped %d run(s)%s", lease["work_id"], stopped,
+                 "" if not runner.is_alive() else "; it has not answered yet")  # fmt: skip
 
     def _relay(self, lease: dict[str, Any], box: dict[str, Any]) -> None:
         try:
@@ -362,9 +478,13 @@ class WorkLoop:
             if self._terminal(refusal):
                 return False
             if refusal.code == LEASE_LOST:
-                log.warning(
-                    "%s: lease lost, dropping work %s", refusal.describe(), lease["work_id"]
-                )
+                if refusal.details.get("lease_end") == WORK_CANCELLED:
+                    log.warning("%s: work %s was cancelled; stopping its run",
+                                refusal.describe(), lease["work_id"])  # fmt: skip
+                else:
+                    log.warning(
+                        "%s: lease lost, dropping work %s", refusal.describe(), lease["work_id"]
+                    )
                 return False
             log.warning("%s: will renew again", refusal.describe())
         return True
@@ -380,7 +500,7 @@ class WorkLoop:
             "error": _error_of(answer.get("error")),
         }
         backoff = Backoff(self.steps)
-        deadline = time.monotonic() + float(lease.get("lease_seconds") or 60)
+        deadline = time.monotonic() + lease["lease_seconds"]
         while not self.stop.is_set():
             try:
                 self.client.call("POST", path, body)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shutil
 import socket
 import socketserver
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +30,8 @@ from modelforge_node_agent.publisher import Publisher
 from modelforge_node_agent.settings import load_settings
 from modelforge_node_agent.transport import CALL_DEADLINE_SECONDS, make_session
 from tests.harness.agent_process import AgentProcess, agent_env, wait_until
+from tests.harness.work_node import fast_agent_settings
+from tests.harness.worker_process import WorkerProcess, worker_env
 
 CREDENTIAL = f"mfc_{secrets.token_hex(8)}_{secrets.token_urlsafe(32)}"
 TOKEN = f"mfe_{secrets.token_hex(8)}_{secrets.token_urlsafe(32)}"
@@ -169,12 +173,13 @@ def peak_rss_mib(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
-def cpu_agent(server: HostileServer, tmp_path: Path) -> dict[str, str]:
+def cpu_agent(server: HostileServer, tmp_path: Path, **extra: str) -> dict[str, str]:
     return agent_env(
         control_plane_url=server.url,
         enrollment_token=TOKEN,
         accelerator_mode="cpu",
         state_volume=tmp_path / "state",
+        **extra,
     )
 
 
@@ -413,3 +418,95 @@ def test_the_enrollment_token_is_gone_from_the_agents_own_environment(hostile, t
         check=True,
     )
     assert result.stdout.strip() == "False"
+
+
+# -- leases from a hostile control plane (issue 21) -----------------------------------------------
+
+CLAIM = "/api/v1/agent/work/claim"
+GOOD_WORK_ID = "7a1d2c3b-0000-4000-8000-0000000000aa"
+GOOD_LEASE = {
+    "work_id": GOOD_WORK_ID,
+    "lease_id": "0f" * 16,
+    "expires_at": "2026-01-01T00:00:00Z",
+    "lease_seconds": 60,
+    "attempt": 1,
+    "capability": "smoke",
+    "input": {"matrix_size": 8},
+    "timeout_seconds": 60,
+}
+FORGED_WORK_ID = "\x1b[31mred\n2026-01-01 00:00:00,000 ERROR FORGED line"
+MALFORMED_LEASES = [
+    {k: v for k, v in GOOD_LEASE.items() if k != "work_id"},
+    {**GOOD_LEASE, "timeout_seconds": "30"},
+    {**GOOD_LEASE, "lease_seconds": "abc"},
+    {**GOOD_LEASE, "work_id": FORGED_WORK_ID},
+    {**GOOD_LEASE, "work_id": 42, "lease_id": None},
+    {**GOOD_LEASE, "capability": "rm -rf /\x1b[2J"},
+    {**GOOD_LEASE, "input": "not an object"},
+    {**GOOD_LEASE, "timeout_seconds": True, "attempt": "one"},
+]
+
+
+def no_content(sock: socket.socket) -> None:
+    sock.sendall(b"HTTP/1.1 204 No Content\r\nX-ModelForge-Claim-Reason: no_fitting_item\r\n\r\n")
+
+
+def test_malformed_leases_are_refused_and_the_slot_claims_the_good_one_after(hostile, tmp_path):
+    """Before: the first lease without a work_id killed the work slot with a KeyError; the node
+    stayed online and never claimed again. Now each is refused with one escaped warning."""
+    complete = f"/api/v1/agent/work/{GOOD_WORK_ID}/complete"
+    leases = [
+        answer(200, {"lease": lease, "compatibility": "COMPATIBLE"}) for lease in MALFORMED_LEASES
+    ]
+    infinite = json.dumps({**GOOD_LEASE, "timeout_seconds": 0}).replace(
+        '"timeout_seconds": 0', '"timeout_seconds": 1e400'
+    )
+    leases.append(answer(200, None, raw=b'{"lease": ' + infinite.encode() + b"}"))
+    server = hostile(
+        {
+            "/api/v1/agent/enroll": [answer(201, ENROLLED)],
+            "/api/v1/agent/heartbeat": [answer(200, HEARTBEAT_OK)],
+            "/api/v1/agent/inventory": [answer(200, {"compatibility": "COMPATIBLE"})],
+            CLAIM: [
+                *leases,
+                answer(200, {"lease": GOOD_LEASE, "compatibility": "COMPATIBLE"}),
+                no_content,
+            ],
+            f"/api/v1/agent/work/{GOOD_WORK_ID}/renew": [
+                answer(200, {"compatibility": "COMPATIBLE"})
+            ],
+            complete: [answer(200, {"state": "succeeded", "compatibility": "COMPATIBLE"})],
+        }
+    )
+    sockets = Path(tempfile.mkdtemp(prefix="mfh-", dir="/tmp"))
+    try:
+        socket_path = sockets / "w.sock"
+        with (
+            WorkerProcess(worker_env(socket_path), tmp_path / "worker.log"),
+            AgentProcess(
+                cpu_agent(server, tmp_path, **fast_agent_settings(socket_path)),
+                tmp_path / "agent.log",
+            ) as agent,
+        ):
+            # A deadline only bounds the failure: the slot refuses each and goes on claiming.
+            wait_until(lambda: server.count(complete) == 1, timeout=90, what="the good lease run")
+            agent.wait_for_log(rf"work {GOOD_WORK_ID} succeeded")
+            assert agent.process.poll() is None
+            status, _ = agent.terminate()
+            log = agent.log()
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+    assert status == EXIT_OK, log
+    refused = [line for line in log.splitlines() if "refusing a malformed lease" in line]
+    assert len(refused) == len(leases), log
+    assert all(" WARNING " in line for line in refused)
+    assert f"work {GOOD_WORK_ID} leased: smoke, attempt 1, timeout 60s" in log
+    # Every server-provided identifier is escaped: no raw escape, no forged line.
+    assert "\x1b" not in log
+    assert not any("FORGED" in line and "refusing" not in line for line in log.splitlines())
+    assert "(work ?[31mred?2026-01-01 00:00:00,000 ERROR FORGED line" in log
+    assert "capability rm -rf /?[2J)" in log
+    assert "timeout_seconds is not a number of seconds" in log and "lease_seconds is not" in log
+    assert "Traceback" not in log and "uncaught" not in log and "stopped by" not in log
+    # The malformed ones were never run: the worker ran the good one only.
+    assert server.count(CLAIM) >= len(leases) + 1
