@@ -73,7 +73,6 @@ PATH_ADMIN_NODE_DECOMMISSION_PREVIEW = f"{PATH_ADMIN_NODE}/decommission/preview"
 PATH_ADMIN_NODE_DECOMMISSION_EXECUTE = f"{PATH_ADMIN_NODE}/decommission/execute"
 PATH_ADMIN_NODE_CORDON = f"{PATH_ADMIN_NODE}/cordon"
 PATH_ADMIN_NODE_UNCORDON = f"{PATH_ADMIN_NODE}/uncordon"
-PATH_ADMIN_NODE_WORK_SLOTS = f"{PATH_ADMIN_NODE}/work-slots"
 PATH_ADMIN_ALERTS = f"{API_PREFIX}/admin/alerts"
 PATH_ADMIN_AUDIT = f"{API_PREFIX}/admin/audit-events"
 PATH_AGENT_ENROLL = f"{API_PREFIX}/agent/enroll"
@@ -104,8 +103,6 @@ READINESS_CHECKS = (
 ALERT_NODE_OFFLINE = "node_offline"
 ALERT_NODE_STALE = "node_stale"
 ALERT_HOSTNAME_CONFLICT = "hostname_conflict"
-# A node published telemetry faster than the control plane keeps it (the surplus is dropped).
-ALERT_TELEMETRY_FLOOD = "telemetry_flood"
 HEALTH_STATUSES = ("ok", "degraded", "failing")
 
 # Agents republish an unchanged inventory this often; the control plane's
@@ -142,9 +139,6 @@ CONFIRMATION_INVALID = "CONFIRMATION_INVALID"
 CONFIRMATION_USED = "CONFIRMATION_USED"
 CONFIRMATION_STALE = "CONFIRMATION_STALE"
 INVENTORY_EMPTY = "INVENTORY_EMPTY"
-# Telemetry must name the GPUs of the node's stored inventory, each once.
-TELEMETRY_GPU_UNKNOWN = "TELEMETRY_GPU_UNKNOWN"
-TELEMETRY_GPU_DUPLICATE = "TELEMETRY_GPU_DUPLICATE"
 STORE_UNAVAILABLE = "STORE_UNAVAILABLE"
 # The connection front's own refusals (503 with Retry-After).
 SERVER_BUSY = "SERVER_BUSY"
@@ -172,8 +166,6 @@ SMOKE_FAILED = "SMOKE_FAILED"
 CONTAINER_FAILED = "CONTAINER_FAILED"
 LEASE_EXPIRED = "LEASE_EXPIRED"
 WORKER_ERROR = "WORKER_ERROR"
-# 429 with Retry-After: a node claimed faster than MODELFORGE_WORK_CLAIMS_PER_SECOND.
-CLAIM_RATE_LIMITED = "CLAIM_RATE_LIMITED"
 RUN_CANCELLED = "RUN_CANCELLED"  # the worker stopped a run its agent was told is cancelled
 HOST_INVALID = "HOST_INVALID"
 
@@ -229,9 +221,6 @@ WORK_LOG_TAIL_MAX_CHARS = 16384
 WORK_RESULT_MAX_BYTES = 65536
 WORK_ERROR_MAX_CHARS = 1000
 WORK_TIMEOUT_MAX_SECONDS = 86400
-# The most work slots an agent runs (MODELFORGE_AGENT_WORK_SLOTS) and reports in its claim
-# (``work_slots``), and the most an administrator may allow one node.
-WORK_SLOTS_MAX = 64
 
 # A 204 answer to a claim says why nothing was leased in this header (one word).
 HEADER_CLAIM_REASON = "X-ModelForge-Claim-Reason"
@@ -243,7 +232,6 @@ CLAIM_REASONS = (
     "agent_health",
     "worker",
     "inventory_age",
-    "slots_full",
 )
 
 
