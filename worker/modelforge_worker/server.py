@@ -1,7 +1,8 @@
 """``modelforge-runtime-worker``: HTTP on a unix socket the worker creates, never a port.
 
 Only the local agent talks to it (docs/architecture.md §5): ``GET /v1/info`` says what this
-worker is, ``POST /v1/run`` runs one capability to its end and answers its outcome. Every request
+worker is, ``POST /v1/run`` runs one capability to its end and answers its outcome, ``POST
+/v1/cancel`` stops the runs of one work item (its container is killed). Every request
 names its worker protocol (invariant 8); a run with a protocol this worker does not
 accept is refused with 426 and the compatibility answer. Log lines name method, path,
 status and the capability, never a body.
@@ -35,6 +36,7 @@ from modelforge_contract import (
     WORK_INPUT_INVALID,
     WORK_TIMEOUT_MAX_SECONDS,
     WORKER_ERROR,
+    WORKER_PATH_CANCEL,
     WORKER_PATH_INFO,
     WORKER_PATH_RUN,
     WORKER_PROTOCOL_INCOMPATIBLE,
@@ -50,6 +52,7 @@ from .settings import TABLE, ConfigError, WorkerSettings, load_settings
 log = logging.getLogger("modelforge_worker")
 
 MAX_REQUEST_BYTES = 2 * 2**20
+STOP_RUNS_SECONDS = 20.0  # on SIGTERM, for cancelled runs to kill and remove their containers
 SOCKET_MODE = 0o660
 DOCKER_CHECK_SECONDS = 30
 
@@ -100,6 +103,7 @@ class WorkerServer(socketserver.ThreadingUnixStreamServer):
         self.settings = settings
         self.docker_cache: dict[str, Any] = {}
         self.running = 0
+        self.runs: dict[str, list[RunContext]] = {}  # by work id, while they run
         self.lock = threading.Lock()
         prepare_socket_path(settings.socket_path)
         # Created 0660 from the start: no moment where others could connect.
@@ -120,6 +124,35 @@ class WorkerServer(socketserver.ThreadingUnixStreamServer):
             "accelerator_mode": self.settings.accelerator_mode,
             "running": self.running,
         }
+
+    def cancel(self, work_id: str) -> int:
+        """Stop every run of ``work_id``; with none running here, remove the containers a
+        stopped worker left for it. How many runs or containers were stopped."""
+        with self.lock:
+            runs = list(self.runs.get(work_id, ()))
+        for context in runs:
+            context.cancel()
+        if runs or "container" not in capabilities_offered(self.docker_cache):
+            return len(runs)
+        from .capabilities import container
+
+        try:
+            return container.cancel_leftovers(work_id)
+        except Exception as exc:  # no dockerd, or it refused: nothing of ours is running
+            log.warning("could not look for leftover containers: %s", type(exc).__name__)
+            return 0
+
+    def stop_runs(self, timeout: float) -> int:
+        """Cancel every run (each kills and removes its container); wait up to ``timeout``
+        for them to end. How many were still running."""
+        with self.lock:
+            runs = [context for contexts in self.runs.values() for context in contexts]
+        for context in runs:
+            context.cancel()
+        deadline = time.monotonic() + timeout
+        while self.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(runs)
 
     def server_close(self) -> None:
         super().server_close()
@@ -194,10 +227,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         raw = self._read_body()  # read before any answer, so a refusal never resets the client
-        if self.path != WORKER_PATH_RUN:
+        if self.path not in (WORKER_PATH_RUN, WORKER_PATH_CANCEL):
             self._error(404, "NOT_FOUND", "no such path", f"Use {WORKER_PATH_RUN}.")
             return
         if not self._compatible():
+            return
+        if self.path == WORKER_PATH_CANCEL:
+            self._cancel(raw)
             return
         request = self._parse_run(raw)
         if request is None:
@@ -206,6 +242,8 @@ class Handler(BaseHTTPRequestHandler):
         context = RunContext(work_id, timeout, self.server.settings.accelerator_mode)
         with self.server.lock:
             self.server.running += 1
+            if work_id:
+                self.server.runs.setdefault(work_id, []).append(context)
         began = time.monotonic()
         try:
             outcome = run_capability(capability, given, context)
@@ -215,6 +253,10 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             with self.server.lock:
                 self.server.running -= 1
+                if work_id:
+                    self.server.runs[work_id].remove(context)
+                    if not self.server.runs[work_id]:
+                        del self.server.runs[work_id]
         log.info(
             "POST %s -> 200 %s %s in %.2fs%s",
             self.path,
@@ -224,6 +266,24 @@ class Handler(BaseHTTPRequestHandler):
             f" ({outcome.error['code']})" if outcome.error else "",
         )
         self._answer(200, {**outcome.view(), "compatibility": COMPATIBLE})
+
+    def _cancel(self, raw: bytes | None) -> None:
+        try:
+            body = json.loads(raw) if raw is not None else None
+        except ValueError:
+            body = None
+        work_id = body.get("work_id") if isinstance(body, dict) else None
+        if not isinstance(work_id, str) or not 0 < len(work_id) <= 128:
+            self._error(
+                400,
+                WORK_INPUT_INVALID,
+                "the body must be {work_id}",
+                "Send the work id of the run to stop, as the agent does.",
+            )
+            return
+        cancelled = self.server.cancel(work_id)
+        log.info("POST %s -> 200: %d run(s) stopped", self.path, cancelled)
+        self._answer(200, {"cancelled": cancelled, "compatibility": COMPATIBLE})
 
     def _read_body(self) -> bytes | None:
         """The body, or None when it is missing, malformed in length or too large."""
@@ -292,6 +352,10 @@ def serve(settings: WorkerSettings, stop: threading.Event) -> None:
     finally:
         server.shutdown()
         thread.join()
+        # No container outlives its worker: nothing would enforce its timeout or remove it.
+        stopped = server.stop_runs(STOP_RUNS_SECONDS)
+        if stopped:
+            log.info("stopped %d run(s) on the way out", stopped)
         server.server_close()
         log.info("stopped")
 

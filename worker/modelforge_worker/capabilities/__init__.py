@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from typing import Any
 
 from modelforge_contract import (
     CAPABILITY_UNKNOWN,
+    RUN_CANCELLED,
     WORK_FAILED,
     WORK_LOG_TAIL_MAX_CHARS,
     WORK_SUCCEEDED,
@@ -44,16 +46,52 @@ class RunContext:
     timeout_seconds: float
     accelerator_mode: str
     started: float = field(default_factory=time.monotonic)
+    _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+    _stoppers: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def remaining(self) -> float:
         return self.timeout_seconds - (time.monotonic() - self.started)
 
     def check_time(self) -> None:
-        """Raise the timeout failure once the item's time is up (cooperative)."""
+        """Raise the timeout (or cancel) failure once the item's time is up (cooperative)."""
+        if self.cancelled:
+            raise cancelled_failure()
         if self.remaining() <= 0:
             raise CapabilityFailure(
                 WORK_TIMED_OUT, f"the run exceeded its {self.timeout_seconds:g}s timeout"
             )
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop the run: every stopper registered so far is called, later ones at once."""
+        with self._lock:
+            self._cancelled.set()
+            stoppers, self._stoppers = self._stoppers, []
+        for stop in stoppers:
+            _call_stopper(stop)
+
+    def on_cancel(self, stop: Callable[[], None]) -> None:
+        """Call ``stop`` when the run is cancelled (now, when it already is)."""
+        with self._lock:
+            if not self._cancelled.is_set():
+                self._stoppers.append(stop)
+                return
+        _call_stopper(stop)
+
+
+def _call_stopper(stop: Callable[[], None]) -> None:
+    try:
+        stop()
+    except Exception as exc:  # the run still ends at its timeout; the operator hears why not now
+        log.error("could not stop a cancelled run: %s", type(exc).__name__)
+
+
+def cancelled_failure(**extra: Any) -> CapabilityFailure:
+    return CapabilityFailure(RUN_CANCELLED, "the run was cancelled and stopped", **extra)
 
 
 @dataclass
