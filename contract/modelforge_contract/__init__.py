@@ -73,6 +73,7 @@ PATH_ADMIN_NODE_DECOMMISSION_PREVIEW = f"{PATH_ADMIN_NODE}/decommission/preview"
 PATH_ADMIN_NODE_DECOMMISSION_EXECUTE = f"{PATH_ADMIN_NODE}/decommission/execute"
 PATH_ADMIN_NODE_CORDON = f"{PATH_ADMIN_NODE}/cordon"
 PATH_ADMIN_NODE_UNCORDON = f"{PATH_ADMIN_NODE}/uncordon"
+PATH_ADMIN_NODE_WORK_SLOTS = f"{PATH_ADMIN_NODE}/work-slots"
 PATH_ADMIN_ALERTS = f"{API_PREFIX}/admin/alerts"
 PATH_ADMIN_AUDIT = f"{API_PREFIX}/admin/audit-events"
 PATH_AGENT_ENROLL = f"{API_PREFIX}/agent/enroll"
@@ -166,6 +167,8 @@ SMOKE_FAILED = "SMOKE_FAILED"
 CONTAINER_FAILED = "CONTAINER_FAILED"
 LEASE_EXPIRED = "LEASE_EXPIRED"
 WORKER_ERROR = "WORKER_ERROR"
+# 429 with Retry-After: a node claimed faster than MODELFORGE_WORK_CLAIMS_PER_SECOND.
+CLAIM_RATE_LIMITED = "CLAIM_RATE_LIMITED"
 RUN_CANCELLED = "RUN_CANCELLED"  # the worker stopped a run its agent was told is cancelled
 HOST_INVALID = "HOST_INVALID"
 
@@ -221,6 +224,9 @@ WORK_LOG_TAIL_MAX_CHARS = 16384
 WORK_RESULT_MAX_BYTES = 65536
 WORK_ERROR_MAX_CHARS = 1000
 WORK_TIMEOUT_MAX_SECONDS = 86400
+# The most work slots an agent runs (MODELFORGE_AGENT_WORK_SLOTS) and reports in its claim
+# (``work_slots``), and the most an administrator may allow one node.
+WORK_SLOTS_MAX = 64
 
 # A 204 answer to a claim says why nothing was leased in this header (one word).
 HEADER_CLAIM_REASON = "X-ModelForge-Claim-Reason"
@@ -232,6 +238,7 @@ CLAIM_REASONS = (
     "agent_health",
     "worker",
     "inventory_age",
+    "slots_full",
 )
 
 

@@ -71,8 +71,11 @@ class WorkNode:
         self.inventory()
         return self
 
-    def claim(self, capabilities=("smoke", "container"), **kwargs):
+    def claim(self, capabilities=("smoke", "container"), work_slots=None, **kwargs):
+        """A claim as the agent sends it; without ``work_slots`` as agents before it did."""
         body = {"node_id": self.node_id, "capabilities": list(capabilities)}
+        if work_slots is not None:
+            body["work_slots"] = work_slots
         return self.cp.agent("POST", PATH_AGENT_WORK_CLAIM, self.credential, json=body, **kwargs)
 
     def lease(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from modelforge_contract import (
     PATH_ADMIN_NODE_READINESS,
     PATH_ADMIN_NODE_TELEMETRY,
     PATH_ADMIN_NODE_UNCORDON,
+    PATH_ADMIN_NODE_WORK_SLOTS,
     PATH_ADMIN_NODES,
     PATH_HEALTHZ,
     PATH_METRICS,
@@ -31,7 +32,7 @@ from modelforge_contract import (
 from .. import lifecycle
 from ..core.clock import isoformat
 from ..core.errors import Invalid, StoreUnavailable
-from ..core.validation import EXECUTE_FIELDS, IMAGE_CHECK_FIELDS, MINT_FIELDS
+from ..core.validation import EXECUTE_FIELDS, IMAGE_CHECK_FIELDS, MINT_FIELDS, WORK_SLOTS_FIELDS
 from ..fleet import alerts, node_agent_image, nodes, readiness, telemetry
 from ..identity import credentials, enrollment
 from ..store import audit
@@ -146,6 +147,12 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     @app.post(PATH_ADMIN_NODE_UNCORDON, auth=ADMIN)
     def uncordon(node_id: str, actor: str):
         node = nodes.set_cordoned(store, node_id, False, actor)
+        return json_response(nodes.node_view(node, clock.now(), settings))
+
+    @app.put(PATH_ADMIN_NODE_WORK_SLOTS, auth=ADMIN)
+    def set_work_slots(node_id: str, actor: str):
+        wanted = context.body(WORK_SLOTS_FIELDS)["work_slots_max"]
+        node = nodes.set_work_slots(store, node_id, wanted, actor)
         return json_response(nodes.node_view(node, clock.now(), settings))
 
     # -- alerts and audit ----------------------------------------------------------

@@ -1,14 +1,18 @@
 """Agent work routes: claim, renew, complete (docs/architecture.md §5).
 
 Agents ask; the control plane never dials a node (invariant 1). A claim that leases
-nothing answers 204 with the reason in ``X-ModelForge-Claim-Reason``.
+nothing answers 204 with the reason in ``X-ModelForge-Claim-Reason``; a node claiming
+faster than MODELFORGE_WORK_CLAIMS_PER_SECOND is answered 429 before the store is touched.
 """
 
 from __future__ import annotations
 
+import math
+
 import bottle
 
 from modelforge_contract import (
+    CLAIM_RATE_LIMITED,
     COMPATIBLE,
     HEADER_CLAIM_REASON,
     PATH_AGENT_WORK_CLAIM,
@@ -17,6 +21,8 @@ from modelforge_contract import (
 )
 
 from ..core.clock import isoformat
+from ..core.errors import TooManyRequests
+from ..core.rates import TokenBuckets
 from ..core.validation import CLAIM_FIELDS, COMPLETE_FIELDS, RENEW_FIELDS
 from ..web.auth import AGENT, AgentCall, Body
 from ..web.http import ApiContext, json_response
@@ -30,12 +36,28 @@ def expire_leases(context: ApiContext) -> None:
         context.metrics.lease_expiries.inc(len(expired))
 
 
+def too_fast(wait: float) -> TooManyRequests:
+    seconds = max(1, math.ceil(wait))  # Retry-After counts whole seconds
+    return TooManyRequests(
+        "this node claims work faster than the control plane allows",
+        code=CLAIM_RATE_LIMITED,
+        next_step=f"Claim again in {seconds} s (MODELFORGE_WORK_CLAIMS_PER_SECOND sets the rate).",
+        extra={"retry_after_seconds": seconds},
+    )
+
+
 def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     settings, store, metrics = context.settings, context.store, context.metrics
+    rate = settings.work_claims_per_second
+    claims = TokenBuckets(rate, rate, store.clock)  # per node, in this process's memory
 
     @app.post(PATH_AGENT_WORK_CLAIM, auth=AGENT, body=Body(CLAIM_FIELDS))
     def claim(agent: AgentCall):
         fields, caller = agent.fields, agent.caller
+        wait = claims.take(caller.node_id)  # before anything is written (or read) for it
+        if wait:
+            metrics.work_claims.labels("rate_limited").inc()
+            raise too_fast(wait)
         expire_leases(context)
         lease = leases.claim_work(
             store,
@@ -43,6 +65,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             caller,
             fields["capabilities"],
             context.heartbeats.pending(caller.node_id),
+            fields.get("work_slots", 1),
         )
         if isinstance(lease, str):
             metrics.work_claims.labels(lease).inc()

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from modelforge_contract import DECOMMISSIONED, EXIT_CHECK_FAILED
+from modelforge_contract import DECOMMISSIONED, EXIT_CHECK_FAILED, WORK_SLOTS_MAX
 
 from .. import lifecycle
 from ..fleet import alerts, nodes, readiness
@@ -115,6 +115,15 @@ def _detail(node: Node, view: dict[str, Any], now: float) -> str:
             + (f" ({view['last_heartbeat_at']})" if view["last_heartbeat_at"] else ""),
         ),
         ("cordoned", "yes: no new work" if view["cordoned"] else "no"),
+        (
+            "work slots",
+            f"at most {view['work_slots_max']} item(s) leased at once"
+            + (
+                " (MODELFORGE_WORK_SLOTS_PER_NODE)"
+                if view["work_slots_max_source"] == "default"
+                else " (set for this node)"
+            ),
+        ),
         (
             "mode",
             f"{view['accelerator_mode']}; agent {view['agent_version']}, protocol "
@@ -263,6 +272,37 @@ def cordon(obj: Context, node: str, as_json: bool) -> None:
 def uncordon(obj: Context, node: str, as_json: bool) -> None:
     """Let the node take work again."""
     _set_cordon(obj, node, False, as_json)
+
+
+class _WorkSlots(click.ParamType):
+    name = "SLOTS"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | None:
+        text = str(value).strip().lower()
+        if text == "default":
+            return None
+        if not text.isdigit() or not 1 <= int(text) <= WORK_SLOTS_MAX:
+            self.fail(f"{value!r} is not a number from 1 to {WORK_SLOTS_MAX} or 'default'")
+        return int(text)
+
+
+@nodes_group.command("set-work-slots")
+@NODE_ARGUMENT
+@click.argument("slots", type=_WorkSlots())
+@JSON_OPTION
+@click.pass_obj
+def set_work_slots(obj: Context, node: str, slots: int | None, as_json: bool) -> None:
+    """Let the node hold at most SLOTS work items leased at once (1-64), or 'default' for
+    MODELFORGE_WORK_SLOTS_PER_NODE; never more than its agent's own work slots."""
+    node_id = find_node(obj, node).node_id
+    row = nodes.set_work_slots(obj.store(), node_id, slots, audit.CLI_ACTOR)
+    view = nodes.node_view(row, obj.store().clock.now(), obj.settings)
+    source = "the default" if view["work_slots_max_source"] == "default" else "its own maximum"
+    emit(
+        as_json,
+        view,
+        f"Node {node_id} may hold at most {view['work_slots_max']} leased work item(s) ({source}).",
+    )
 
 
 def _set_cordon(obj: Context, node: str, cordoned: bool, as_json: bool) -> None:

@@ -78,10 +78,17 @@ def _summary(item: dict[str, Any]) -> str:
     lines = [
         f"work {item['work_id']}: {item['state']} ({item['capability']}, attempt "
         f"{item['attempts']} of {item['max_attempts']})",
-        f"  node:     {item['node_id'] or '-'}",
+        f"  node:     {item['node_id'] or '-'}"
+        + (f" (credential {item['lease_credential_id']})" if item["lease_credential_id"] else ""),
         f"  created:  {item['created_at']}  started: {item['started_at'] or '-'}  "
         f"finished: {item['finished_at'] or '-'}",
     ]
+    if item["completed_by_node_id"]:
+        # The outcome is what that node said; the control plane did not check it.
+        lines.append(
+            f"  reported: by node {item['completed_by_node_id']} with credential "
+            f"{item['completed_by_credential_id']} (the node's own claim, not verified)"
+        )
     if item["error"]:
         lines.append(f"  error:    {item['error']['code']}: {item['error']['message']}")
     if item["result"] is not None:

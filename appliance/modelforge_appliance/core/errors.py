@@ -72,6 +72,12 @@ class TooLarge(ApiError):
     code = "BODY_TOO_LARGE"
 
 
+class TooManyRequests(ApiError):
+    """429: ``retry_after_seconds`` in ``extra`` becomes the ``Retry-After`` header."""
+
+    status = 429
+
+
 class UpgradeRequired(ApiError):
     status = 426
     code = "PROTOCOL_INCOMPATIBLE"

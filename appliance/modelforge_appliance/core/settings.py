@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from modelforge_contract import EXIT_USAGE, INVENTORY_REFRESH_SECONDS
+from modelforge_contract import EXIT_USAGE, INVENTORY_REFRESH_SECONDS, WORK_SLOTS_MAX
 from modelforge_contract.envfile import read_env_file
 from modelforge_contract.settings import SettingSpec, SettingTable
 
@@ -126,6 +126,19 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "65536",
         "Largest work item input accepted, measured as compact JSON.",
     ),
+    SettingSpec(
+        "MODELFORGE_WORK_SLOTS_PER_NODE",
+        "2",
+        "The most work items one node holds leased at once, unless `modelforge nodes "
+        "set-work-slots` sets another maximum for it; a node also never holds more than the "
+        "work slots its agent reports. A claim beyond it is answered 204 (slots_full).",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORK_CLAIMS_PER_SECOND",
+        "50",
+        "Work claims one node may make a second (with bursts of as many); faster claims are "
+        "answered 429 with Retry-After before anything is read or written for them.",
+    ),
     SettingSpec("MODELFORGE_THREADS", "8", "Worker threads of the waitress server."),
     SettingSpec(
         "MODELFORGE_CONNECTION_LIMIT",
@@ -209,6 +222,8 @@ class Settings:
     session_idle_seconds: int = 1800
     session_max_seconds: int = 43200
     release_manifest: Path | None = None
+    work_slots_per_node: int = 2
+    work_claims_per_second: int = 50
 
     @property
     def listen(self) -> str:
@@ -382,6 +397,8 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         max_body_bytes=max_body,
         work_lease_seconds=integer(env, "MODELFORGE_WORK_LEASE_SECONDS", 5, 3600),
         work_input_max_bytes=integer(env, "MODELFORGE_WORK_INPUT_MAX_BYTES", 256, 1024 * 1024),
+        work_slots_per_node=integer(env, "MODELFORGE_WORK_SLOTS_PER_NODE", 1, WORK_SLOTS_MAX),
+        work_claims_per_second=integer(env, "MODELFORGE_WORK_CLAIMS_PER_SECOND", 1, 10_000),
         threads=integer(env, "MODELFORGE_THREADS", 1, 256),
         log_level=log_level,
         connection_limit=connection_limit,

@@ -24,6 +24,7 @@ from modelforge_contract import (
     UNSUPPORTED_MEDIA_TYPE,
     WORK_ERROR_MAX_CHARS,
     WORK_OUTCOMES,
+    WORK_SLOTS_MAX,
     WORK_TIMEOUT_MAX_SECONDS,
 )
 
@@ -323,6 +324,13 @@ CAPABILITY_INPUT_FIELDS = {
 CLAIM_FIELDS = {
     "node_id": _ID,
     "capabilities": Field(list, high=32, items=Field(str, low=1, high=64)),
+    # The slots the agent runs; agents that predate it send none and count as one.
+    "work_slots": Field(int, required=False, low=1, high=WORK_SLOTS_MAX),
+}
+
+# PUT …/work-slots: the node's own maximum, or null for MODELFORGE_WORK_SLOTS_PER_NODE.
+WORK_SLOTS_FIELDS = {
+    "work_slots_max": Field(int, nullable=True, low=1, high=WORK_SLOTS_MAX),
 }
 
 RENEW_FIELDS = {"node_id": _ID, "lease_id": _WORK_ID}

@@ -18,7 +18,7 @@ from modelforge_contract import (
 from ..core.clock import isoformat
 from ..core.errors import Conflict, Invalid, NotFound
 from ..core.settings import Settings
-from ..core.validation import DISPLAY_NAME, check_value
+from ..core.validation import DISPLAY_NAME, WORK_SLOTS_FIELDS, check_value
 from ..identity.credentials import Caller
 from ..store import audit
 from ..store.database import Store
@@ -68,6 +68,12 @@ def node_view(node: Node, now: float, settings: Settings) -> dict[str, Any]:
         "decommissioned_at": isoformat(node.decommissioned_at),
         "host": inventory.get("host"),
         "source_address": node.source_address,
+        # The most items it may hold leased at once, and whether that is its own maximum
+        # (`modelforge nodes set-work-slots`) or MODELFORGE_WORK_SLOTS_PER_NODE.
+        "work_slots_max": (
+            settings.work_slots_per_node if node.work_slots_max is None else node.work_slots_max
+        ),
+        "work_slots_max_source": "default" if node.work_slots_max is None else "node",
     }
 
 
@@ -145,6 +151,40 @@ def set_cordoned(store: Store, node_id: str, cordoned: bool, actor: str) -> Node
             audit.record(
                 store, actor, "node.cordoned" if cordoned else "node.uncordoned", node_id=node_id
             )
+    return get_node(store, node_id)
+
+
+def set_work_slots(store: Store, node_id: str, work_slots_max: int | None, actor: str) -> Node:
+    """Set the most items the node may hold leased at once (None: back to the default).
+
+    Takes effect at its next claim; leases it already holds are kept until they end.
+    Audited when it changes, with the value before. A conditional update on that value:
+    of two changes at once, the first to commit is the one recorded, and the other answer
+    shows it.
+    """
+    check_value(work_slots_max, WORK_SLOTS_FIELDS["work_slots_max"], "work_slots_max")
+    with store.write():
+        previous = get_node(store, node_id).work_slots_max
+        if previous != work_slots_max:
+            unchanged = (
+                Node.work_slots_max.is_null()
+                if previous is None
+                else Node.work_slots_max == previous
+            )
+            changed = (
+                Node.update(work_slots_max=work_slots_max)
+                .where((Node.node_id == node_id) & unchanged)
+                .execute()
+            )
+            if changed:
+                audit.record(
+                    store,
+                    actor,
+                    "node.work_slots_set",
+                    node_id=node_id,
+                    previous=previous,
+                    work_slots_max=work_slots_max,
+                )
     return get_node(store, node_id)
 
 

@@ -282,6 +282,18 @@ _WORK = (
 # by `modelforge nodes show`. Behind MODELFORGE_TRUSTED_PROXY it is the proxy's client.
 _NODE_SOURCE_ADDRESS = ('ALTER TABLE "node" ADD COLUMN "source_address" VARCHAR(64)',)
 
+# 7: leases capped per node (an administrator's maximum for the node, null for the default),
+# counted through an index on the node's items by state; and who leased and completed an
+# item: the node and the credential (its id, never a secret).
+_WORK_SLOTS_AND_ATTRIBUTION = (
+    'ALTER TABLE "node" ADD COLUMN "work_slots_max" INTEGER',
+    'ALTER TABLE "work_item" ADD COLUMN "lease_credential_id" VARCHAR(32)',
+    'ALTER TABLE "work_item" ADD COLUMN "completed_by_node_id" VARCHAR(40)',
+    'ALTER TABLE "work_item" ADD COLUMN "completed_by_credential_id" VARCHAR(32)',
+    'ALTER TABLE "work_lease" ADD COLUMN "credential_id" VARCHAR(32)',
+    'CREATE INDEX "work_item_node_id_state" ON "work_item" ("node_id", "state")',
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
@@ -295,5 +307,6 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "console sessions, admin password, telemetry history", _CONSOLE_AND_TELEMETRY),
     Migration(5, "work items and leases", _WORK),
     Migration(6, "node source address", _NODE_SOURCE_ADDRESS),
+    Migration(7, "work slots per node, work attribution", _WORK_SLOTS_AND_ATTRIBUTION),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

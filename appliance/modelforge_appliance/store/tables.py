@@ -53,6 +53,8 @@ class Node(BaseModel):
     telemetry_at = pw.DoubleField(null=True)
     decommissioned_at = pw.DoubleField(null=True)
     source_address = pw.CharField(max_length=64, null=True)  # the agent's last caller address
+    # The most items it may hold leased at once; None: MODELFORGE_WORK_SLOTS_PER_NODE.
+    work_slots_max = pw.IntegerField(null=True)
 
 
 class EnrollmentToken(BaseModel):
@@ -188,6 +190,11 @@ class WorkItem(BaseModel):
     node = pw.ForeignKeyField(Node, null=True, backref="work_items", on_delete="RESTRICT")
     lease_id = pw.CharField(max_length=40, null=True)
     lease_expires_at = pw.DoubleField(null=True)
+    # Attribution (never a secret): the credential the holding node leased the item with,
+    # and the node and credential that reported its outcome, which is their claim alone.
+    lease_credential_id = pw.CharField(max_length=32, null=True)
+    completed_by_node_id = pw.CharField(max_length=40, null=True)
+    completed_by_credential_id = pw.CharField(max_length=32, null=True)
     created_by = pw.CharField(max_length=120)
     created_at = pw.DoubleField()
     started_at = pw.DoubleField(null=True)
@@ -200,6 +207,7 @@ class WorkItem(BaseModel):
         indexes = (
             (("state", "created_at"), False),
             (("state", "lease_expires_at"), False),
+            (("node", "state"), False),  # a node's leases, counted at every claim
         )
 
 
@@ -209,6 +217,7 @@ class WorkLease(BaseModel):
     lease_id = pw.CharField(primary_key=True, max_length=40)
     work = pw.ForeignKeyField(WorkItem, backref="leases", on_delete="RESTRICT")
     node = pw.ForeignKeyField(Node, backref="work_leases", on_delete="RESTRICT")
+    credential_id = pw.CharField(max_length=32, null=True)  # the credential that claimed it
     attempt = pw.IntegerField()
     granted_at = pw.DoubleField()
     expires_at = pw.DoubleField()

@@ -101,7 +101,10 @@ def redirect(location: str) -> bottle.HTTPResponse:
 
 
 def error_response(error: ApiError) -> bottle.HTTPResponse:
-    return json_response(error.body(), error.status)
+    response = json_response(error.body(), error.status)
+    if "retry_after_seconds" in error.extra:  # a 429 says when to come back (RFC 9110)
+        response.set_header("Retry-After", str(error.extra["retry_after_seconds"]))
+    return response
 
 
 def answering(metrics: Metrics) -> Callable:

@@ -34,7 +34,15 @@ from ..store import audit
 from ..store.database import Store
 from ..store.tables import Node, WorkItem, WorkLease
 from .items import dump
-from .placement import Candidate, fits, ineligibility, node_gpus, reported_by, scan_candidates
+from .placement import (
+    Candidate,
+    fits,
+    ineligibility,
+    node_gpus,
+    reported_by,
+    scan_candidates,
+    work_slots,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +84,13 @@ def claim_work(
     caller: Caller,
     capabilities: list[str],
     pending: tuple[float, str] | None = None,
+    reported_slots: int = 1,
 ) -> Lease | str:
     """Lease the oldest queued item this node fits, or say (as a claim reason) why none.
 
     ``pending`` is the node's newest heartbeat (time, health JSON) not yet in the store.
+    ``reported_slots`` is the work slots the agent says it runs (1 when it does not say);
+    the node never holds more leases than that or its administrator's maximum.
     """
     now = store.clock.now()
     with store.connection():
@@ -94,10 +105,13 @@ def claim_work(
     if not wanted:
         return "no_fitting_item"
     gpus = node_gpus(node)
+    slots = work_slots(node, reported_slots, settings)
     # Look before locking: most claims of an idle fleet find nothing, and must not queue
     # behind (or hold up) the writers. What is found is only a hint; the conditional
     # update inside the write transaction decides.
     with store.connection():
+        if held_leases(store, node.node_id) >= slots:
+            return "slots_full"
         hint = next(
             (
                 c
@@ -110,23 +124,41 @@ def claim_work(
         return "no_fitting_item"
     # Not flushed: a claim lost to a power cut only makes the item run again.
     with store.write(flushed=False):
-        lease = _lease(store, settings, node.node_id, hint, now)
+        # Counted again where it decides: this node's other claims commit one at a time
+        # (SQLite's write lock; on PostgreSQL the node's row, locked first).
+        if not store.is_sqlite:
+            _execute(store, _LOCK_NODE_SQL_PG, (node.node_id,))
+        if held_leases(store, node.node_id) >= slots:
+            return "slots_full"
+        lease = _lease(store, settings, caller, hint, now)
         if lease is not None:
             return lease
         for item in scan_candidates(
             store, node.node_id, wanted, gpus
         ):  # another node took the hint
             if fits(item, node.node_id, gpus):
-                lease = _lease(store, settings, node.node_id, item, now)
+                lease = _lease(store, settings, caller, item, now)
                 if lease is not None:
                     return lease
     return "no_fitting_item"
 
 
+_HELD_SQL = "SELECT COUNT(*) FROM work_item WHERE node_id = ? AND state = 'leased'"
+# Only this node's claims wait for it (and its heartbeat writes, briefly); not a key lock,
+# so rows referring to the node (leases, audit events) are never held up.
+_LOCK_NODE_SQL_PG = "SELECT node_id FROM node WHERE node_id = ? FOR NO KEY UPDATE"
+
+
+def held_leases(store: Store, node_id: str) -> int:
+    """How many items the node holds leased now (inside the caller's connection)."""
+    (count,) = _execute(store, _HELD_SQL, (node_id,)).fetchone()
+    return count
+
+
 _LEASE_SQL = (
-    "UPDATE work_item SET state = 'leased', node_id = ?, lease_id = ?, lease_expires_at = ?, "
-    "attempts = attempts + 1, started_at = COALESCE(started_at, ?) "
-    "WHERE work_id = ? AND state = 'queued'"
+    "UPDATE work_item SET state = 'leased', node_id = ?, lease_credential_id = ?, "
+    "lease_id = ?, lease_expires_at = ?, attempts = attempts + 1, "
+    "started_at = COALESCE(started_at, ?) WHERE work_id = ? AND state = 'queued'"
 )
 # PostgreSQL: a claim never waits for a row another transaction holds (it tries the next
 # item instead), so it can never be part of a lock cycle with a completion group or an
@@ -138,8 +170,8 @@ _LEASE_SQL_PG = _LEASE_SQL.replace(
 )
 _LEASED_SQL = "SELECT capability, input, timeout_seconds, attempts FROM work_item WHERE work_id = ?"
 _NEW_LEASE_SQL = (
-    "INSERT INTO work_lease (lease_id, work_id, node_id, attempt, granted_at, expires_at) "
-    "VALUES (?, ?, ?, ?, ?, ?)"
+    "INSERT INTO work_lease (lease_id, work_id, node_id, credential_id, attempt, granted_at, "
+    "expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 
 
@@ -149,24 +181,30 @@ def _execute(store: Store, sql: str, params: tuple) -> Any:
 
 
 def _lease(
-    store: Store, settings: Settings, node_id: str, item: Candidate, now: float
+    store: Store, settings: Settings, caller: Caller, item: Candidate, now: float
 ) -> Lease | None:
+    node_id, credential_id = caller.node_id, caller.credential_id
     lease_id = uuid.uuid4().hex
     expires_at = now + settings.work_lease_seconds
     # The conditional update whose row count picks the one winner.
     sql = _LEASE_SQL if store.is_sqlite else _LEASE_SQL_PG
-    won = _execute(store, sql, (node_id, lease_id, expires_at, now, item.work_id)).rowcount
-    if won != 1:
+    held = (node_id, credential_id, lease_id, expires_at, now, item.work_id)
+    if _execute(store, sql, held).rowcount != 1:
         return None
     capability, given, timeout_seconds, attempt = _execute(
         store, _LEASED_SQL, (item.work_id,)
     ).fetchone()
-    _execute(store, _NEW_LEASE_SQL, (lease_id, item.work_id, node_id, attempt, now, expires_at))
+    _execute(
+        store,
+        _NEW_LEASE_SQL,
+        (lease_id, item.work_id, node_id, credential_id, attempt, now, expires_at),
+    )
     audit.record(
         store,
         node_actor(node_id),
         "work.leased",
         node_id=node_id,
+        credential_id=credential_id,
         work_id=item.work_id,
         lease_id=lease_id,
         attempt=attempt,
@@ -192,8 +230,9 @@ _RENEW_SQL = (
 _RENEW_LEASE_SQL = "UPDATE work_lease SET expires_at = ? WHERE lease_id = ?"
 _COMPLETE_SQL = (
     "UPDATE work_item SET state = ?, finished_at = ?, result = ?, log_tail = ?, error = ?, "
-    "lease_expires_at = NULL WHERE work_id = ? AND lease_id = ? AND node_id = ? "
-    "AND state = 'leased' AND lease_expires_at > ?"
+    "completed_by_node_id = ?, completed_by_credential_id = ?, lease_expires_at = NULL "
+    "WHERE work_id = ? AND lease_id = ? AND node_id = ? AND state = 'leased' "
+    "AND lease_expires_at > ?"
 )
 _END_LEASE_SQL = (
     "UPDATE work_lease SET ended_at = ?, end_reason = ? WHERE lease_id = ? AND ended_at IS NULL"
@@ -240,7 +279,11 @@ def complete_work(
     log_tail: str | None,
     error: dict[str, Any] | None,
 ) -> Completed:
-    """Record the outcome under a live lease; a lost lease changes nothing (409 LEASE_LOST)."""
+    """Record the outcome under a live lease; a lost lease changes nothing (409 LEASE_LOST).
+
+    The outcome is the node's own claim: it is recorded as that node's and credential's,
+    not checked (docs/work.md).
+    """
     result_json = dump(result) if result is not None else None
     if result_json is not None and len(result_json.encode()) > WORK_RESULT_MAX_BYTES:
         raise Invalid(
@@ -249,7 +292,15 @@ def complete_work(
             next_step="Put large output in the log tail or in storage, not in the result.",
         )
     now = store.clock.now()
-    values = (outcome, now, result_json, trimmed_log(log_tail), dump(error) if error else None)
+    values = (
+        outcome,
+        now,
+        result_json,
+        trimmed_log(log_tail),
+        dump(error) if error else None,
+        caller.node_id,
+        caller.credential_id,
+    )
 
     def complete() -> Completed:
         held = (work_id, lease_id, caller.node_id, now)
@@ -261,6 +312,7 @@ def complete_work(
             node_actor(caller.node_id),
             "work.completed",
             node_id=caller.node_id,
+            credential_id=caller.credential_id,
             work_id=work_id,
             lease_id=lease_id,
             outcome=outcome,
@@ -327,7 +379,7 @@ def expire_leases(store: Store) -> list[dict[str, Any]]:
                     "error": dump({"code": LEASE_EXPIRED, "message": message}),
                 }
             else:
-                values = {"state": WORK_QUEUED, "node": None}
+                values = {"state": WORK_QUEUED, "node": None, "lease_credential_id": None}
             changed = (
                 WorkItem.update(lease_expires_at=None, **values)
                 .where(
@@ -382,6 +434,7 @@ def return_node_leases(store: Store, node: Node, actor: str, reason: str) -> lis
             WorkItem.update(
                 state=WORK_QUEUED,
                 node=None,
+                lease_credential_id=None,
                 lease_expires_at=None,
                 attempts=WorkItem.attempts - 1,
             )

@@ -3,8 +3,8 @@
 A node claims only while it is online, uncordoned, speaks an accepted agent protocol, reports
 a compatible runtime worker and healthy agent, and holds an inventory measured since its
 enrollment (never a restored snapshot) within MODELFORGE_INVENTORY_MAX_AGE_SECONDS
-(docs/architecture.md §5; invariant 7 and invariant 8). Reading only: the claim itself is
-in leases.py.
+(docs/architecture.md §5; invariant 7 and invariant 8), and holds fewer leases than its
+work slots allow. Reading only: the claim itself is in leases.py.
 """
 
 from __future__ import annotations
@@ -69,6 +69,14 @@ def ineligibility(node: Node, reported: Reported, now: float, settings: Settings
     ):
         return "inventory_age"
     return None
+
+
+def work_slots(node: Node, reported: int, settings: Settings) -> int:
+    """How many items the node may hold leased at once: the work slots its agent reports,
+    never more than the administrator's maximum for it (MODELFORGE_WORK_SLOTS_PER_NODE
+    unless ``modelforge nodes set-work-slots`` set another)."""
+    allowed = node.work_slots_max
+    return min(reported, settings.work_slots_per_node if allowed is None else allowed)
 
 
 def node_gpus(node: Node) -> list[dict[str, Any]]:
