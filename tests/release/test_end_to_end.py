@@ -266,3 +266,109 @@ def test_control_plane_and_agent_from_the_compose_files(
         "GET", f"/api/v1/admin/hardware/nodes/{rehearsal['node_id']}/credentials"
     ).json()
     assert credentials["active"] == 1 and credentials["revoked"] >= 1
+
+
+def unraid_run_arguments(template: Path, **values: str) -> tuple[str, list[str], str]:
+    """(name, docker run arguments, image) as Unraid's Docker manager builds them from the
+    template: each Config's value (or ``values[Name]``) as -e, -p or -v, then ExtraParams."""
+    import shlex
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(template).getroot()  # noqa: S314 - our own file from the repository
+    arguments = [f"--net={root.findtext('Network')}"]
+    for config in root.findall("Config"):
+        value = values.get(config.get("Name"), config.text or config.get("Default") or "")
+        kind, target = config.get("Type"), config.get("Target")
+        if kind == "Variable":
+            arguments += ["-e", f"{target}={value}"]
+        elif kind == "Port":
+            arguments += ["-p", f"{value}:{target}/{config.get('Mode')}"]
+        elif kind == "Path":
+            arguments += ["-v", f"{value}:{target}:{config.get('Mode')}"]
+    arguments += shlex.split(root.findtext("ExtraParams") or "")
+    return root.findtext("Name"), arguments, root.findtext("Repository")
+
+
+def test_a_cpu_node_becomes_ready_against_the_unraid_templates_control_plane(
+    deployment, docker_client, release_bundle, release_version, tmp_path
+):
+    """Unraid: the control plane from the bundle's template, run as the Docker manager runs
+    it (its --user 99:100, read-only root, appdata owned 99:100 and 0700), and a CPU node from
+    the bundle's compose files, which reaches it on the node stack's network."""
+    import os
+
+    appdata = tmp_path / "appdata"
+    appdata.mkdir(mode=0o700)
+    os.chown(appdata, 99, 100)
+    name, arguments, image = unraid_run_arguments(
+        release_bundle / "modelforge-control-plane.xml",
+        **{
+            "API port": f"127.0.0.1:{deployment.port}",
+            "Appdata": str(appdata),
+            "MODELFORGE_PUBLIC_API_ORIGIN": ORIGIN,
+            "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS": "1",
+            "MODELFORGE_NODE_STALE_AFTER_SECONDS": "5",
+            "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS": "10",
+        },
+    )
+    assert image.startswith("modelforge-control-plane:")  # the version the operator loaded
+    container_name = unique(name)
+    started = subprocess.run(
+        [
+            "docker",
+            "run",
+            "-d",
+            f"--name={container_name}",
+            *arguments,
+            f"modelforge-control-plane:{release_version}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert started.returncode == 0, started.stderr
+    control_plane = docker_client.containers.get(container_name)
+    try:
+        wait_for_healthz(control_plane, deployment.url + "/healthz")
+        assert control_plane.attrs["Config"]["User"] == "99:100"
+        code, (output, said) = control_plane.exec_run(["modelforge", "init", "--json"], demux=True)
+        assert code == 0, (said or b"").decode()
+        deployment.admin_token = json.loads(output)["admin_token"]
+
+        minted = deployment.mint("unraid node")
+        env_file = tmp_path / minted["env_file_name"]
+        env_file.write_text(minted["env_file"])
+        deployment.env["MODELFORGE_NODE_AGENT_ENV_FILE"] = str(env_file)
+        deployment.env["MODELFORGE_NODE_AGENT_HOSTNAME"] = "unraid-node"
+        node_files = AGENT[1:]  # the node stack only: the control plane is Unraid's
+        deployment.compose(
+            node_files,
+            "up",
+            "-d",
+            "--no-build",
+            "node-agent",
+            MODELFORGE_AGENT_ENROLLMENT_TOKEN=minted["token"],
+        )
+        # The node reaches the control plane by the name its origin gives, on its network
+        # (on Unraid: the server's address); the agent retries until it answers.
+        agent = deployment.container(docker_client, "node-agent")
+        (network,) = agent.attrs["NetworkSettings"]["Networks"]
+        docker_client.networks.get(network).connect(control_plane, aliases=["control-plane"])
+
+        def logs() -> str:
+            return control_plane.logs().decode()[-3000:] + agent.logs().decode()[-3000:]
+
+        def ready() -> Any:
+            nodes = deployment.nodes()
+            if not nodes:
+                return None
+            answer = deployment.admin(
+                "GET", f"/api/v1/admin/hardware/nodes/{nodes[0]['node_id']}/readiness"
+            ).json()
+            return answer if answer["ready"] else None
+
+        readiness = wait_for("the Unraid-served node to be ready", ready, logs)
+        assert {check["name"]: check["ok"] for check in readiness["checks"]}["worker"] is True
+        assert minted["token"] not in logs()
+    finally:
+        control_plane.remove(force=True)
