@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from modelforge_contract import ACCELERATOR_MODES, EXIT_USAGE, KIND_ENROLLMENT, split_secret
+from modelforge_contract import (
+    ACCELERATOR_MODES,
+    EXIT_USAGE,
+    KIND_ENROLLMENT,
+    WORK_SLOTS_MAX,
+    split_secret,
+)
 from modelforge_contract.envfile import read_env_file
 from modelforge_contract.settings import SettingSpec, SettingTable
 
@@ -105,7 +111,8 @@ SETTINGS: tuple[SettingSpec, ...] = (
     SettingSpec(
         "MODELFORGE_AGENT_WORK_SLOTS",
         "1",
-        "How many work items this node runs at once.",
+        "How many work items this node runs at once; it tells the control plane, which "
+        "leases it no more than that and the administrator's maximum for the node.",
     ),
     SettingSpec(
         "MODELFORGE_AGENT_WORK_POLL_SECONDS",
@@ -306,7 +313,7 @@ def load_settings(
         device_dir=Path(_value(env, "MODELFORGE_AGENT_DEVICE_DIR") or "/dev"),
         log_level=log_level,
         worker_socket=Path(_value(env, "MODELFORGE_AGENT_WORKER_SOCKET") or DEFAULT_WORKER_SOCKET),
-        work_slots=_int(env, "MODELFORGE_AGENT_WORK_SLOTS", 1, 64),
+        work_slots=_int(env, "MODELFORGE_AGENT_WORK_SLOTS", 1, WORK_SLOTS_MAX),
         work_poll_seconds=_float(env, "MODELFORGE_AGENT_WORK_POLL_SECONDS", 0.01, 3600),
         worker_check_seconds=_float(env, "MODELFORGE_AGENT_WORKER_CHECK_SECONDS", 0.1, 3600),
         nvidia_visible_devices=env.get("NVIDIA_VISIBLE_DEVICES"),

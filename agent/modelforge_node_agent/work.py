@@ -375,7 +375,13 @@ class WorkLoop:
         return False
 
     def claim(self, state: WorkerState) -> dict[str, Any] | None:
-        body = {"node_id": self.node_id, "capabilities": list(state.capabilities)}
+        body = {
+            "node_id": self.node_id,
+            "capabilities": list(state.capabilities),
+            # The control plane leases a node at most this many items (or its own maximum).
+            "work_slots": self.settings.work_slots,
+        }
+        # A 429 (claiming too fast) is a Refused like any other: slot_loop backs off.
         answer = self.client.call("POST", PATH_AGENT_WORK_CLAIM, body)
         lease = answer.get("lease")
         if not isinstance(lease, dict):
