@@ -16,6 +16,7 @@ import pytest
 import requests
 from playwright.sync_api import expect
 
+from modelforge_appliance.fleet.node_agent_image import RECREATE_COMMAND
 from modelforge_appliance.fleet.telemetry import TelemetryHistory
 from modelforge_appliance.identity.enrollment import WORKER_SOCKET, worker_command
 from modelforge_appliance.identity.join_commands import INSTALL_TYPES, checkout_worker_command
@@ -82,12 +83,17 @@ def open_wizard_and_mint(
 
 
 def agent_on_path(tmp_path: Path) -> Path:
-    """The node's `modelforge-node-agent` command: the real agent, as a checkout runs it."""
+    """The node's `modelforge-node-agent` and `modelforge-runtime-worker` commands: the real
+    agent and worker, as a checkout runs them."""
     bin_dir = tmp_path / "node-bin"
     bin_dir.mkdir()
-    command = bin_dir / "modelforge-node-agent"
-    command.write_text(f'#!/bin/sh\nexec {sys.executable} -m modelforge_node_agent.main "$@"\n')
-    command.chmod(0o755)
+    for name, module in (
+        ("modelforge-node-agent", "modelforge_node_agent.main"),
+        ("modelforge-runtime-worker", "modelforge_worker"),
+    ):
+        command = bin_dir / name
+        command.write_text(f'#!/bin/sh\nexec {sys.executable} -m {module} "$@"\n')
+        command.chmod(0o755)
     return bin_dir
 
 
@@ -138,20 +144,38 @@ def test_the_wizard_enrolls_a_real_agent_and_the_token_is_left_nowhere(browser, 
         page.get_by_test_id("manifest-result").locator("[data-accepted]").wait_for()
         browser.screenshot(page, "wizard-3-image")
 
-        # The node: real bash runs the wizard's start command beside its env file.
+        # The node: real bash runs the wizard's worker command and start command beside its
+        # env file. The env file's host paths (state directory, worker socket) are changed for
+        # this unprivileged test, in the env file and the worker command alike.
         node_dir = tmp_path / "node"
         node_dir.mkdir()
         state = tmp_path / "agent-state"
+        socket_path = tmp_path / "worker.sock"
         (node_dir / "modelforge-node.env").write_text(
             env_file.replace(
                 "MODELFORGE_AGENT_STATE_VOLUME=/var/lib/modelforge-node-agent",
                 f"MODELFORGE_AGENT_STATE_VOLUME={state}",
-            )
+            ).replace(WORKER_SOCKET, str(socket_path))
         )
+        assert (
+            f"MODELFORGE_AGENT_WORKER_SOCKET={socket_path}"
+            in (node_dir / "modelforge-node.env").read_text()
+        )
+        wizard_worker = page.get_by_test_id("enroll-worker-command").text_content()
+        assert wizard_worker.count(WORKER_SOCKET) == 1
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MODELFORGE_", "NVIDIA_"))}
         env["PATH"] = f"{agent_on_path(tmp_path)}:{env['PATH']}"
         agent_log = tmp_path / "agent.log"
-        with agent_log.open("w") as log:
+        worker_log = tmp_path / "worker.log"
+        with agent_log.open("w") as log, worker_log.open("w") as wlog:
+            worker = subprocess.Popen(
+                ["bash", "-c", wizard_worker.replace(WORKER_SOCKET, str(socket_path))],
+                cwd=node_dir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=wlog,
+                stderr=subprocess.STDOUT,
+            )
             agent = subprocess.Popen(
                 ["bash", "-c", start_command],
                 cwd=node_dir,
@@ -178,6 +202,16 @@ def test_the_wizard_enrolls_a_real_agent_and_the_token_is_left_nowhere(browser, 
                 )
                 assert node["display_name"] == "Rack 3 GPU" and node["production_eligible"] is False
 
+                def ready():
+                    readiness = requests.get(
+                        f"{served.url}/api/v1/admin/hardware/nodes/{node['node_id']}/readiness",
+                        headers=admin,
+                        timeout=10,
+                    ).json()
+                    return readiness if readiness["ready"] else None
+
+                wait_until(ready, timeout=60, what=f"READY ({agent_log}, {worker_log})")
+
                 page.locator('[data-step-button="readiness"]').click()
                 page.get_by_test_id("enroll-readiness").click()
                 result = page.get_by_test_id("readiness-result")
@@ -190,7 +224,10 @@ def test_the_wizard_enrolls_a_real_agent_and_the_token_is_left_nowhere(browser, 
                     "(items) => items.map((i) => i.getAttribute('data-check'))"
                 )
                 assert names == list(READINESS_CHECKS)
+                assert "is ready." in result.inner_text()
+                assert result.locator('[data-check="worker"].ok').count() == 1
                 assert page.get_by_test_id("enroll-recreate").is_visible()
+                assert RECREATE_COMMAND in page.get_by_test_id("enroll-recreate").inner_text()
                 browser.screenshot(page, "wizard-4-readiness")
                 assert_token_gone_from_browser(
                     page, browser.context, token, urls
@@ -202,10 +239,11 @@ def test_the_wizard_enrolls_a_real_agent_and_the_token_is_left_nowhere(browser, 
                     f'[data-testid="node-row"][data-node-id="{node["node_id"]}"]'
                 ).wait_for()
             finally:
-                if agent.poll() is None:
-                    agent.send_signal(signal.SIGTERM)
-                    agent.wait(timeout=15)
-        assert token not in agent_log.read_text()
+                for process in (agent, worker):
+                    if process.poll() is None:
+                        process.send_signal(signal.SIGTERM)
+                        process.wait(timeout=15)
+        assert token not in agent_log.read_text() + worker_log.read_text()
     # After the control plane stopped: neither its log nor its store holds the token.
     places = {"server log": served.log_path.read_bytes()}
     places |= {p.name: p.read_bytes() for p in served.state_dir.iterdir() if p.is_file()}
