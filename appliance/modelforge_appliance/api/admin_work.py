@@ -18,9 +18,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
 
     @app.post(PATH_ADMIN_WORK, auth=ADMIN)
     def submit(actor: str):
-        submission = items.submission_from(
-            context.body(SUBMIT_WORK_FIELDS), settings.work_input_max_bytes
-        )
+        submission = items.submission_from(context.body(SUBMIT_WORK_FIELDS), settings)
         submitted = items.submit_work(store, submission, actor)
         return json_response(items.work_view(submitted.item), 201 if submitted.created else 200)
 

@@ -167,7 +167,7 @@ def submit(
     store = obj.store()
     try:
         fields = check_object({k: v for k, v in body.items() if v is not None}, SUBMIT_WORK_FIELDS)
-        submission = items.submission_from(fields, obj.settings.work_input_max_bytes)
+        submission = items.submission_from(fields, obj.settings)
         submitted = items.submit_work(store, submission, audit.CLI_ACTOR)
     except ApiError as exc:
         raise _refused(exc) from None

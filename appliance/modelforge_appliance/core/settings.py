@@ -16,6 +16,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from modelforge_contract import EXIT_USAGE, INVENTORY_REFRESH_SECONDS, WORK_SLOTS_MAX
+from modelforge_contract import containers as fence
 from modelforge_contract.envfile import read_env_file
 from modelforge_contract.settings import SettingSpec, SettingTable
 
@@ -126,6 +127,54 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "65536",
         "Largest work item input accepted, measured as compact JSON.",
     ),
+    # The fence of container work items (docs/work.md, "Limits"): an item may name each limit
+    # up to these maxima; one that names none gets modelforge_contract.containers' default
+    # (or the maximum, when that is lower).
+    SettingSpec(
+        "MODELFORGE_WORK_CONTAINER_MAX_PIDS",
+        "4096",
+        "Most processes a container work item may ask for (pids_limit; 512 when it names none).",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORK_CONTAINER_MAX_CPUS",
+        "64",
+        "Most CPUs a container work item may ask for (cpus, a CPU quota; 2 when it names none).",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORK_CONTAINER_MAX_MEMORY_BYTES",
+        "68719476736",
+        "Most memory a container work item may ask for (memory_bytes; 512 MiB when it names "
+        "none; at least 6 MiB, docker's floor).",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORK_CONTAINER_MAX_SWAP_BYTES",
+        "0",
+        "Most swap beyond its memory a container work item may ask for (swap_bytes); 0: none.",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORK_CONTAINER_MAX_TMP_BYTES",
+        "1073741824",
+        "Largest /tmp (a tmpfs, counted as memory) a container work item may ask for "
+        "(tmp_bytes; 64 MiB when it names none). The rest of its root is read-only.",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORK_CONTAINER_MAX_LOG_BYTES",
+        "67108864",
+        "Most container log the node's dockerd keeps for one work item (log_bytes; 8 MiB when "
+        "it names none).",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORK_CONTAINER_ALLOW_ROOT",
+        "false",
+        "Whether a container work item may ask to run as root (run_as_root); otherwise every "
+        "container runs as 65534:65534.",
+    ),
+    SettingSpec(
+        "MODELFORGE_WORK_CONTAINER_CAPABILITIES",
+        "CHOWN,FOWNER,KILL,NET_BIND_SERVICE,SETGID,SETUID",
+        "Linux capabilities a container work item may ask for (capabilities), separated by "
+        "commas, or none; every other one is dropped.",
+    ),
     SettingSpec(
         "MODELFORGE_WORK_SLOTS_PER_NODE",
         "2",
@@ -222,6 +271,21 @@ class Settings:
     session_idle_seconds: int = 1800
     session_max_seconds: int = 43200
     release_manifest: Path | None = None
+    work_container_max_pids: int = 4096
+    work_container_max_cpus: float = 64.0
+    work_container_max_memory_bytes: int = 64 * 2**30
+    work_container_max_swap_bytes: int = 0
+    work_container_max_tmp_bytes: int = 2**30
+    work_container_max_log_bytes: int = 64 * 2**20
+    work_container_allow_root: bool = False
+    work_container_capabilities: tuple[str, ...] = (
+        "CHOWN",
+        "FOWNER",
+        "KILL",
+        "NET_BIND_SERVICE",
+        "SETGID",
+        "SETUID",
+    )
     work_slots_per_node: int = 2
     work_claims_per_second: int = 50
 
@@ -294,6 +358,25 @@ def parse_trusted_proxies(raw: str | None) -> tuple[str, ...]:
                 "are refused"
             ) from None
     return tuple(dict.fromkeys(addresses))
+
+
+def parse_capabilities(raw: str | None) -> tuple[str, ...]:
+    """MODELFORGE_WORK_CONTAINER_CAPABILITIES: Linux capability names separated by commas
+    (CAP_ prefix optional, any case), or ``none``."""
+    name = "MODELFORGE_WORK_CONTAINER_CAPABILITIES"
+    text = (raw or "").strip()
+    if text.lower() == "none":
+        return ()
+    names = []
+    for part in text.split(","):
+        cap = part.strip().upper().removeprefix("CAP_")
+        if cap not in fence.LINUX_CAPABILITIES:
+            raise ConfigError(
+                f"{name}={raw!r}: {part.strip()!r} is not a Linux capability docker knows; list "
+                "names such as NET_BIND_SERVICE,CHOWN separated by commas, or none"
+            )
+        names.append(cap)
+    return tuple(sorted(set(names)))
 
 
 def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = None) -> Settings:
@@ -379,6 +462,15 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
             f"MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS ({session_idle})"
         )
     manifest = value(env, "MODELFORGE_RELEASE_MANIFEST")
+    container_max = {
+        "pids": integer(env, "MODELFORGE_WORK_CONTAINER_MAX_PIDS", fence.PIDS_MIN, 4_194_304),
+        "memory": integer(
+            env, "MODELFORGE_WORK_CONTAINER_MAX_MEMORY_BYTES", fence.MEMORY_MIN_BYTES, 2**50
+        ),
+        "swap": integer(env, "MODELFORGE_WORK_CONTAINER_MAX_SWAP_BYTES", 0, 2**50),
+        "tmp": integer(env, "MODELFORGE_WORK_CONTAINER_MAX_TMP_BYTES", fence.TMP_MIN_BYTES, 2**50),
+        "log": integer(env, "MODELFORGE_WORK_CONTAINER_MAX_LOG_BYTES", fence.LOG_MIN_BYTES, 2**40),
+    }
 
     return Settings(
         state_dir=state_dir,
@@ -412,4 +504,16 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         session_idle_seconds=session_idle,
         session_max_seconds=session_max,
         release_manifest=Path(manifest).expanduser().absolute() if manifest else None,
+        work_container_max_pids=container_max["pids"],
+        work_container_max_cpus=TABLE.number(
+            env, "MODELFORGE_WORK_CONTAINER_MAX_CPUS", fence.CPUS_MIN, 4096
+        ),
+        work_container_max_memory_bytes=container_max["memory"],
+        work_container_max_swap_bytes=container_max["swap"],
+        work_container_max_tmp_bytes=container_max["tmp"],
+        work_container_max_log_bytes=container_max["log"],
+        work_container_allow_root=TABLE.boolean(env, "MODELFORGE_WORK_CONTAINER_ALLOW_ROOT"),
+        work_container_capabilities=parse_capabilities(
+            value(env, "MODELFORGE_WORK_CONTAINER_CAPABILITIES")
+        ),
     )

@@ -27,6 +27,7 @@ from modelforge_contract import (
     WORK_SLOTS_MAX,
     WORK_TIMEOUT_MAX_SECONDS,
 )
+from modelforge_contract import containers as fence
 
 from .errors import ApiError, Invalid, TooLarge
 
@@ -316,8 +317,21 @@ CAPABILITY_INPUT_FIELDS = {
         "command": Field(list, required=False, high=256, items=Field(str, high=4096)),
         "env": Field(dict, required=False),
         "network": Field(bool, required=False),
-        "memory_bytes": Field(int, required=False, low=4 * 2**20, high=2**40),
+        "memory_bytes": Field(int, required=False, low=fence.MEMORY_MIN_BYTES, high=2**50),
         "gpus": Field(int, required=False, nullable=True, low=0, high=64),
+        # The fence (docs/work.md, "Limits"); the admin's maxima are checked in work/items.py.
+        "swap_bytes": Field(int, required=False, low=0, high=2**50),
+        "cpus": Field(float, required=False, low=fence.CPUS_MIN, high=4096),
+        "pids_limit": Field(int, required=False, low=fence.PIDS_MIN, high=4_194_304),
+        "tmp_bytes": Field(int, required=False, low=fence.TMP_MIN_BYTES, high=2**50),
+        "log_bytes": Field(int, required=False, low=fence.LOG_MIN_BYTES, high=2**40),
+        "run_as_root": Field(bool, required=False),
+        "capabilities": Field(
+            list,
+            required=False,
+            high=len(fence.LINUX_CAPABILITIES),
+            items=Field(str, choices=fence.LINUX_CAPABILITIES),
+        ),
     },
 }
 

@@ -17,6 +17,7 @@ from typing import Any
 import peewee as pw
 
 from modelforge_contract import (
+    FIELD_CHOICE,
     FIELD_FORMAT,
     FIELD_RANGE,
     WORK_CANCELLED,
@@ -25,9 +26,11 @@ from modelforge_contract import (
     WORK_QUEUED,
     WORK_STATES,
 )
+from modelforge_contract import containers as fence
 
 from ..core.clock import isoformat
 from ..core.errors import Conflict, Invalid, NotFound
+from ..core.settings import Settings
 from ..core.validation import CAPABILITY_INPUT_FIELDS, check_object
 from ..store import audit
 from ..store.database import Store
@@ -56,8 +59,9 @@ class Submission:
     idempotency_key: str | None
 
 
-def submission_from(fields: dict[str, Any], input_max_bytes: int) -> Submission:
+def submission_from(fields: dict[str, Any], settings: Settings) -> Submission:
     """Check a submit body (already shape-checked) for what the shape cannot say."""
+    input_max_bytes = settings.work_input_max_bytes
     capability = fields["capability"]
     given = fields.get("input") or {}
     if len(dump(given).encode()) > input_max_bytes:
@@ -68,7 +72,7 @@ def submission_from(fields: dict[str, Any], input_max_bytes: int) -> Submission:
         )
     checked = check_object(given, CAPABILITY_INPUT_FIELDS[capability], "input")
     if capability == "container":
-        _check_container_input(checked)
+        checked = _check_container_input(checked, settings)
     constraints = normalise_constraints(fields.get("constraints") or {})
     return Submission(
         capability=capability,
@@ -80,7 +84,17 @@ def submission_from(fields: dict[str, Any], input_max_bytes: int) -> Submission:
     )
 
 
-def _check_container_input(given: dict[str, Any]) -> None:
+def _check_container_input(given: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """Refuse here, naming the field, whatever the node's dockerd would refuse or the admin's
+    maxima do not allow; the input comes back with the fence's defaults filled in, so the
+    stored item says what it runs under (docs/work.md, "Limits")."""
+    problem = fence.image_reference_problem(given["image"])
+    if problem is not None:
+        raise Invalid(
+            f"input.image: {problem}",
+            code=FIELD_FORMAT,
+            next_step="Name the image as `docker image ls` shows it, e.g. trainer:1.4.",
+        )
     if not _IMAGE_ID.fullmatch(given["image_id"]):
         raise Invalid(
             "input.image_id: must be sha256:<64 hex digits>, the id `docker image inspect` shows",
@@ -88,12 +102,72 @@ def _check_container_input(given: dict[str, Any]) -> None:
             next_step="Pin the image by its id: docker image inspect --format '{{.Id}}' IMAGE",
         )
     for name, value in (given.get("env") or {}).items():
-        if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", name):
+        shown = ascii(name)[1:-1][:130]  # the name only, never the value (it may be a secret)
+        if not isinstance(value, str) or not fence.ENV_NAME.fullmatch(name):
             raise Invalid(
-                f"input.env.{name}: names must be shell-style and values strings",
+                f"input.env.{shown}: names must be shell-style (letters, digits, _; no =) and "
+                "values strings",
                 code=FIELD_FORMAT,
                 next_step='Send env as {"NAME": "value", …}.',
             )
+        problem = fence.env_value_problem(value)
+        if problem is not None:
+            raise Invalid(
+                f"input.env.{shown}: the value {problem}",
+                code=FIELD_FORMAT,
+                next_step="Remove the NUL from the value; a process environment cannot hold one.",
+            )
+    return {**given, **_fenced(given, settings)}
+
+
+def _fenced(given: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """Each limit as asked (at most the admin's maximum) or its default."""
+    limits: dict[str, Any] = {}
+    for field, default, maximum, setting in (
+        ("pids_limit", fence.PIDS_DEFAULT, settings.work_container_max_pids, "PIDS"),
+        ("cpus", fence.CPUS_DEFAULT, settings.work_container_max_cpus, "CPUS"),
+        (
+            "memory_bytes",
+            fence.MEMORY_DEFAULT_BYTES,
+            settings.work_container_max_memory_bytes,
+            "MEMORY_BYTES",
+        ),
+        (
+            "swap_bytes",
+            fence.SWAP_DEFAULT_BYTES,
+            settings.work_container_max_swap_bytes,
+            "SWAP_BYTES",
+        ),
+        ("tmp_bytes", fence.TMP_DEFAULT_BYTES, settings.work_container_max_tmp_bytes, "TMP_BYTES"),
+        ("log_bytes", fence.LOG_DEFAULT_BYTES, settings.work_container_max_log_bytes, "LOG_BYTES"),
+    ):
+        asked = given.get(field)
+        if asked is not None and asked > maximum:
+            raise Invalid(
+                f"input.{field}: at most {maximum:g} on this control plane",
+                code=FIELD_RANGE,
+                next_step=f"Ask for less, or raise MODELFORGE_WORK_CONTAINER_MAX_{setting}.",
+            )
+        limits[field] = asked if asked is not None else min(default, maximum)
+    if given.get("run_as_root") and not settings.work_container_allow_root:
+        raise Invalid(
+            f"input.run_as_root: this control plane runs containers as {fence.NON_ROOT_USER} only",
+            code=FIELD_CHOICE,
+            next_step="Drop run_as_root, or set MODELFORGE_WORK_CONTAINER_ALLOW_ROOT=true.",
+        )
+    limits["run_as_root"] = given.get("run_as_root") is True
+    allowed = settings.work_container_capabilities
+    for i, name in enumerate(given.get("capabilities") or []):
+        if name not in allowed:
+            raise Invalid(
+                f"input.capabilities[{i}]: {name} is not allowed here (allowed: "
+                f"{', '.join(allowed) or 'none'})",
+                code=FIELD_CHOICE,
+                next_step="Ask only for allowed ones, or add it to "
+                "MODELFORGE_WORK_CONTAINER_CAPABILITIES.",
+            )
+    limits["capabilities"] = sorted(set(given.get("capabilities") or []))
+    return limits
 
 
 def normalise_constraints(given: dict[str, Any]) -> dict[str, Any]:
@@ -242,7 +316,8 @@ def counts_by_state(store: Store) -> dict[str, int]:
 
 
 def cancel_work(store: Store, work_id: str, actor: str) -> WorkItem:
-    """Cancel a queued or leased item; its node learns at its next renewal (409 LEASE_LOST)."""
+    """Cancel a queued or leased item; its node learns at its next renewal (409 LEASE_LOST
+    with lease_end "cancelled") and stops the item's run."""
     now = store.clock.now()
     with store.write():
         row = WorkItem.get_or_none(WorkItem.work_id == work_id)

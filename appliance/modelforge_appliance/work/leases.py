@@ -239,13 +239,27 @@ _END_LEASE_SQL = (
 )
 
 
-def _lease_lost(work_id: str) -> Conflict:
+def _lease_lost(work_id: str, ended: str | None = None) -> Conflict:
+    """409 LEASE_LOST; ``lease_end`` says how this node's lease ended, when it has ended
+    ("cancelled" tells the agent to stop the item's run at once)."""
     return Conflict(
         f"the lease on work item {work_id} is no longer held by this node: it expired, was "
         "cancelled, returned or completed, or the item was leased again",
         code=LEASE_LOST,
         next_step="Stop working on this item and claim new work; nothing was changed.",
+        extra={"lease_end": ended} if ended else None,
     )
+
+
+_LEASE_END_SQL = (
+    "SELECT end_reason FROM work_lease WHERE lease_id = ? AND work_id = ? AND node_id = ?"
+)
+
+
+def _lease_end(store: Store, work_id: str, lease_id: str, node_id: str) -> str | None:
+    """How this node's own lease ended (None: it has not, or it is not this node's)."""
+    row = _execute(store, _LEASE_END_SQL, (lease_id, work_id, node_id)).fetchone()
+    return row[0] if row else None
 
 
 def renew_lease(
@@ -257,7 +271,7 @@ def renew_lease(
     with store.write(flushed=False):
         held = (work_id, lease_id, caller.node_id, now)
         if _execute(store, _RENEW_SQL, (expires_at, *held)).rowcount != 1:
-            raise _lease_lost(work_id)
+            raise _lease_lost(work_id, _lease_end(store, work_id, lease_id, caller.node_id))
         _execute(store, _RENEW_LEASE_SQL, (expires_at, lease_id))
     return expires_at
 
