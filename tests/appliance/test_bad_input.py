@@ -111,7 +111,13 @@ def endpoints(cp, node, token):
             "POST",
             "/api/v1/agent/work/claim",
             agent,
-            {"node_id": node["node_id"], "capabilities": ["smoke"]},
+            {"node_id": node["node_id"], "capabilities": ["smoke"], "work_slots": 2},
+        ),
+        (
+            "PUT",
+            f"/api/v1/admin/hardware/nodes/{node['node_id']}/work-slots",
+            admin,
+            {"work_slots_max": 2},
         ),
         (
             "POST",
@@ -128,10 +134,20 @@ def endpoints(cp, node, token):
     ]
 
 
-# Values that are right for these fields: no identity, a cpu node with no accelerators, and a
-# claim offering no capability (answered 204).
-ACCEPTABLE = {("identity", None), ("accelerators", ()), ("capabilities", ())}
-OPTIONAL = {"identity"}  # docs/architecture.md §3: enroll optionally carries an identity
+# Values that are right for these fields: no identity, a cpu node with no accelerators, a
+# claim offering no capability (answered 204), seven work slots, and a node's maximum of
+# seven or the default (null).
+ACCEPTABLE = {
+    ("identity", None),
+    ("accelerators", ()),
+    ("capabilities", ()),
+    ("work_slots", 7),
+    ("work_slots_max", 7),
+    ("work_slots_max", None),
+}
+# docs/architecture.md §3: enroll optionally carries an identity; a claim without work_slots
+# is an older agent's (one slot).
+OPTIONAL = {"identity", "work_slots"}
 WRONG_VALUES = [None, True, 7, -1, 1.5, "", "x" * 5000, [], {}, "\u0000"]
 
 
