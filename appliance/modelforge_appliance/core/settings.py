@@ -120,7 +120,8 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "MODELFORGE_WORK_LEASE_SECONDS",
         "60",
         "How long a claimed work item stays leased to its node without a renewal; agents "
-        "renew at a third of it. An expired lease returns the item to the queue.",
+        "renew at a third of it, and at least every 5 s. An expired lease returns the item to "
+        "the queue.",
     ),
     SettingSpec(
         "MODELFORGE_WORK_INPUT_MAX_BYTES",
