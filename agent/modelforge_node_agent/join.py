@@ -33,6 +33,7 @@ from modelforge_contract import (
     EXIT_OK,
     EXIT_USAGE,
     PATH_HEALTHZ,
+    WORKER_SERVICE,
 )
 from modelforge_contract.envfile import format_env_file
 from modelforge_contract.files import fsync_directory
@@ -197,7 +198,7 @@ def _give_to_service_user(state_dir: Path) -> None:
 def start_step(env_path: Path, request: JoinRequest) -> str:
     """How to start the joined agent, for where join put its settings."""
     if str(request.env_file) == AGENT_ENV_FILE:
-        return f"sudo systemctl enable --now {AGENT_SERVICE}"
+        return f"sudo systemctl enable --now {WORKER_SERVICE} {AGENT_SERVICE}"
     if runtime.current() == runtime.CONTAINER:
         return (
             f"start the agent's container with --env-file {request.env_file} (on the host) and "

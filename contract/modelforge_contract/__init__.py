@@ -328,6 +328,8 @@ def split_secret(value: str, kind: str) -> tuple[str, str] | None:
     """Return (lookup_id, whole_value) when value is a well-formed secret of kind."""
     match = _SECRET_RE.fullmatch(value.strip()) if isinstance(value, str) else None
     if match is None or match.group(1) != kind:
+# The runtime worker beside it (systemd/modelforge-runtime-worker.service).
+WORKER_SERVICE = "modelforge-runtime-worker"
         return None
     return match.group(2), match.group(0)
 

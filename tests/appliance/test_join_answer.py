@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import shlex
 
+import pytest
+
 from modelforge_contract import PATH_ADMIN_ENROLLMENTS
 from modelforge_contract.envfile import parse_env_file
 from tests.harness.control_plane import error_code, new_identity
@@ -101,22 +103,59 @@ def test_the_heartbeat_answer_asks_for_what_the_control_plane_lacks(sqlite_contr
 
 def test_the_container_join_prepares_the_state_directory_for_the_image_user():
     """The images run as SERVICE_UID: the host directory the container writes must be its, and
-    the agent reads its own env file (mode 0600, that user's) inside the container."""
-    from modelforge_appliance.identity.join_commands import AGENT_IMAGE_UID, join_commands
+    the agent reads its own env file (mode 0600, that user's) inside the container. The
+    runtime worker starts first, with no network, on the socket volume the agent mounts too
+    (without it the node is online but never ready)."""
+    from modelforge_appliance.identity.join_commands import (
+        AGENT_IMAGE_UID,
+        CONTAINER_WORKER_SOCKET,
+        WORKER_SOCKET_VOLUME,
+        join_commands,
+    )
     from modelforge_release.images import SERVICE_UID
 
     assert AGENT_IMAGE_UID == SERVICE_UID
-    prepare, joining, running = join_commands("http://cp.lan:8000", "nvidia")["container"].split(
-        " && "
-    )
+    prepare, worker, joining, running = join_commands("http://cp.lan:8000", "nvidia")[
+        "container"
+    ].split(" && ")
     assert prepare == (
         f"sudo install -d -m 0700 -o {SERVICE_UID} -g {SERVICE_UID} /var/lib/modelforge-node-agent"
     )
+    words = shlex.split(worker)
+    assert {"--network", "none", "--read-only", "--gpus"} <= set(words)
+    assert f"MODELFORGE_WORKER_SOCKET={CONTAINER_WORKER_SOCKET}" in words
+    assert "MODELFORGE_WORKER_ACCELERATOR_MODE=nvidia" in words
+    assert words[-1].startswith("modelforge-runtime-worker:")
     assert "--rm -it --gpus all" in joining and " join http://cp.lan:8000 " in joining
+    assert f"--worker-socket {CONTAINER_WORKER_SOCKET}" in joining  # into the env file
     words = shlex.split(running)
     assert "--env-file" not in words[: words.index("python3")]  # not read on the host
     assert words[-2:] == ["--env-file", "/var/lib/modelforge-node-agent/modelforge-node-agent.env"]
     assert {"--read-only", "--gpus"} <= set(words)
+    for command in (worker, running):
+        assert f"{WORKER_SOCKET_VOLUME}:/run/modelforge-worker" in shlex.split(command)
+    cpu_worker = join_commands("http://cp.lan:8000", "cpu")["container"].split(" && ")[1]
+    assert shlex.split(cpu_worker)[-1].startswith("modelforge-runtime-worker-cpu:")
+    assert "--gpus" not in cpu_worker
+
+
+@pytest.mark.parametrize(
+    ("origin", "warned"),
+    [
+        ("http://127.0.0.1:8000", True),
+        ("http://localhost:8000", True),
+        ("http://[::1]:8000", True),
+        ("http://192.168.1.20:8000", False),
+        ("https://cp.lan", False),
+    ],
+)
+def test_a_token_locked_to_a_loopback_origin_comes_with_a_warning(origin, warned):
+    from modelforge_appliance.identity.join_commands import origin_warnings
+
+    warnings = origin_warnings(origin)
+    assert bool(warnings) is warned
+    if warned:
+        assert "loopback" in warnings[0] and "MODELFORGE_PUBLIC_API_ORIGIN" in warnings[0]
 
 
 def test_minting_through_an_unusable_host_header_is_a_400(sqlite_control_plane):

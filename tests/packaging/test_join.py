@@ -55,7 +55,9 @@ class Host:
     def run_join(self, command: str, token: str) -> subprocess.CompletedProcess:
         """The printed command, with this root's pyz and --root, run by bash."""
         join, _, start = command.partition(" && ")
-        assert start == "sudo systemctl enable --now modelforge-node-agent", command
+        assert start == (
+            "sudo systemctl enable --now modelforge-runtime-worker modelforge-node-agent"
+        ), command
         here = join.replace(f"sudo {AGENT_PYZ_INTERPRETER} {AGENT_PYZ_PATH}", self.python())
         here = here.replace(" join ", f" join --root {self.root} ", 1)
         return subprocess.run(
@@ -126,7 +128,10 @@ def test_join_command_for_the_agent_pyz_under_systemd(agent_pyz, tmp_path):
         host = Host(tmp_path / "root", agent_pyz)
         joined = host.run_join(command, minted["token"])
         assert joined.returncode == 0, joined.stderr
-        assert "sudo systemctl enable --now modelforge-node-agent" in joined.stdout
+        assert (
+            "sudo systemctl enable --now modelforge-runtime-worker modelforge-node-agent"
+            in joined.stdout
+        )
         assert host.env_file.stat().st_mode & 0o777 == 0o600
         settings_text = host.env_file.read_text()
         assert minted["token"] not in settings_text

@@ -262,7 +262,8 @@ def test_the_systemd_install_of_a_node_ends_ready(
         )
         assert minted.status_code == 201, minted.text
         join, _, start = minted.json()["join_commands"]["systemd"].partition(" && ")
-        assert start == f"sudo systemctl enable --now {AGENT_UNIT.removesuffix('.service')}"
+        units = " ".join(unit.removesuffix(".service") for unit in (WORKER_UNIT, AGENT_UNIT))
+        assert start == f"sudo systemctl enable --now {units}"  # both units it runs below
         prefix = f"sudo {AGENT_PYZ_INTERPRETER} {AGENT_PYZ_PATH} join "
         assert join.startswith(prefix), join
         here = f"{sys.executable} -I -S {host.path(AGENT_PYZ_PATH)} join --root {host.root} "

@@ -72,6 +72,8 @@ def enroll(
         accelerator_mode=accelerator,
     )
     response = minted.response(store.clock.now())
+    for warning in response["warnings"]:
+        click.echo(f"modelforge: warning: {warning}", err=True)
     emit(
         as_json,
         response,

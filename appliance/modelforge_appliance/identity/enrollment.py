@@ -37,6 +37,7 @@ from .join_commands import (
     checkout_worker_command,
     command_titles,
     join_commands,
+    origin_warnings,
 )
 
 # What the env file and join commands say when the minting side does not choose: fail
@@ -179,6 +180,7 @@ class MintedEnrollment:
             "join_commands": join_commands(self.row.api_origin, self.accelerator_mode),
             "join_worker_commands": {"checkout": checkout_worker_command(self.accelerator_mode)},
             "command_titles": command_titles(),
+            "warnings": origin_warnings(self.row.api_origin),
         }
 
 

@@ -8,15 +8,19 @@ the way that install runs it. The token is never part of a command line.
 
 from __future__ import annotations
 
+import ipaddress
 import shlex
+from urllib.parse import urlsplit
 
 from modelforge_contract import (
     AGENT_ENV_FILE,
     AGENT_PYZ_PATH,
     AGENT_SERVICE,
     AGENT_STATE_DIR,
+    WORKER_SERVICE,
     __version__,
 )
+from modelforge_contract.manifest import RUNTIME_WORKER_CPU_IMAGE, RUNTIME_WORKER_IMAGE
 
 # The interpreter systemd/modelforge-node-agent.service runs the agent pyz with (a test
 # keeps the two equal).
@@ -30,6 +34,10 @@ CHECKOUT_STATE_DIR = "var/node-agent"
 CHECKOUT_ENV_FILE = f"{CHECKOUT_STATE_DIR}/modelforge-node-agent.env"
 # The runtime worker's socket in a checkout: /run/modelforge is not the operator's to write.
 CHECKOUT_WORKER_SOCKET = f"{CHECKOUT_STATE_DIR}/worker.sock"
+# The container install: the worker's socket in a named volume both containers mount (the
+# worker image owns the directory, and Docker gives an empty volume its ownership).
+WORKER_SOCKET_VOLUME = "modelforge-worker-socket"
+CONTAINER_WORKER_SOCKET = "/run/modelforge-worker/worker.sock"
 
 INSTALL_TYPES = {
     "systemd": "the agent pyz under systemd (docs/install-systemd.md)",
@@ -43,29 +51,62 @@ def join_commands(api_origin: str, accelerator_mode: str) -> dict[str, str]:
     join = f"join {shlex.quote(api_origin)} --accelerator {accelerator_mode} --token-file -"
     volume = f"{AGENT_STATE_DIR}:{AGENT_STATE_DIR}"
     container_env = f"{AGENT_STATE_DIR}/modelforge-node-agent.env"
+    socket_volume = f"{WORKER_SOCKET_VOLUME}:{CONTAINER_WORKER_SOCKET.rsplit('/', 1)[0]}"
     gpus = " --gpus all" if accelerator_mode == "nvidia" else ""
     return {
         "systemd": (
             f"sudo {AGENT_PYZ_INTERPRETER} {AGENT_PYZ_PATH} {join} && "
-            f"sudo systemctl enable --now {AGENT_SERVICE}"
+            f"sudo systemctl enable --now {WORKER_SERVICE} {AGENT_SERVICE}"
         ),
         "checkout": (
             f".venv/bin/modelforge-node-agent {join} --state-dir {CHECKOUT_STATE_DIR} "
             f"--env-file {CHECKOUT_ENV_FILE} --worker-socket {CHECKOUT_WORKER_SOCKET} && "
             f".venv/bin/modelforge-node-agent --env-file {CHECKOUT_ENV_FILE}"
         ),
-        # The state directory is the image user's; the agent reads its env file itself
-        # (mode 0600, that user's), so nothing on the host needs to read it.
+        # The worker first, on its own socket volume and with no network; then the join, in a
+        # throw-away agent container; then the agent. The state directory is the image
+        # user's; the agent reads its env file itself (mode 0600, that user's), so nothing on
+        # the host needs to read it.
         "container": (
             f"sudo install -d -m 0700 -o {AGENT_IMAGE_UID} -g {AGENT_IMAGE_UID} "
             f"{AGENT_STATE_DIR} && "
+            f"docker run -d --name {WORKER_SERVICE} --restart unless-stopped --network none"
+            f"{gpus} --read-only --tmpfs /tmp --cap-drop ALL --security-opt no-new-privileges "
+            f"-e MODELFORGE_WORKER_SOCKET={CONTAINER_WORKER_SOCKET} "
+            f"-e MODELFORGE_WORKER_ACCELERATOR_MODE={accelerator_mode} -v {socket_volume} "
+            f"{worker_image(accelerator_mode)} && "
             f"docker run --rm -it{gpus} -v {volume} {AGENT_IMAGE} "
-            f"python3 -m modelforge_node_agent.main {join} --env-file {container_env} && "
+            f"python3 -m modelforge_node_agent.main {join} --env-file {container_env} "
+            f"--worker-socket {CONTAINER_WORKER_SOCKET} && "
             f'docker run -d --name {AGENT_SERVICE} --restart unless-stopped --hostname "$(hostname)"'
-            f"{gpus} --read-only --tmpfs /tmp --cap-drop ALL --security-opt no-new-privileges -v {volume} "
+            f"{gpus} --read-only --tmpfs /tmp --cap-drop ALL --security-opt no-new-privileges "
+            f"-v {volume} -v {socket_volume} "
             f"{AGENT_IMAGE} python3 -m modelforge_node_agent.main --env-file {container_env}"
         ),
     }
+
+
+def worker_image(accelerator_mode: str) -> str:
+    """The runtime worker image for a node of this mode: CUDA for nvidia, else the -cpu one."""
+    name = RUNTIME_WORKER_IMAGE if accelerator_mode == "nvidia" else RUNTIME_WORKER_CPU_IMAGE
+    return f"{name}:{__version__}"
+
+
+def origin_warnings(api_origin: str) -> list[str]:
+    """What the operator should know about a token's origin before using its join commands."""
+    host = (urlsplit(api_origin).hostname or "").lower()
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host.endswith(".localhost")
+    if not loopback:
+        return []
+    return [
+        f"the token is locked to {api_origin}, a loopback address: only a node on this machine "
+        "can join with it, and not its container commands (a container's loopback is its "
+        "own). For other nodes, mint it for the address they reach: set "
+        "MODELFORGE_PUBLIC_API_ORIGIN (or pass --origin) to it."
+    ]
 
 
 def checkout_worker_command(accelerator_mode: str) -> str:
@@ -100,6 +141,8 @@ __all__ = [
     "AGENT_ENV_FILE",
     "INSTALL_TYPES",
     "checkout_worker_command",
+    "origin_warnings",
+    "worker_image",
     "command_titles",
     "describe",
     "join_commands",

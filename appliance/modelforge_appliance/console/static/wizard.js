@@ -152,7 +152,10 @@ async function mint() {
   $("enroll-env").textContent = enrollment.env_file;
   $("enroll-start-command").textContent = enrollment.start_command;
   $("enroll-worker-command").textContent = enrollment.worker_command || "";
-  $("enroll-more-commands").replaceChildren(...commandBlocks(enrollment));
+  $("enroll-more-commands").replaceChildren(
+    ...(enrollment.warnings || []).map((text) => el("p", { class: "warning", "data-testid": "enroll-warning", text: `Warning: ${text}` })),
+    ...commandBlocks(enrollment),
+  );
   tick();
   timer = window.setInterval(tick, 1000);
   enableSteps(true);

@@ -1,0 +1,174 @@
+"""The container join command `modelforge enroll` prints, run as printed, to a READY node.
+
+The control plane runs from the release image on Docker's default bridge, published on
+127.0.0.1 only; the token is minted for its bridge address, which the node's containers
+(also on the default bridge) reach. The printed command runs under real bash on a pty, the
+token typed at the join's no-echo prompt. Only what is global to the host is made the test's
+own: the host state directory, the container and volume names, the image tags (this run's
+version) and ``sudo`` (the test is root). Its runtime worker (the -cpu image, no network)
+starts first; the agent must find it on the shared socket volume and the node be READY.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pty
+import select
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import requests
+
+from modelforge_appliance.identity.join_commands import (
+    AGENT_IMAGE_UID,
+    WORKER_SOCKET_VOLUME,
+)
+from modelforge_contract import (
+    AGENT_SERVICE,
+    AGENT_STATE_DIR,
+    HEADER_ADMIN_TOKEN,
+    PATH_ADMIN_ENROLLMENTS,
+    WORKER_SERVICE,
+    __version__,
+)
+from tests.harness.control_plane import free_port
+from tests.harness.release_images import release_env, unique, wait_for_healthz
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+
+def wait_for(what: str, check: Callable[[], Any], logs: Callable[[], str], timeout: float = 120):
+    """Poll until ``check`` returns something true; the deadline only bounds a failure."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{logs()}"
+        time.sleep(0.5)
+
+
+def run_on_a_pty(command: str, token: str, timeout: float = 300) -> tuple[int, str]:
+    """bash -c COMMAND with a terminal (the join's ``docker run -it`` needs one); the token is
+    typed when the prompt appears. (exit status, everything the terminal showed)"""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the pty is its controlling terminal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.execve("/bin/bash", ["bash", "-c", command], release_env())  # noqa: S606
+    shown, typed = b"", False
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            assert time.monotonic() < deadline, f"the join command did not end:\n{shown!r}"
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:  # the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            if not typed and b"Enrollment token:" in shown:
+                os.write(fd, token.encode() + b"\n")
+                typed = True
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    return os.waitstatus_to_exitcode(status), shown.decode(errors="replace")
+
+
+def test_the_printed_container_join_ends_in_a_ready_node(
+    docker_client, built_images, release_version, tmp_path
+):
+    plane_name = unique("mfjoin-cp")
+    port = free_port()
+    plane = docker_client.containers.run(
+        f"modelforge-control-plane:{release_version}",
+        name=plane_name,
+        detach=True,
+        read_only=True,
+        tmpfs={"/tmp": ""},
+        cap_drop=["ALL"],
+        security_opt=["no-new-privileges:true"],
+        ports={"8000/tcp": ("127.0.0.1", port)},
+        volumes={plane_name: {"bind": "/var/lib/modelforge", "mode": "rw"}},
+        environment={
+            "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS": "1",
+            "MODELFORGE_NODE_STALE_AFTER_SECONDS": "5",
+            "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS": "10",
+        },
+    )
+    names = {
+        WORKER_SERVICE: unique("mfjoin-worker"),
+        AGENT_SERVICE: unique("mfjoin-agent"),
+        WORKER_SOCKET_VOLUME: unique("mfjoin-socket"),
+    }
+    state = tmp_path / "state"
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_healthz(plane, url + "/healthz")
+        code, (output, said) = plane.exec_run(["modelforge", "init", "--json"], demux=True)
+        assert code == 0, (said or b"").decode()
+        headers = {HEADER_ADMIN_TOKEN: json.loads(output)["admin_token"]}
+        plane.reload()
+        address = plane.attrs["NetworkSettings"]["Networks"]["bridge"]["IPAddress"]
+        # Minted through the address the node uses: the token is locked to that origin.
+        minted = requests.post(
+            url + PATH_ADMIN_ENROLLMENTS,
+            headers={**headers, "Host": f"{address}:8000"},
+            json={"display_name": "gpu-01", "expires_in_seconds": 900, "accelerator_mode": "cpu"},
+            timeout=30,
+        ).json()
+        assert minted["api_origin"] == f"http://{address}:8000" and minted["warnings"] == []
+        command = minted["join_commands"]["container"]
+        assert command.startswith("sudo install -d ")
+
+        here = command.replace("sudo ", "")
+        here = here.replace(f" {AGENT_STATE_DIR} && ", f" {state} && ", 1)
+        here = here.replace(f"-v {AGENT_STATE_DIR}:", f"-v {state}:")
+        for global_name, own in names.items():
+            here = here.replace(f"--name {global_name} ", f"--name {own} ")
+            here = here.replace(f"-v {global_name}:", f"-v {own}:")
+        here = here.replace(f":{__version__} ", f":{release_version} ")
+        assert f"-v {AGENT_STATE_DIR}:" not in here  # the host side is the test's
+        status, shown = run_on_a_pty(here, minted["token"])
+        assert status == 0, shown
+        assert minted["token"] not in shown  # typed at a no-echo prompt
+        assert state.stat().st_uid == AGENT_IMAGE_UID
+
+        agent = docker_client.containers.get(names[AGENT_SERVICE])
+        worker = docker_client.containers.get(names[WORKER_SERVICE])
+        assert worker.attrs["HostConfig"]["NetworkMode"] == "none"
+
+        def logs() -> str:
+            return agent.logs().decode()[-3000:] + worker.logs().decode()[-3000:]
+
+        def ready() -> Any:
+            nodes = requests.get(
+                url + "/api/v1/admin/hardware/nodes", headers=headers, timeout=30
+            ).json()["nodes"]
+            if not nodes:
+                return None
+            answer = requests.get(
+                url + f"/api/v1/admin/hardware/nodes/{nodes[0]['node_id']}/readiness",
+                headers=headers,
+                timeout=30,
+            ).json()
+            return answer if answer["ready"] else None
+
+        readiness = wait_for("the joined node to be ready", ready, logs)
+        assert {check["name"]: check["ok"] for check in readiness["checks"]}["worker"] is True
+        assert minted["token"] not in logs()
+    finally:
+        for name in (names[AGENT_SERVICE], names[WORKER_SERVICE], plane_name):
+            with contextlib.suppress(Exception):  # not created when an earlier step failed
+                docker_client.containers.get(name).remove(force=True)
+        for volume in (names[WORKER_SOCKET_VOLUME], plane_name):
+            with contextlib.suppress(Exception):
+                docker_client.volumes.get(volume).remove(force=True)
