@@ -19,9 +19,13 @@ One control-plane archive runs on every supported CPython: its compiled modules
 carry the interpreter in their file name (``_psycopg.cpython-312-x86_64-linux-gnu.so``),
 so the wheels for CPython 3.10 to 3.13 are installed one after the other and their
 compiled modules put side by side. Every other file of those wheels must be
-byte-identical to the one already staged, or the build stops. The agent and worker
-archives are installed from implementation-independent wheels only (``py3-none-any``),
-so they hold no compiled module at all.
+byte-identical to the one already staged, or the build stops. A wheel built for the
+stable ABI (``abi3``: bcrypt's, cryptography's) loads on every CPython from its floor up,
+so it is installed once, for the oldest; the newer interpreters' rounds leave it out
+(cryptography publishes a cp38-abi3 and a cp311-abi3 build, which could not both be
+carried under the one name ``_rust.abi3.so``). The agent and worker archives are
+installed from implementation-independent wheels only (``py3-none-any``), so they hold
+no compiled module at all.
 
 Reproducible: the same commit and SOURCE_DATE_EPOCH give byte-identical files.
 SOURCE_DATE_EPOCH defaults to the commit time of HEAD. The staging tree is
@@ -85,18 +89,26 @@ class Machine:
     """A CPU architecture the control plane ships for, as `uname -m` names it."""
 
     name: str
-    # The manylinux tag wheels are chosen by: the oldest glibc they load on, and so the
+    # The glibc wheels are chosen for (manylinux_<glibc>_<name> and older), and so the
     # oldest system the archive runs on. psycopg2-binary publishes x86_64 wheels for
     # glibc 2.17 and aarch64 wheels for glibc 2.28.
-    wheel_platform: str
     glibc: str
     # ELF e_machine of its code (62 = x86-64, 183 = AArch64).
     elf_machine: int
 
+    def wheel_platforms(self) -> list[str]:
+        """Every manylinux tag a host with this glibc loads, newest first, as pip on such a
+        host would list them; pip's --platform takes only the tags it is given (cffi's
+        aarch64 wheels say glibc 2.17, and load on 2.28 all the same)."""
+        arch = self.name
+        newest = int(self.glibc.split(".")[1])
+        tags = [f"manylinux_2_{minor}_{arch}" for minor in range(newest, 16, -1)]
+        return [*tags, f"manylinux2014_{arch}"]  # the legacy name of manylinux_2_17
+
 
 MACHINES = {
-    "x86_64": Machine("x86_64", "manylinux_2_17_x86_64", "2.17", 62),
-    "aarch64": Machine("aarch64", "manylinux_2_28_aarch64", "2.28", 183),
+    "x86_64": Machine("x86_64", "2.17", 62),
+    "aarch64": Machine("aarch64", "2.28", 183),
 }
 
 
@@ -275,7 +287,8 @@ def wheel_tags(target: Target, python: str) -> list[str]:
         return ["--implementation", "py", "--abi", "none", "--platform", "any",
                 "--python-version", python]  # fmt: skip
     abi = "cp" + python.replace(".", "")
-    return ["--implementation", "cp", "--abi", abi, "--platform", target.machine.wheel_platform,
+    platforms = [arg for tag in target.machine.wheel_platforms() for arg in ("--platform", tag)]
+    return ["--implementation", "cp", "--abi", abi, *platforms,
             "--python-version", python]  # fmt: skip
 
 
@@ -330,6 +343,22 @@ def install_dependencies(
     run(argv, env=env)
 
 
+def stable_abi_distributions(staging: Path) -> tuple[str, ...]:
+    """The staged distributions whose wheel is built for the stable ABI only (every Tag line
+    ``cpXY-abi3-…``): one build that every CPython from cpXY up loads."""
+    names = []
+    for wheel in sorted(staging.glob("*.dist-info/WHEEL")):
+        tags = [
+            line.split(":", 1)[1].strip()
+            for line in wheel.read_text(encoding="utf-8").splitlines()
+            if line.startswith("Tag:")
+        ]
+        if tags and all(tag.split("-")[1] == "abi3" for tag in tags):
+            name = wheel.parent.name.removesuffix(".dist-info").rsplit("-", 1)[0]
+            names.append(name.lower().replace("_", "-"))
+    return tuple(sorted(names))
+
+
 def stage_dependencies(
     python: Path, target: Target, staging: Path, work: Path, index_url: str | None, pip_cache: Path
 ) -> None:
@@ -337,15 +366,16 @@ def stage_dependencies(
     install_dependencies(python, target, staging, index_url, pip_cache, PYTHONS[0])
     if target.machine is None:
         return
+    # Source-only packages are pure Python, and stable-ABI wheels load on every CPython
+    # from their floor up: both are installed once, above.
+    once = (*SDIST_ONLY, *stable_abi_distributions(staging))
+    log.info("%s: installed once for every CPython: %s", target.output, ", ".join(once))
     for version in PYTHONS[1:]:
         other = work / f"cp{version.replace('.', '')}"
         shutil.rmtree(other, ignore_errors=True)
         other.mkdir(parents=True)
-        # Source-only packages are pure Python (they are built once, above).
-        install_dependencies(
-            python, target, other, index_url, pip_cache, version, without=SDIST_ONLY
-        )
-        added = add_interpreter(staging, other, version, files_of(staging, SDIST_ONLY))
+        install_dependencies(python, target, other, index_url, pip_cache, version, without=once)
+        added = add_interpreter(staging, other, version, files_of(staging, once))
         log.info("%s: %d compiled module(s) for CPython %s", target.output, added, version)
         shutil.rmtree(other)
 

@@ -35,6 +35,11 @@ APPLIANCE_NEEDS = {
     "psycopg2",
     "bcrypt",
     "click",
+    # Work secrets are sealed with its AEAD; cffi and the rest are what it needs.
+    "cryptography",
+    "cffi",
+    "pycparser",
+    "typing_extensions",
 }
 APPLIANCE_MUST_NOT = {"pynvml", "docker", "requests", "urllib3", "modelforge_node_agent"}
 AGENT_NEEDS = {
@@ -223,6 +228,24 @@ def test_appliance_pyz_carries_the_control_plane_and_nothing_for_nodes(appliance
     names = top_level(appliance_pyz)
     assert names >= APPLIANCE_NEEDS, f"missing: {APPLIANCE_NEEDS - names}"
     assert not APPLIANCE_MUST_NOT & names, f"must not carry: {APPLIANCE_MUST_NOT & names}"
+
+
+@pytest.mark.parametrize("fixture", ["appliance_pyz", "foreign_appliance_pyz"])
+def test_control_plane_archive_carries_one_stable_abi_cryptography_for_every_python(
+    fixture, request
+):
+    """cryptography publishes a cp38-abi3 and a cp311-abi3 build under one module name; the
+    archive carries one, and it is the one CPython 3.10 loads too."""
+    files = archive_files(request.getfixturevalue(fixture))
+    rust = [name for name in files if re.search(r"/_rust[.][^/]*so$", name)]
+    assert rust == ["site-packages/cryptography/hazmat/bindings/_rust.abi3.so"]
+    (wheel,) = [n for n in files if re.fullmatch(r"site-packages/cryptography-[^/]+/WHEEL", n)]
+    tags = [
+        line.split()[1] for line in files[wheel].decode().splitlines() if line.startswith("Tag:")
+    ]
+    floors = {tag.split("-")[0] for tag in tags}
+    assert tags and all(tag.split("-")[1] == "abi3" for tag in tags), tags
+    assert all(int(floor.removeprefix("cp3")) <= 10 for floor in floors), floors
 
 
 def test_agent_pyz_carries_no_control_plane_dependencies(agent_pyz):

@@ -150,6 +150,31 @@ def test_staging_check_refuses_a_lone_cpython_module_and_any_compiled_agent_file
     assert agent and "the agent archive must hold none" in agent[0]
 
 
+def test_wheels_are_chosen_for_every_glibc_the_machine_loads():
+    """pip's --platform takes only the tags it is given: an aarch64 archive for glibc 2.28
+    must also accept wheels that say 2.17 (cffi's do)."""
+    arm = build.MACHINES["aarch64"].wheel_platforms()
+    assert arm[0] == "manylinux_2_28_aarch64" and arm[-2:] == [
+        "manylinux_2_17_aarch64",
+        "manylinux2014_aarch64",
+    ]
+    assert len(arm) == len(set(arm)) == 13
+    x86 = build.MACHINES["x86_64"].wheel_platforms()
+    assert x86 == ["manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+
+
+def test_stable_abi_wheels_are_found_by_their_tags(tmp_path):
+    for name, tags in (
+        ("cryptography-46.0.3", ["cp38-abi3-manylinux_2_28_aarch64"]),
+        ("psycopg2_binary-2.9.13", ["cp310-cp310-manylinux_2_28_aarch64"]),
+        ("Some_Thing-1.0", ["cp39-abi3-manylinux_2_17_x86_64", "cp39-abi3-manylinux2014_x86_64"]),
+    ):
+        (tmp_path / f"{name}.dist-info").mkdir()
+        lines = ["Wheel-Version: 1.0", *[f"Tag: {tag}" for tag in tags]]
+        (tmp_path / f"{name}.dist-info" / "WHEEL").write_text("\n".join(lines) + "\n")
+    assert build.stable_abi_distributions(tmp_path) == ("cryptography", "some-thing")
+
+
 def test_staging_check_refuses_code_for_another_machine():
     names = [
         f"psycopg2/_psycopg.cpython-3{minor}-aarch64-linux-gnu.so" for minor in (10, 11, 12, 13)
