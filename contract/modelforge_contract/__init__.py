@@ -166,6 +166,10 @@ WORK_TIMED_OUT = "WORK_TIMED_OUT"
 SMOKE_FAILED = "SMOKE_FAILED"
 CONTAINER_FAILED = "CONTAINER_FAILED"
 LEASE_EXPIRED = "LEASE_EXPIRED"
+# Sealed work secrets (docs/work.md): a submission's env cannot be sealed (503, nothing
+# queued), or an item's sealed env does not open for the node leasing it (the item fails).
+WORK_KEY_UNAVAILABLE = "WORK_KEY_UNAVAILABLE"
+WORK_SECRET_UNREADABLE = "WORK_SECRET_UNREADABLE"
 WORKER_ERROR = "WORKER_ERROR"
 # 429 with Retry-After: a node claimed faster than MODELFORGE_WORK_CLAIMS_PER_SECOND.
 CLAIM_RATE_LIMITED = "CLAIM_RATE_LIMITED"

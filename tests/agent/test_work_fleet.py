@@ -9,6 +9,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
+from modelforge_appliance.core.sealing import WorkKeys
 from modelforge_appliance.store.tables import AuditEvent, WorkLease
 from modelforge_appliance.work import items, leases
 from tests.harness.agent_process import wait_until
@@ -72,7 +73,10 @@ def test_a_thousand_items_on_ten_agents_complete_exactly_once(settings, tmp_path
         submission = items.Submission("smoke", {"matrix_size": 2}, items.normalise_constraints({}),
                                      60, 3, None)  # fmt: skip
         work_ids = {
-            items.submit_work(cp.store, submission, "test").item.work_id for _ in range(ITEMS)
+            items.submit_work(
+                cp.store, submission, "test", WorkKeys.of(cp.settings.state_dir)
+            ).item.work_id
+            for _ in range(ITEMS)
         }
         nodes = []
         try:

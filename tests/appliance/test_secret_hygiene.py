@@ -2,12 +2,14 @@
 
 A real ``modelforge serve`` process logs at DEBUG; afterwards its log, the raw store
 (the SQLite file with its WAL, or a pg_dump) and every admin answer after the minting
-ones are searched for every secret that was minted.
+ones are searched for every secret that was minted, and for a work item's env value, which
+the store keeps sealed (docs/work.md, "Secrets"; tests/appliance/test_work_secrets.py).
 """
 
 from __future__ import annotations
 
 import json
+import secrets as secrets_module
 import subprocess
 from pathlib import Path
 
@@ -64,6 +66,18 @@ def run_scenario(url: str, admin_token: str) -> tuple[list[str], list[str]]:
         "health": {"status": "ok", "gpu_probe": "not_applicable"},
     }
     assert requests.post(f"{url}/api/v1/agent/heartbeat", json=beat, headers=auth, timeout=10).ok
+    # A work item's env value is a secret the control plane keeps (sealed) for a node.
+    hf_token = f"hf_secret_0{secrets_module.token_hex(16)}"
+    secrets.append(hf_token)
+    job = {"image": "trainer:1.4", "image_id": "sha256:" + "4f" * 32, "env": {"HF": hf_token}}
+    submitted = requests.post(
+        f"{url}/api/v1/admin/work",
+        json={"capability": "container", "input": job},
+        headers=admin,
+        timeout=10,
+    )
+    assert submitted.status_code == 201, submitted.text
+    work_id = submitted.json()["work_id"]
 
     second = enroll(mint(), identity).json()
     secrets.append(second["credential"])
@@ -88,7 +102,7 @@ def run_scenario(url: str, admin_token: str) -> tuple[list[str], list[str]]:
         ),
     ]
     assert all(400 <= r.status_code < 500 for r in refusals)
-    answers = [response.text for response in refusals]
+    answers = [submitted.text] + [response.text for response in refusals]
     for path in (
         "node-enrollments",
         "hardware/nodes",
@@ -97,6 +111,8 @@ def run_scenario(url: str, admin_token: str) -> tuple[list[str], list[str]]:
         f"hardware/nodes/{node_id}/readiness",
         "alerts",
         "audit-events?limit=500",
+        "work",
+        f"work/{work_id}",
     ):
         answers.append(requests.get(f"{url}/api/v1/admin/{path}", headers=admin, timeout=10).text)
     metrics = requests.get(f"{url}/metrics", headers=admin, timeout=10)

@@ -127,6 +127,15 @@ def wait_online(url: str, token: str, hostname: str, agent: subprocess.Popen, lo
     pytest.fail(f"the node never came online (last seen: {node}):\n{log.read_text()}")
 
 
+def seal_work_secret(host: Host, env: dict[str, str]) -> None:
+    """``work submit`` of a container item with an env value: the archive's cryptography
+    seals it (the answer shows it masked)."""
+    job = {"image": "trainer:1.4", "image_id": "sha256:" + "4f" * 32, "env": {"T": "secret"}}
+    argv = ["./modelforge.pyz", "work", "submit", "container", "--input", json.dumps(job)]
+    submitted = json.loads(ok(host.run([*argv, "--json"], env)))
+    assert submitted["input"]["env"] == {"T": "<sealed>"}
+
+
 @pytest.mark.parametrize("suite", sorted(RELEASES))
 def test_archives_run_on_debian_with_its_own_python3(
     suite, debian, appliance_pyz, agent_pyz, tmp_path
@@ -154,6 +163,8 @@ def test_archives_run_on_debian_with_its_own_python3(
         loaded = ok(host.run(["python3", "-I", "-c", probe, inside], {}))
         tag = RELEASES[suite].replace(".", "")
         assert f"_psycopg.cpython-{tag}-{HOST_MACHINE}-linux-gnu.so" in loaded
+        # So does its stable-ABI cryptography, which seals a work item's env.
+        seal_work_secret(host, env)
 
         port = free_port()
         listen = ["--listen", f"127.0.0.1:{port}"]
@@ -221,6 +232,7 @@ def test_the_other_machines_archive_under_qemu(
 
     token = json.loads(ok(host.run(["./modelforge.pyz", "init", "--json"], env)))["admin_token"]
     assert token.startswith("mfa_")
+    seal_work_secret(host, env)
     port = free_port()
     log = tmp_path / "serve.log"
     server = host.start(["./modelforge.pyz", "serve", "--listen", f"127.0.0.1:{port}"], env, log)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
+import sqlite3
 import stat
 import subprocess
 import time
@@ -17,7 +19,13 @@ from pathlib import Path
 import pytest
 import requests
 
-from modelforge_contract import HEADER_ADMIN_TOKEN, PATH_ADMIN_ENROLLMENTS, PATH_ADMIN_NODES
+from modelforge_appliance.core import sealing
+from modelforge_contract import (
+    HEADER_ADMIN_TOKEN,
+    PATH_ADMIN_ENROLLMENTS,
+    PATH_ADMIN_NODES,
+    PATH_ADMIN_WORK,
+)
 from tests.harness.control_plane import clean_env, free_port, wait_until_answering
 
 from .conftest import pyz_command, stop
@@ -30,6 +38,7 @@ class ServedAppliance:
     install_dir: Path
     install_listing: list[str]
     shiv_root: Path
+    state_dir: Path
 
     def admin(self, method: str, path: str, **kwargs) -> requests.Response:
         headers = {HEADER_ADMIN_TOKEN: self.admin_token}
@@ -100,6 +109,7 @@ def served_appliance(appliance_pyz, tmp_path_factory) -> Iterator[ServedApplianc
             install_dir=installed.parent,
             install_listing=[installed.name],
             shiv_root=base / "cache",
+            state_dir=base / "state",
         )
     finally:
         stop(process)
@@ -115,6 +125,29 @@ def test_appliance_pyz_serves_healthz_from_a_read_only_copy(served_appliance):
     assert stat.S_IMODE(served_appliance.install_dir.stat().st_mode) == 0o555
     unpacked = [path.name for path in served_appliance.shiv_root.iterdir() if path.is_dir()]
     assert [name for name in unpacked if name.startswith("modelforge.pyz_")], unpacked
+
+
+def test_appliance_pyz_seals_work_secrets_with_the_cryptography_it_carries(served_appliance):
+    """The archive's own compiled cryptography seals a submitted env value; the key it made
+    in the state directory (0600) opens it here, and no answer shows it."""
+    token = f"hf_secret_0{secrets.token_hex(16)}"
+    item = {"image": "trainer:1.4", "image_id": "sha256:" + "4f" * 32, "env": {"HF_TOKEN": token}}
+    submitted = served_appliance.admin(
+        "POST", PATH_ADMIN_WORK, json={"capability": "container", "input": item}
+    )
+    assert submitted.status_code == 201, submitted.text
+    assert token not in submitted.text and submitted.json()["input"]["env"] == {
+        "HF_TOKEN": "<sealed>"
+    }
+    key_file = served_appliance.state_dir / sealing.WORK_KEY_FILE
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    work_id = submitted.json()["work_id"]
+    with sqlite3.connect(served_appliance.state_dir / "modelforge.sqlite3") as conn:
+        (stored,) = conn.execute("SELECT input FROM work_item WHERE work_id = ?", (work_id,))
+    sealed = json.loads(stored[0])["env"]["HF_TOKEN"]
+    assert token not in stored[0] and sealing.is_sealed(sealed)
+    context = f"work-item:{work_id}:input.env.HF_TOKEN"
+    assert sealing.WorkKeys(key_file).open(sealed, context) == token
 
 
 def test_agent_pyz_enrolls_in_cpu_mode_and_comes_online(served_appliance, agent_pyz, tmp_path):

@@ -6,6 +6,7 @@ import bottle
 
 from modelforge_contract import PATH_ADMIN_WORK, PATH_ADMIN_WORK_CANCEL, PATH_ADMIN_WORK_ITEM
 
+from ..core.sealing import WorkKeys
 from ..core.validation import SUBMIT_WORK_FIELDS
 from ..web.auth import ADMIN
 from ..web.http import ApiContext, json_response, query_int
@@ -19,7 +20,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     @app.post(PATH_ADMIN_WORK, auth=ADMIN)
     def submit(actor: str):
         submission = items.submission_from(context.body(SUBMIT_WORK_FIELDS), settings)
-        submitted = items.submit_work(store, submission, actor)
+        submitted = items.submit_work(store, submission, actor, WorkKeys.of(settings.state_dir))
         return json_response(items.work_view(submitted.item), 201 if submitted.created else 200)
 
     @app.get(PATH_ADMIN_WORK, auth=ADMIN)

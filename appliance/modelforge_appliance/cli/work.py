@@ -19,6 +19,7 @@ from modelforge_contract import (
 )
 
 from ..core.errors import ApiError, NotFound
+from ..core.sealing import WorkKeys
 from ..core.validation import SUBMIT_WORK_FIELDS, check_object
 from ..store import audit
 from ..store.tables import Node, WorkItem
@@ -168,7 +169,9 @@ def submit(
     try:
         fields = check_object({k: v for k, v in body.items() if v is not None}, SUBMIT_WORK_FIELDS)
         submission = items.submission_from(fields, obj.settings)
-        submitted = items.submit_work(store, submission, audit.CLI_ACTOR)
+        submitted = items.submit_work(
+            store, submission, audit.CLI_ACTOR, WorkKeys.of(obj.settings.state_dir)
+        )
     except ApiError as exc:
         raise _refused(exc) from None
     item = items.work_view(submitted.item)

@@ -16,6 +16,13 @@ so no name planted beside the destination is ever followed or removed.
 
 PostgreSQL stores are backed up with ``pg_dump``; ``save_finality`` and ``restore_finality``
 carry the record across the ``pg_restore`` (docs/runbooks/backup-restore.md).
+
+Work items' secrets are sealed with the state directory's work key (core/sealing.py), which
+is not in the store: a backup holds only their ciphertext. ``backup(include_work_key=True)``
+also writes the key file beside the backup (``PATH.work-key``, mode 0600); ``restore`` adds
+the keys of such a file, when it lies beside the backup, to the state directory's. Both say
+how many unfinished items hold sealed values and whether the keys they need are there; an
+item whose key is missing fails when it is leased (work/leases.py), never silently.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ from typing import Any
 
 import peewee as pw
 
-from modelforge_contract.files import fsync_directory
+from modelforge_contract.files import fsync_directory, write_atomically
 
+from ..core import sealing
 from ..core.clock import Clock
 from ..core.settings import ConfigError, Settings
 from . import audit, finality, statelock
@@ -221,7 +229,73 @@ def _writable_destination(destination: Path, what: str) -> Path:
     return destination
 
 
-def backup(settings: Settings, destination: Path, force: bool = False) -> dict[str, Any]:
+WORK_KEY_SUFFIX = ".work-key"
+# Only items that can still be leased need their secrets opened again.
+_UNFINISHED_INPUTS_SQL = "SELECT input FROM work_item WHERE state IN ('queued', 'leased')"
+
+
+def work_key_beside(backup_file: Path) -> Path:
+    """Where ``backup --include-work-key`` puts the key file, and where restore looks."""
+    return backup_file.with_name(backup_file.name + WORK_KEY_SUFFIX)
+
+
+def work_secrets(inputs: list[str], held: list[str]) -> dict[str, Any]:
+    """What the unfinished items' stored inputs need: which work keys, and whether ``held``
+    (the key ids there are) opens them; counts and key ids only, never a value."""
+    needing: dict[str, int] = {}
+    items = unreadable = 0
+    for text in inputs:
+        ids = sealing.key_ids_in(text or "")
+        items += bool(ids)
+        unreadable += bool(ids - set(held))
+        for key_id in ids:
+            needing[key_id] = needing.get(key_id, 0) + 1
+    return {
+        "unfinished_items_with_secrets": items,
+        "unfinished_items_unreadable": unreadable,
+        "key_ids_needed": sorted(needing),
+        "key_ids_missing": sorted(set(needing) - set(held)),
+    }
+
+
+def held_key_ids(settings: Settings) -> list[str]:
+    """The ids of the keys the state directory's work key file holds (none if unreadable:
+    the reason is logged, and every sealed item then counts as unreadable)."""
+    try:
+        return sealing.WorkKeys.of(settings.state_dir).key_ids()
+    except sealing.SealingError as exc:
+        log.warning("%s", exc)
+        return []
+
+
+def _unfinished_inputs(path: Path) -> list[str]:
+    conn = _open_read_only(path)
+    try:
+        return [text for (text,) in conn.execute(_UNFINISHED_INPUTS_SQL)]
+    finally:
+        conn.close()
+
+
+def _copy_work_key(settings: Settings, destination: Path) -> dict[str, Any]:
+    """The state directory's work key file, written beside the backup (0600, atomically)."""
+    beside = work_key_beside(destination)
+    try:
+        keys = sealing.WorkKeys.of(settings.state_dir).keys()
+    except sealing.SealingError as exc:
+        raise RestoreRefused(f"the work key cannot be included: {exc}") from None
+    if not keys:
+        beside.unlink(missing_ok=True)  # no secret was ever sealed: nothing to include
+        return {"included": False, "path": None, "key_ids": []}
+    try:
+        write_atomically(beside, sealing.render_keys(keys), mode=0o600)
+    except OSError as exc:
+        raise RestoreRefused(f"cannot write the work key to {beside}: {exc.strerror}") from None
+    return {"included": True, "path": str(beside), "key_ids": [k.key_id for k in keys]}
+
+
+def backup(
+    settings: Settings, destination: Path, force: bool = False, include_work_key: bool = False
+) -> dict[str, Any]:
     source = sqlite_path(settings)
     destination = _writable_destination(destination, "backup")
     if _is_store_file(source, destination):
@@ -248,10 +322,19 @@ def backup(settings: Settings, destination: Path, force: bool = False) -> dict[s
             ) from None
         except sqlite3.Error as exc:
             raise RestoreRefused(f"the backup to {destination} failed: {exc}") from None
+        if include_work_key:
+            work_key = _copy_work_key(settings, destination)
+        else:
+            # A key left beside an earlier backup of this name must not pass for this one's.
+            work_key_beside(destination).unlink(missing_ok=True)
+            work_key = {"included": False, "path": None, "key_ids": []}
+    held = held_key_ids(settings)
     return {
         "backup": str(destination),
         "bytes": destination.stat().st_size,
         "schema_version": _check_backup(destination, destination),
+        "work_key": work_key,
+        "work_secrets": work_secrets(_unfinished_inputs(destination), held),
     }
 
 
@@ -382,6 +465,14 @@ def restore(
     if _is_store_file(target, source):
         raise RestoreRefused(f"{source} is the store itself; name a backup file")
     _check_backup(source, source)  # refuse a wrong file before asking anyone to stop
+    key_file = work_key_beside(source)
+    backup_keys: list[sealing.Key] = []
+    if key_file.is_file():
+        try:
+            backup_keys = sealing.read_key_file(key_file)
+        except sealing.SealingError as exc:
+            raise RestoreRefused(f"{exc}; or move it away to restore without it") from None
+    work_keys = sealing.WorkKeys.of(settings.state_dir)
     with statelock.held(settings, exclusive=True):
         reached_stage("locked")
         clear_interrupted_restore(settings)
@@ -400,7 +491,14 @@ def restore(
             # What is checked is what is restored: the copy, not the name it came from.
             version = _check_backup(staged, source)
             carried = _prepare(staged, source, version, record, password, clock)
+            inputs = _unfinished_inputs(staged)
             reached_stage("prepared")
+            # Keys only ever join the file: an extra key, should the restore stop here, opens
+            # nothing that was not sealed with it.
+            try:
+                added = work_keys.add(backup_keys)
+            except sealing.SealingError as exc:
+                raise RestoreRefused(f"{exc}; the store was not replaced") from None
             _fold_wal(target)
             reached_stage("folded")
             os.replace(staged, target)
@@ -417,6 +515,12 @@ def restore(
             "entries": carried.record_entries,
             "carried_from_current_store": carried.carried,
         },
+        "work_key": {
+            "path": str(work_keys.path),
+            "from_backup": str(key_file) if backup_keys else None,
+            "key_ids_added": added,
+        },
+        "work_secrets": work_secrets(inputs, held_key_ids(settings)),
     }
 
 
@@ -474,6 +578,8 @@ def restore_finality(settings: Settings, path: Path, clock: Clock) -> dict[str, 
                     finality_record_entries=carried.record_entries,
                     finality_carried=carried.carried,
                 )
+            with store.connection():
+                inputs = [text for (text,) in store.db.execute_sql(_UNFINISHED_INPUTS_SQL)]
         except pw.PeeweeException as exc:
             raise RestoreRefused(
                 f"the finality record could not be carried into {redact_url(store.url)} ({exc})"
@@ -484,4 +590,5 @@ def restore_finality(settings: Settings, path: Path, clock: Clock) -> dict[str, 
         "restored_from": str(path),
         "made_final": carried.made_final,
         "finality_record": {"entries": carried.record_entries, "carried": carried.carried},
+        "work_secrets": work_secrets(inputs, held_key_ids(settings)),
     }

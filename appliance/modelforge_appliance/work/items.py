@@ -22,6 +22,7 @@ from modelforge_contract import (
     FIELD_RANGE,
     WORK_CANCELLED,
     WORK_FINISHED,
+    WORK_KEY_UNAVAILABLE,
     WORK_LEASED,
     WORK_QUEUED,
     WORK_STATES,
@@ -29,12 +30,14 @@ from modelforge_contract import (
 from modelforge_contract import containers as fence
 
 from ..core.clock import isoformat
-from ..core.errors import Conflict, Invalid, NotFound
+from ..core.errors import Conflict, Invalid, NotFound, StoreUnavailable
+from ..core.sealing import SealingError, WorkKeys
 from ..core.settings import Settings
 from ..core.validation import CAPABILITY_INPUT_FIELDS, check_object
 from ..store import audit
 from ..store.database import Store
 from ..store.tables import WorkItem, WorkLease
+from .sealed_input import masked_input, seal_input
 
 DEFAULT_TIMEOUT_SECONDS = 600
 DEFAULT_MAX_ATTEMPTS = 3
@@ -197,7 +200,8 @@ def work_view(row: WorkItem) -> dict[str, Any]:
         "completed_by_credential_id": row.completed_by_credential_id,
         "lease_id": row.lease_id if row.state == WORK_LEASED else None,
         "lease_expires_at": isoformat(row.lease_expires_at) if row.state == WORK_LEASED else None,
-        "input": _load(row.input),
+        # Secret values (env) are never answered after submission, not even this once.
+        "input": masked_input(row.capability, _load(row.input)),
         "constraints": _load(row.constraints),
         "timeout_seconds": row.timeout_seconds,
         "idempotency_key": row.idempotency_key,
@@ -217,8 +221,12 @@ class Submitted:
     created: bool  # False: the idempotency key named an item that already existed
 
 
-def submit_work(store: Store, submission: Submission, actor: str) -> Submitted:
-    """Queue an item; the same idempotency key again returns the first item, never a second."""
+def submit_work(store: Store, submission: Submission, actor: str, work_keys: WorkKeys) -> Submitted:
+    """Queue an item; the same idempotency key again returns the first item, never a second.
+
+    Its secret input values are sealed for it with ``work_keys`` (sealed_input.py) before
+    anything is written: the store never holds them in clear.
+    """
     key = submission.idempotency_key
     if key is not None:
         existing = _by_key(store, key)
@@ -228,11 +236,20 @@ def submit_work(store: Store, submission: Submission, actor: str) -> Submitted:
     now = store.clock.now()
     work_id = str(uuid.uuid4())
     try:
+        stored_input = seal_input(submission.capability, submission.input, work_id, work_keys)
+    except SealingError as exc:
+        raise StoreUnavailable(
+            f"the item's secrets cannot be sealed: {exc}",
+            code=WORK_KEY_UNAVAILABLE,
+            next_step="Fix the work key file as the message says, then submit again; "
+            "nothing was queued.",
+        ) from None
+    try:
         with store.write():
             row = WorkItem.create(
                 work_id=work_id,
                 capability=submission.capability,
-                input=dump(submission.input),
+                input=dump(stored_input),
                 constraints=dump(constraints),
                 gpu_count=constraints["gpu_count"],
                 min_gpu_memory_bytes=constraints["min_gpu_memory_bytes"],

@@ -24,10 +24,12 @@ from modelforge_contract import (
     WORK_LOG_TAIL_MAX_CHARS,
     WORK_QUEUED,
     WORK_RESULT_MAX_BYTES,
+    WORK_SECRET_UNREADABLE,
 )
 
 from ..core.clock import isoformat
 from ..core.errors import Conflict, Invalid
+from ..core.sealing import SealingError, WorkKeys
 from ..core.settings import Settings
 from ..identity.credentials import Caller
 from ..store import audit
@@ -43,6 +45,7 @@ from .placement import (
     scan_candidates,
     work_slots,
 )
+from .sealed_input import SealedInputUnreadable, open_input
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +197,14 @@ def _lease(
     capability, given, timeout_seconds, attempt = _execute(
         store, _LEASED_SQL, (item.work_id,)
     ).fetchone()
+    try:
+        # The only place a secret is opened: for the answer to the node that won the item.
+        opened = open_input(
+            capability, json.loads(given), item.work_id, WorkKeys.of(settings.state_dir)
+        )
+    except (SealedInputUnreadable, SealingError) as exc:
+        _fail_unreadable(store, node_id, item.work_id, lease_id, now, exc)
+        return None
     _execute(
         store,
         _NEW_LEASE_SQL,
@@ -217,8 +228,47 @@ def _lease(
         lease_seconds=settings.work_lease_seconds,
         attempt=attempt,
         capability=capability,
-        input=json.loads(given),
+        input=opened,
         timeout_seconds=timeout_seconds,
+    )
+
+
+_UNREADABLE_SQL = (
+    "UPDATE work_item SET state = 'failed', finished_at = ?, error = ?, node_id = NULL, "
+    "lease_credential_id = NULL, lease_expires_at = NULL, attempts = attempts - 1 "
+    "WHERE work_id = ? AND lease_id = ?"
+)
+
+
+def _fail_unreadable(
+    store: Store,
+    node_id: str,
+    work_id: str,
+    lease_id: str,
+    now: float,
+    exc: SealedInputUnreadable | SealingError,
+) -> None:
+    """Fail, in the claim's transaction, an item whose sealed input does not open here: it
+    fails closed and says why, instead of reaching a node without its secrets (or staying
+    queued for every claim to trip on). No node got it, so no attempt is counted."""
+    what = str(exc) if isinstance(exc, SealedInputUnreadable) else f"sealed input: {exc}"
+    message = (
+        f"the item's {what}; it was not handed to any node. Put back the work key file it "
+        "was sealed with (docs/work.md, 'Secrets'), or submit the item again."
+    )
+    error = {"code": WORK_SECRET_UNREADABLE, "message": message}
+    _execute(store, _UNREADABLE_SQL, (now, dump(error), work_id, lease_id))
+    audit.record(
+        store,
+        "control-plane",
+        "work.secret_unreadable",
+        node_id=node_id,
+        work_id=work_id,
+        field=getattr(exc, "field", None),
+        key_id=getattr(exc, "key_id", None),
+    )
+    log.warning(
+        "work %s failed without reaching a node (%s): %s", work_id, WORK_SECRET_UNREADABLE, exc
     )
 
 
