@@ -188,6 +188,9 @@ class Publisher:
         self._ignored_interval: object = None
         self._lock = threading.Lock()
         self.republish = RepublishRequests()  # what the heartbeat answer asks for again
+        # Telemetry names only the GPUs of the inventory the control plane holds: it waits
+        # for the first inventory to be accepted.
+        self.inventory_published = threading.Event()
 
     # -- shared ------------------------------------------------------------------
 
@@ -303,6 +306,7 @@ class Publisher:
                 if self._publish("PUT", PATH_AGENT_INVENTORY, lambda body=inventory: body) is None:
                     return
                 published, published_at = _fingerprint(inventory), time.monotonic()
+                self.inventory_published.set()
                 log.info("inventory published: %d accelerator(s)", len(inventory["accelerators"]))
             interval = self.settings.inventory_interval_seconds
             if self.republish.wait(REPUBLISH_INVENTORY, self.stop, interval):
@@ -314,6 +318,11 @@ class Publisher:
         return {"node_id": self.state.node_id, "samples": samples}
 
     def telemetry_loop(self) -> None:
+        # The control plane keeps a node's telemetry at most once per its
+        # MODELFORGE_TELEMETRY_MIN_INTERVAL_SECONDS (5 s by default; faster ones are dropped).
+        while not self.inventory_published.wait(0.5):
+            if self.stop.is_set():
+                return
         while True:
             try:
                 if self._publish("POST", PATH_AGENT_TELEMETRY, self.telemetry_body) is None:

@@ -104,6 +104,8 @@ READINESS_CHECKS = (
 ALERT_NODE_OFFLINE = "node_offline"
 ALERT_NODE_STALE = "node_stale"
 ALERT_HOSTNAME_CONFLICT = "hostname_conflict"
+# A node published telemetry faster than the control plane keeps it (the surplus is dropped).
+ALERT_TELEMETRY_FLOOD = "telemetry_flood"
 HEALTH_STATUSES = ("ok", "degraded", "failing")
 
 # Agents republish an unchanged inventory this often; the control plane's
@@ -140,6 +142,9 @@ CONFIRMATION_INVALID = "CONFIRMATION_INVALID"
 CONFIRMATION_USED = "CONFIRMATION_USED"
 CONFIRMATION_STALE = "CONFIRMATION_STALE"
 INVENTORY_EMPTY = "INVENTORY_EMPTY"
+# Telemetry must name the GPUs of the node's stored inventory, each once.
+TELEMETRY_GPU_UNKNOWN = "TELEMETRY_GPU_UNKNOWN"
+TELEMETRY_GPU_DUPLICATE = "TELEMETRY_GPU_DUPLICATE"
 STORE_UNAVAILABLE = "STORE_UNAVAILABLE"
 # The connection front's own refusals (503 with Retry-After).
 SERVER_BUSY = "SERVER_BUSY"
@@ -311,6 +316,8 @@ AGENT_ENV_FILE = "/etc/modelforge/modelforge-node-agent.env"
 AGENT_STATE_DIR = "/var/lib/modelforge-node-agent"
 AGENT_PYZ_PATH = "/opt/modelforge/modelforge-node-agent.pyz"
 AGENT_SERVICE = "modelforge-node-agent"
+# The runtime worker beside it (systemd/modelforge-runtime-worker.service).
+WORKER_SERVICE = "modelforge-runtime-worker"
 
 # -- secrets ----------------------------------------------------------------
 # A secret reads "<kind>_<lookup id>_<random>". The lookup id is not secret and
@@ -332,8 +339,6 @@ def split_secret(value: str, kind: str) -> tuple[str, str] | None:
     """Return (lookup_id, whole_value) when value is a well-formed secret of kind."""
     match = _SECRET_RE.fullmatch(value.strip()) if isinstance(value, str) else None
     if match is None or match.group(1) != kind:
-# The runtime worker beside it (systemd/modelforge-runtime-worker.service).
-WORKER_SERVICE = "modelforge-runtime-worker"
         return None
     return match.group(2), match.group(0)
 

@@ -21,6 +21,7 @@ MODELS = [
     tables.ConsoleSession,
     tables.SignInThrottle,
     tables.GpuSample,
+    tables.TelemetryFlood,
     tables.WorkItem,
     tables.WorkLease,
 ]

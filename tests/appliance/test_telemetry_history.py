@@ -29,10 +29,29 @@ def sample(index: int, utilization: int, uuid_prefix: str = "GPU") -> dict:
     }
 
 
+def accelerator(index: int, uuid_prefix: str = "GPU") -> dict:
+    return {
+        "index": index,
+        "name": "NVIDIA H100 80GB HBM3",
+        "uuid": f"{uuid_prefix}-{index}",
+        "memory_total_bytes": 80 * 2**30,
+        "driver_version": "550.54.15",
+        "pci_bus_id": f"00000000:{index + 16:02x}:00.0",
+    }
+
+
+def publish_inventory(cp, node_id: str, credential: str, gpus: int, uuid_prefix="GPU") -> None:
+    accelerators = [accelerator(i, uuid_prefix) for i in range(gpus)]
+    body = {"node_id": node_id, "agent_version": "0.1.0", "accelerators": accelerators}
+    response = cp.agent("PUT", "/api/v1/agent/inventory", credential, json=body)
+    assert response.status_code == 200, response.text
+
+
 def test_history_answers_each_gpus_samples_since_a_time(clocked_control_plane, clock):
     cp = clocked_control_plane
     enrolled = cp.enroll(cp.mint()["token"], accelerator_mode="nvidia").json()
     node_id, credential = enrolled["node_id"], enrolled["credential"]
+    publish_inventory(cp, node_id, credential, gpus=2)
     start = clock.now()
     for step in range(4):
         published = cp.agent(

@@ -101,7 +101,9 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     @app.get(PATH_ADMIN_NODE, auth=ADMIN)
     def one_node(node_id: str):
         node = nodes.get_node(store, node_id)
-        return json_response(nodes.node_view(node, clock.now(), settings))
+        view = nodes.node_view(node, clock.now(), settings)
+        # What its telemetry floods cost it (publications and samples dropped, never stored).
+        return json_response({**view, "telemetry_dropped": context.telemetry.dropped(node_id)})
 
     @app.get(PATH_ADMIN_NODE_READINESS, auth=ADMIN)
     def node_readiness(node_id: str):

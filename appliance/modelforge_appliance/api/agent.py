@@ -81,12 +81,14 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         fields, caller = agent.fields, agent.caller
         protocol = agent.protocol
         metrics.heartbeats.inc()
-        at = heartbeats.record(
+        at, held = heartbeats.record(
             caller,
             agent_version=fields["agent_version"],
             protocol=protocol,
             health=fields["health"],
         )
+        if not held:  # faster than the interval allows: answered all the same
+            metrics.heartbeats_unwritten.inc()
         return json_response(
             {
                 "server_time": isoformat(at),
@@ -106,5 +108,14 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     @app.post(PATH_AGENT_TELEMETRY, auth=AGENT, body=Body(TELEMETRY_FIELDS))
     def telemetry(agent: AgentCall):
         fields, caller = agent.fields, agent.caller
-        at = context.telemetry.record(caller, fields["samples"], source_address())
-        return json_response({"server_time": isoformat(at), "compatibility": COMPATIBLE})
+        samples = fields["samples"]
+        published = context.telemetry.publish(caller, samples, source_address())
+        if not published.stored:  # faster than MODELFORGE_TELEMETRY_MIN_INTERVAL_SECONDS
+            metrics.telemetry_dropped.labels(caller.node_id).inc(len(samples))
+        return json_response(
+            {
+                "server_time": isoformat(published.at),
+                "stored": published.stored,
+                "compatibility": COMPATIBLE,
+            }
+        )

@@ -100,6 +100,19 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "are pruned in bounded batches.",
     ),
     SettingSpec(
+        "MODELFORGE_TELEMETRY_MAX_SAMPLES_PER_NODE",
+        "100000",
+        "The most telemetry samples (one per GPU per publication) kept for one node, whatever "
+        "their age; past it the node's oldest are deleted first.",
+    ),
+    SettingSpec(
+        "MODELFORGE_TELEMETRY_MIN_INTERVAL_SECONDS",
+        "5",
+        "A node's telemetry is kept at most once per this many seconds (with a burst of 3); "
+        "faster publications are answered but dropped, counted, and raise a telemetry_flood "
+        "alert. Must be less than MODELFORGE_TELEMETRY_MAX_AGE_SECONDS.",
+    ),
+    SettingSpec(
         "MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS",
         "1800",
         "A console session unused for this long is signed out.",
@@ -269,6 +282,8 @@ class Settings:
     idle_timeout_seconds: int
     request_timeout_seconds: int
     telemetry_retention_seconds: int = 86400
+    telemetry_max_samples_per_node: int = 100_000
+    telemetry_min_interval_seconds: int = 5
     session_idle_seconds: int = 1800
     session_max_seconds: int = 43200
     release_manifest: Path | None = None
@@ -463,6 +478,15 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
             f"MODELFORGE_CONSOLE_SESSION_IDLE_SECONDS ({session_idle})"
         )
     manifest = value(env, "MODELFORGE_RELEASE_MANIFEST")
+
+    telemetry_max_age = integer(env, "MODELFORGE_TELEMETRY_MAX_AGE_SECONDS", 10, 86400)
+    telemetry_min_interval = integer(env, "MODELFORGE_TELEMETRY_MIN_INTERVAL_SECONDS", 1, 3600)
+    if telemetry_min_interval >= telemetry_max_age:
+        raise ConfigError(
+            f"MODELFORGE_TELEMETRY_MIN_INTERVAL_SECONDS ({telemetry_min_interval}) must be less "
+            f"than MODELFORGE_TELEMETRY_MAX_AGE_SECONDS ({telemetry_max_age}), or a node "
+            "publishing as often as it is kept could never be ready"
+        )
     container_max = {
         "pids": integer(env, "MODELFORGE_WORK_CONTAINER_MAX_PIDS", fence.PIDS_MIN, 4_194_304),
         "memory": integer(
@@ -486,7 +510,7 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         inventory_max_age_seconds=integer(
             env, "MODELFORGE_INVENTORY_MAX_AGE_SECONDS", INVENTORY_REFRESH_SECONDS + 1, 7 * 86400
         ),
-        telemetry_max_age_seconds=integer(env, "MODELFORGE_TELEMETRY_MAX_AGE_SECONDS", 10, 86400),
+        telemetry_max_age_seconds=telemetry_max_age,
         max_body_bytes=max_body,
         work_lease_seconds=integer(env, "MODELFORGE_WORK_LEASE_SECONDS", 5, 3600),
         work_input_max_bytes=integer(env, "MODELFORGE_WORK_INPUT_MAX_BYTES", 256, 1024 * 1024),
@@ -502,6 +526,10 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         telemetry_retention_seconds=integer(
             env, "MODELFORGE_TELEMETRY_RETENTION_SECONDS", 300, 90 * 86400
         ),
+        telemetry_max_samples_per_node=integer(
+            env, "MODELFORGE_TELEMETRY_MAX_SAMPLES_PER_NODE", 1000, 10**9
+        ),
+        telemetry_min_interval_seconds=telemetry_min_interval,
         session_idle_seconds=session_idle,
         session_max_seconds=session_max,
         release_manifest=Path(manifest).expanduser().absolute() if manifest else None,

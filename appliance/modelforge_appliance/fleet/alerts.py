@@ -1,8 +1,9 @@
-"""Alerts derived from liveness and hostnames, computed when read.
+"""Alerts derived from liveness, hostnames and telemetry floods, computed when read.
 
 Computing them from the same timestamps as liveness keeps the two consistent: a
 ``node_offline`` alert exists exactly while the node reads ``offline``, and clears
-when it heartbeats again.
+when it heartbeats again. A ``telemetry_flood`` exists while the node's last dropped
+publication is younger than ``telemetry.flood_clear_seconds``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from modelforge_contract import (
     ALERT_HOSTNAME_CONFLICT,
     ALERT_NODE_OFFLINE,
     ALERT_NODE_STALE,
+    ALERT_TELEMETRY_FLOOD,
     OFFLINE,
     STALE,
 )
@@ -23,6 +25,7 @@ from ..core.settings import Settings
 from ..store.database import Store
 from ..store.tables import Node
 from .nodes import liveness_of
+from .telemetry import active_floods
 
 
 def active_alerts(store: Store, settings: Settings) -> list[dict[str, Any]]:
@@ -71,7 +74,33 @@ def active_alerts(store: Store, settings: Settings) -> list[dict[str, Any]]:
             )
             alert["node_ids"] = [n.node_id for n in claimants]
             alerts.append(alert)
+    alerts += _telemetry_floods(store, settings, {node.node_id: node for node in enabled})
     return alerts
+
+
+def _telemetry_floods(
+    store: Store, settings: Settings, enabled: dict[str, Node]
+) -> list[dict[str, Any]]:
+    """One alert per flooding node, however many publications it drops."""
+    found = []
+    for flood in active_floods(store, settings):
+        node = enabled.get(flood.node_id)
+        if node is None:
+            continue
+        alert = _alert(
+            ALERT_TELEMETRY_FLOOD,
+            "warning",
+            node,
+            flood.since,
+            "the node publishes telemetry faster than once per "
+            f"{settings.telemetry_min_interval_seconds}s; {flood.dropped_samples} samples "
+            "dropped so far",
+            "Check the agent's MODELFORGE_AGENT_TELEMETRY_INTERVAL_SECONDS; a node that floods "
+            "with a sane interval may be compromised (docs/runbooks/credential-loss.md).",
+        )
+        alert["dropped_samples"] = flood.dropped_samples
+        found.append(alert)
+    return found
 
 
 def _alert(kind: str, severity: str, node: Node, since: float, message: str, next_step: str):

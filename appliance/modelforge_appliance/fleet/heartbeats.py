@@ -13,6 +13,12 @@ unwritten — the request that finds one overdue writes the batch itself before 
 answers. So a starved or stalled flusher thread (a busy 2-core host, a long GC pause)
 makes heartbeat answers slower, never the promise weaker. The thread only keeps the
 store fresh while heartbeats are quiet.
+
+A node heartbeating faster than its interval allows costs no write: each node may have a
+heartbeat written every half interval (a token bucket with a burst of ``WRITE_BURST``, in
+memory), and one beyond that is answered as usual without being held for the store. An
+agent keeping its interval is never affected; a flooding one has its stored heartbeat at
+most half an interval behind its newest, so it still reads online while it heartbeats.
 """
 
 from __future__ import annotations
@@ -24,12 +30,16 @@ from dataclasses import dataclass
 
 import peewee as pw
 
+from ..core.rates import TokenBuckets
 from ..identity.credentials import Caller
 from ..store.database import Store
 
 log = logging.getLogger(__name__)
 
 FLUSH_INTERVAL_SECONDS = 1.0
+# Heartbeats of one node written back to back before the half-interval spacing applies
+# (an agent restarting, retrying, or following a changed interval).
+WRITE_BURST = 5
 
 # Timestamps only move forward, whatever order flushes and requests interleave in.
 _NODES_SQL = (
@@ -54,9 +64,15 @@ class Heartbeat:
 class HeartbeatBuffer:
     """The newest accepted heartbeat of each node, not yet in the store."""
 
-    def __init__(self, store: Store, interval: float = FLUSH_INTERVAL_SECONDS) -> None:
+    def __init__(
+        self,
+        store: Store,
+        interval: float = FLUSH_INTERVAL_SECONDS,
+        heartbeat_interval: float = 10.0,
+    ) -> None:
         self.store = store
         self.interval = interval
+        self._writes = TokenBuckets(2.0 / heartbeat_interval, WRITE_BURST, store.clock)
         self._pending: dict[str, Heartbeat] = {}
         # The oldest acceptance time not yet known to be in the store: pending, or taken
         # by a flush that has not committed. None when everything accepted is written.
@@ -66,27 +82,34 @@ class HeartbeatBuffer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def record(self, caller: Caller, *, agent_version: str, protocol: int, health: dict) -> float:
-        """Accept a heartbeat at the control plane's time; return that time.
+    def record(
+        self, caller: Caller, *, agent_version: str, protocol: int, health: dict
+    ) -> tuple[float, bool]:
+        """Accept a heartbeat at the control plane's time; return that time, and whether it
+        is held for the store (False: the node heartbeats faster than it is written).
 
         Returns only once every heartbeat accepted more than ``interval`` before this one
         is in the store (flushing here if the flusher thread has not): the deadline that
         bounds what a crash can lose. A store that does not answer raises, so the
         heartbeat is not acknowledged.
         """
-        health_json = json.dumps(health, sort_keys=True, separators=(",", ":"))
+        held = not self._writes.take(caller.node_id)
+        health_json = json.dumps(health, sort_keys=True, separators=(",", ":")) if held else ""
         with self._lock:
             # Taken under the lock, so acceptance times rise in the order beats are held.
             at = self.store.clock.now()
-            self._pending[caller.node_id] = Heartbeat(
-                caller.credential_id, at, agent_version, protocol, health_json
+            if held:
+                self._pending[caller.node_id] = Heartbeat(
+                    caller.credential_id, at, agent_version, protocol, health_json
+                )
+                if self._oldest_unwritten is None:
+                    self._oldest_unwritten = at
+            overdue = self._oldest_unwritten is not None and (
+                self._oldest_unwritten <= at - self.interval
             )
-            if self._oldest_unwritten is None:
-                self._oldest_unwritten = at
-            overdue = self._oldest_unwritten <= at - self.interval
         if overdue:
             self.flush_overdue(at)
-        return at
+        return at, held
 
     def flush_overdue(self, at: float) -> None:
         """Flush until nothing accepted ``interval`` or more before ``at`` is unwritten."""

@@ -24,7 +24,9 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     (``server.run_until``), and writes ``app.refusals``' pending counts when it stops.
     """
     app = bottle.Bottle(catchall=True)
-    heartbeats = app.heartbeats = HeartbeatBuffer(store)
+    heartbeats = app.heartbeats = HeartbeatBuffer(
+        store, heartbeat_interval=settings.heartbeat_interval_seconds
+    )
     metrics = app.metrics = Metrics(store, settings)
     app.default_error_handler = framework_error
     app.add_hook("after_request", security_headers)

@@ -294,6 +294,13 @@ _WORK_SLOTS_AND_ATTRIBUTION = (
     'CREATE INDEX "work_item_node_id_state" ON "work_item" ("node_id", "state")',
 )
 
+# 8: telemetry floods: per node, what was dropped for coming faster than it is kept.
+_TELEMETRY_FLOOD = (
+    'CREATE TABLE "telemetry_flood" ("node_id" VARCHAR(40) NOT NULL PRIMARY KEY, '
+    '"dropped_publications" {bigint} NOT NULL, "dropped_samples" {bigint} NOT NULL, '
+    '"since" {double} NOT NULL, "last_dropped_at" {double} NOT NULL)',
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
@@ -308,5 +315,6 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(5, "work items and leases", _WORK),
     Migration(6, "node source address", _NODE_SOURCE_ADDRESS),
     Migration(7, "work slots per node, work attribution", _WORK_SLOTS_AND_ATTRIBUTION),
+    Migration(8, "telemetry floods", _TELEMETRY_FLOOD),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

@@ -167,6 +167,17 @@ class GpuSample(BaseModel):
         indexes = ((("node_id", "at"), False),)
 
 
+class TelemetryFlood(BaseModel):
+    """What a node's telemetry past MODELFORGE_TELEMETRY_MIN_INTERVAL_SECONDS cost it: the
+    publications and samples dropped, when the present flood began and its latest drop."""
+
+    node_id = pw.CharField(primary_key=True, max_length=40)
+    dropped_publications = pw.BigIntegerField()
+    dropped_samples = pw.BigIntegerField()
+    since = pw.DoubleField()
+    last_dropped_at = pw.DoubleField()
+
+
 class WorkItem(BaseModel):
     """One unit of work: queued until a node claims it, then leased, then finished.
 

@@ -79,6 +79,20 @@ class Metrics:
             "Heartbeats accepted from agents.",
             registry=self.registry,
         )
+        self.heartbeats_unwritten = Counter(
+            "modelforge_heartbeats_unwritten",
+            "Heartbeats answered without a store write: the node heartbeated faster than "
+            "every half interval.",
+            registry=self.registry,
+        )
+        self.telemetry_dropped = Counter(
+            "modelforge_telemetry_dropped_samples",
+            "Telemetry samples dropped, by node: published faster than "
+            "MODELFORGE_TELEMETRY_MIN_INTERVAL_SECONDS allows (a node appears once it has "
+            "dropped one).",
+            ["node_id"],
+            registry=self.registry,
+        )
         self.enrollments = Counter(
             "modelforge_enrollment_outcomes",
             "Enrollment attempts by outcome code.",
