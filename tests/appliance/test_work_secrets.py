@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -311,3 +312,40 @@ def test_restore_without_the_work_key_fails_each_item_clearly_when_leased(tmp_pa
     with serve(keyed) as cp:
         lease = WorkNode(cp, "gpu-restored").ready().lease()
         assert lease["work_id"] == work_id and lease["input"]["env"] == {"HF_TOKEN": token}
+
+
+def test_values_an_earlier_release_stored_in_clear_are_sealed_when_serve_starts(tmp_path):
+    """A store upgraded from a release before sealing: its items' env values in clear are
+    sealed (and the file rewritten) before anything is served; their lease is unchanged."""
+    token = hf_token()
+    settings = make_settings(tmp_path / "state")
+    env = store_env(settings)
+    run_cli("init", env=env, check=True)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({**IMAGE, "env": {"HF_TOKEN": "placeholder", "MODE": "fast"}}))
+    submitted = run_cli("work", "submit", "container", "--input", f"@{job}", "--json", env=env)
+    work_id = json.loads(submitted.stdout)["work_id"]
+    database = settings.state_dir / "modelforge.sqlite3"
+    with sqlite3.connect(database) as conn:  # what the earlier release wrote
+        (text,) = conn.execute("SELECT input FROM work_item WHERE work_id = ?", (work_id,))
+        stored = json.loads(text[0])
+        stored["env"] = {"HF_TOKEN": token, "MODE": stored["env"]["MODE"]}
+        conn.execute(
+            "UPDATE work_item SET input = ? WHERE work_id = ?", (json.dumps(stored), work_id)
+        )
+    assert token.encode() in database.read_bytes() + _wal(database)
+
+    log_path = tmp_path / "serve.log"
+    with serving(env, log_path) as (_url, _process):
+        assert found_in(state_files(settings.state_dir), [token]) == {}
+    assert "sealed the env values of 1 work item(s)" in log_path.read_text()
+    assert found_in(state_files(settings.state_dir), [token]) == {}
+    with serve(settings) as cp:
+        lease = WorkNode(cp, "gpu-upgraded").ready().lease()
+    assert lease["work_id"] == work_id
+    assert lease["input"]["env"] == {"HF_TOKEN": token, "MODE": "fast"}
+
+
+def _wal(database: Path) -> bytes:
+    wal = database.with_name(database.name + "-wal")
+    return wal.read_bytes() if wal.exists() else b""

@@ -10,12 +10,14 @@ import click
 
 from modelforge_contract import instance
 
+from ..core.sealing import SealingError, WorkKeys
 from ..core.settings import Settings, is_unspecified, parse_listen
 from ..identity import admin_tokens
 from ..runtime import serving
 from ..runtime.server import create_server, run_until
 from ..store import audit
 from ..store.database import Store
+from ..work import sealed_input
 from .support import Context, emit, fail
 
 FIRST_TOKEN_NAME = "first admin"
@@ -57,6 +59,7 @@ def serve(obj: Context, listen: str | None) -> None:
     )
     _one_serve_per_state_directory(settings)
     store = obj.store(create=True)  # takes the state lock before it migrates; held until we stop
+    _seal_what_an_earlier_release_left_in_clear(settings, store)
     if not admin_tokens.has_admin_tokens(store):
         click.echo("modelforge: no admin token exists yet; run `modelforge init` first.", err=True)
     try:
@@ -88,6 +91,20 @@ def serve(obj: Context, listen: str | None) -> None:
 
 
 SERVE_LOCK_NAME = "serve.lock"
+
+
+def _seal_what_an_earlier_release_left_in_clear(settings: Settings, store: Store) -> None:
+    """Work secrets stored by a release before sealing are sealed now (docs/work.md)."""
+    try:
+        count = sealed_input.seal_stored_in_clear(store, WorkKeys.of(settings.state_dir))
+    except SealingError as exc:
+        fail(f"cannot seal the work items' secrets: {exc}")
+    if count:
+        logging.getLogger("modelforge").warning(
+            "sealed the env values of %d work item(s) an earlier release stored in clear; "
+            "copies made before now (backups) still hold them: rotate those secrets",
+            count,
+        )
 
 
 def _one_serve_per_state_directory(settings: Settings) -> None:

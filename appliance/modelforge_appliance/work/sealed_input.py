@@ -9,9 +9,12 @@ names it has, and a value moved to another item or name fails to open.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ..core.sealing import SealedValueUnreadable, WorkKeys, is_sealed
+from ..store.database import Store
+from ..store.tables import WorkItem
 
 # Per capability: the input fields that map names to secret values.
 SECRET_FIELDS: dict[str, tuple[str, ...]] = {"container": ("env",)}
@@ -84,3 +87,51 @@ def open_input(
                 raise SealedInputUnreadable(f"input.{field}.{name}", exc) from None
         opened[field] = clear
     return opened
+
+
+def _dump(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def seal_stored_in_clear(store: Store, keys: WorkKeys) -> int:
+    """Seal the secret values a release before sealing stored in clear; how many items.
+
+    Run when ``serve`` starts. Each row is changed only while it still holds what was read,
+    so a concurrent change is never overwritten. On SQLite the file is then rewritten
+    (VACUUM) and the WAL emptied, so the clear values' old pages do not linger in them;
+    copies made before (backups, a PostgreSQL server's dead rows until it vacuums) still
+    hold them.
+    """
+    query = WorkItem.select(WorkItem.work_id, WorkItem.capability, WorkItem.input).where(
+        WorkItem.capability.in_(sorted(SECRET_FIELDS))
+    )
+    with store.connection():
+        rows = list(query.tuples())
+    changes = []
+    for work_id, capability, text in rows:
+        stored = json.loads(text) if text else {}
+        clear = {
+            field: {name: value for name, value in values.items() if not is_sealed(value)}
+            for field, values in _secret_maps(capability, stored)
+        }
+        if not any(clear.values()):
+            continue
+        sealed = dict(stored)
+        for field, values in clear.items():
+            sealed[field] = {
+                **stored[field],
+                **{n: keys.seal(v, _context(work_id, field, n)) for n, v in values.items()},
+            }
+        changes.append((_dump(sealed), work_id, text))
+    if not changes:
+        return 0
+    update = "UPDATE work_item SET input = ? WHERE work_id = ? AND input = ?"
+    changed = 0
+    with store.write():
+        for change in changes:
+            changed += store.db.execute_sql(update.replace("?", store.db.param), change).rowcount
+    if store.is_sqlite:
+        with store.connection():
+            store.db.execute_sql("VACUUM")
+            store.db.execute_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+    return changed
