@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from modelforge_contract import (
 from modelforge_contract import containers as fence
 
 from .errors import ApiError, Invalid, TooLarge
+from .lookalike import first_refused_in_name
 
 # Refused in every string field: C0 controls but tab, DEL and the C1 controls
 # (U+007F-U+009F), and the invisible bidirectional marks, embeddings, overrides and
@@ -62,6 +64,9 @@ class Field:
     fields: dict[str, Field] | None = None  # for objects: the closed set of keys
     items: Field | None = None  # for arrays
     multiline: bool = False  # for strings: allow newlines (log text)
+    # For strings: a name people read (hostname, display name), which also refuses every
+    # format character (zero-width, soft hyphen, byte order mark) and line separator.
+    name: bool = False
 
 
 def _fail(code: str, path: str, message: str) -> Invalid:
@@ -86,6 +91,11 @@ def _check_bounds(value: Any, spec: Field, path: str) -> None:
         raise _fail(FIELD_RANGE, path, f"{what} must be at most {spec.high:g}")
 
 
+def _code_point(char: str) -> str:
+    """'U+200B ZERO WIDTH SPACE': a character named without writing it."""
+    return f"U+{ord(char):04X} {unicodedata.name(char, '(unnamed)')}".rstrip()
+
+
 def check_value(value: Any, spec: Field, path: str) -> Any:
     if value is None:
         if spec.nullable:
@@ -93,14 +103,25 @@ def check_value(value: Any, spec: Field, path: str) -> Any:
         raise _fail(FIELD_TYPE, path, "must not be null")
     _check_type(value, spec, path)
     if isinstance(value, str):
-        if (_CONTROL_MULTILINE if spec.multiline else _CONTROL).search(value):
+        control = (_CONTROL_MULTILINE if spec.multiline else _CONTROL).search(value)
+        if control:
             raise _fail(
-                FIELD_TYPE, path, "must not contain control characters or bidirectional marks"
+                FIELD_TYPE,
+                path,
+                "must not contain control characters or bidirectional marks "
+                f"({_code_point(control.group())})",
             )
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate from a \udxxx escape
             raise _fail(FIELD_TYPE, path, "must be valid Unicode text") from None
+        refused = first_refused_in_name(value) if spec.name else None
+        if refused is not None:
+            raise _fail(
+                FIELD_TYPE,
+                path,
+                f"must not contain invisible format characters ({_code_point(refused)})",
+            )
     if spec.choices is not None and value not in spec.choices:
         raise _fail(FIELD_CHOICE, path, f"must be one of {', '.join(map(str, spec.choices))}")
     _check_bounds(value, spec, path)
@@ -168,7 +189,7 @@ def parse_body(environ: dict[str, Any], max_bytes: int, fields: dict[str, Field]
 
 # -- the request shapes (docs/architecture.md §3) -----------------------------
 
-_NAME = DISPLAY_NAME = Field(str, low=1, high=120)
+_NAME = DISPLAY_NAME = Field(str, low=1, high=120, name=True)
 _VERSION = Field(str, low=1, high=64)
 _ID = Field(str, low=1, high=64)
 
@@ -183,7 +204,7 @@ EXECUTE_FIELDS = {"confirmation": Field(str, low=1, high=256)}
 
 ENROLL_FIELDS = {
     "token": Field(str, low=1, high=256),
-    "hostname": Field(str, low=1, high=253),
+    "hostname": Field(str, low=1, high=253, name=True),
     "agent_version": _VERSION,
     "accelerator_mode": Field(str, choices=ACCELERATOR_MODES),
     "identity": Field(

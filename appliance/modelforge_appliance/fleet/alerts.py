@@ -21,6 +21,7 @@ from modelforge_contract import (
 )
 
 from ..core.clock import isoformat
+from ..core.lookalike import lookalike_key
 from ..core.settings import Settings
 from ..store.database import Store
 from ..store.tables import Node
@@ -33,9 +34,7 @@ def active_alerts(store: Store, settings: Settings) -> list[dict[str, Any]]:
         enabled = list(Node.select().where(Node.decommissioned_at.is_null()).order_by(Node.node_id))
     now = store.clock.now()
     alerts: list[dict[str, Any]] = []
-    by_hostname: dict[str, list[Node]] = defaultdict(list)
     for node in enabled:
-        by_hostname[node.hostname.lower()].append(node)
         liveness = liveness_of(node, now, settings)
         if liveness == OFFLINE:
             alerts.append(
@@ -60,22 +59,69 @@ def active_alerts(store: Store, settings: Settings) -> list[dict[str, Any]]:
                     "Check the agent's log and its connection to the control plane.",
                 )
             )
-    for hostname, claimants in sorted(by_hostname.items()):
-        if len(claimants) > 1:
-            newest = max(claimants, key=lambda n: n.created_at)
-            alert = _alert(
-                ALERT_HOSTNAME_CONFLICT,
-                "warning",
-                newest,
-                newest.created_at,
-                f"{len(claimants)} enabled nodes claim hostname {hostname}",
-                "Decommission the superseded node (docs/runbooks/decommission.md); "
-                "nodes are never merged.",
-            )
-            alert["node_ids"] = [n.node_id for n in claimants]
-            alerts.append(alert)
+    alerts += _conflicts(enabled)
     alerts += _telemetry_floods(store, settings, {node.node_id: node for node in enabled})
     return alerts
+
+
+def _alike(names: list[str]) -> bool:
+    """Whether two of these different names look alike."""
+    return len({lookalike_key(name) for name in names}) < len(names)
+
+
+def _conflicts(enabled: list[Node]) -> list[dict[str, Any]]:
+    """One ``hostname_conflict`` per group of enabled nodes a person could take for one
+    another: the same hostname, or hostnames that look alike (core/lookalike.py: they
+    differ only by case, invisible characters or confusable letters), or display names that
+    look alike without being the same (one display name given twice is an administrator's
+    choice, visible as such). Groups that share a node are one group."""
+    parent = {node.node_id: node.node_id for node in enabled}
+
+    def root(node_id: str) -> str:
+        while parent[node_id] != node_id:
+            parent[node_id] = node_id = parent[parent[node_id]]
+        return node_id
+
+    by_hostname: dict[str, list[Node]] = defaultdict(list)
+    by_display_name: dict[str, list[Node]] = defaultdict(list)
+    for node in enabled:
+        by_hostname[lookalike_key(node.hostname)].append(node)
+        by_display_name[lookalike_key(node.display_name)].append(node)
+    groups = [*by_hostname.values()] + [
+        named for named in by_display_name.values() if len({n.display_name for n in named}) > 1
+    ]
+    for group in groups:
+        for node in group[1:]:
+            parent[root(node.node_id)] = root(group[0].node_id)
+    members: dict[str, list[Node]] = defaultdict(list)
+    for node in enabled:
+        members[root(node.node_id)].append(node)
+    found = []
+    for claimants in members.values():
+        if len(claimants) < 2:
+            continue
+        hostnames = sorted({n.hostname for n in claimants})
+        names = sorted({n.display_name for n in claimants})
+        what = []
+        if len(hostnames) == 1:
+            what.append(f"claim hostname {hostnames[0]}")
+        elif _alike(hostnames):  # each written as ascii() does, so the difference shows
+            what.append("claim hostnames that look alike: " + ", ".join(map(ascii, hostnames)))
+        if len(names) > 1 and _alike(names):
+            what.append("have display names that look alike: " + ", ".join(map(ascii, names)))
+        newest = max(claimants, key=lambda n: n.created_at)
+        alert = _alert(
+            ALERT_HOSTNAME_CONFLICT,
+            "warning",
+            newest,
+            newest.created_at,
+            f"{len(claimants)} enabled nodes {'; '.join(what)}",
+            "Decommission the superseded node (docs/runbooks/decommission.md), or rename one "
+            "of two real nodes (modelforge nodes rename); nodes are never merged.",
+        )
+        alert["node_ids"] = [n.node_id for n in claimants]
+        found.append(alert)
+    return found
 
 
 def _telemetry_floods(
