@@ -74,6 +74,8 @@ PATH_ADMIN_NODE_DECOMMISSION_EXECUTE = f"{PATH_ADMIN_NODE}/decommission/execute"
 PATH_ADMIN_NODE_CORDON = f"{PATH_ADMIN_NODE}/cordon"
 PATH_ADMIN_NODE_UNCORDON = f"{PATH_ADMIN_NODE}/uncordon"
 PATH_ADMIN_NODE_WORK_SLOTS = f"{PATH_ADMIN_NODE}/work-slots"
+# An administrator accepts the node's changed accelerators as its new baseline.
+PATH_ADMIN_NODE_ACCEPT_HARDWARE = f"{PATH_ADMIN_NODE}/accept-hardware"
 PATH_ADMIN_ALERTS = f"{API_PREFIX}/admin/alerts"
 PATH_ADMIN_AUDIT = f"{API_PREFIX}/admin/audit-events"
 PATH_AGENT_ENROLL = f"{API_PREFIX}/agent/enroll"
@@ -95,6 +97,7 @@ ACCELERATOR_MODES = ("nvidia", "cpu", "auto")
 READINESS_CHECKS = (
     "connection",
     "inventory_age",
+    "hardware",
     "protocol",
     "agent_health",
     "telemetry_age",
@@ -104,6 +107,8 @@ READINESS_CHECKS = (
 ALERT_NODE_OFFLINE = "node_offline"
 ALERT_NODE_STALE = "node_stale"
 ALERT_HOSTNAME_CONFLICT = "hostname_conflict"
+# A node published accelerators other than its accepted baseline (trust on first use).
+ALERT_HARDWARE_CHANGED = "hardware_changed"
 # A node published telemetry faster than the control plane keeps it (the surplus is dropped).
 ALERT_TELEMETRY_FLOOD = "telemetry_flood"
 HEALTH_STATUSES = ("ok", "degraded", "failing")
@@ -142,7 +147,13 @@ CONFIRMATION_INVALID = "CONFIRMATION_INVALID"
 CONFIRMATION_USED = "CONFIRMATION_USED"
 CONFIRMATION_STALE = "CONFIRMATION_STALE"
 INVENTORY_EMPTY = "INVENTORY_EMPTY"
-# Telemetry must name the GPUs of the node's stored inventory, each once.
+# A cpu node publishes no accelerator; an inventory names each GPU UUID once.
+INVENTORY_ACCELERATORS_ON_CPU = "INVENTORY_ACCELERATORS_ON_CPU"
+INVENTORY_GPU_DUPLICATE = "INVENTORY_GPU_DUPLICATE"
+# Accepting hardware: nothing is pending, or it changed since the administrator looked.
+HARDWARE_NOT_PENDING = "HARDWARE_NOT_PENDING"
+HARDWARE_PENDING_CHANGED = "HARDWARE_PENDING_CHANGED"
+# Telemetry must name the GPUs of the node's accepted inventory, each once.
 TELEMETRY_GPU_UNKNOWN = "TELEMETRY_GPU_UNKNOWN"
 TELEMETRY_GPU_DUPLICATE = "TELEMETRY_GPU_DUPLICATE"
 STORE_UNAVAILABLE = "STORE_UNAVAILABLE"
@@ -247,6 +258,7 @@ CLAIM_REASONS = (
     "agent_health",
     "worker",
     "inventory_age",
+    "hardware",
     "slots_full",
 )
 

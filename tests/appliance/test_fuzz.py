@@ -36,6 +36,7 @@ ROUTES = [
     "/api/v1/admin/hardware/nodes/{node}/cordon",
     "/api/v1/admin/hardware/nodes/{node}/uncordon",
     "/api/v1/admin/hardware/nodes/{node}/work-slots",
+    "/api/v1/admin/hardware/nodes/{node}/accept-hardware",
     "/api/v1/admin/hardware/nodes/{node}/telemetry",
     "/api/v1/admin/node-agent-image/check",
     "/api/v1/admin/alerts",
@@ -93,6 +94,7 @@ def bodies(node: dict, minted: dict):
         {"node_id": node["node_id"], "capabilities": ["smoke"], "work_slots": 2},
         {"node_id": node["node_id"], "lease_id": "0" * 32, "outcome": "failed", "log_tail": "x"},
         {"work_slots_max": 4},
+        {"digest": "0123456789abcdef"},
     ]
     mutated = st.tuples(st.sampled_from(shaped), st.text(max_size=20), JSON_VALUES).map(
         lambda t: json.dumps({**t[0], t[1]: t[2]}).encode()

@@ -123,6 +123,7 @@ def test_a_connected_node_is_not_ready_until_every_check_passes(clocked_control_
     assert [c["name"] for c in answer["checks"]] == [
         "connection",
         "inventory_age",
+        "hardware",
         "protocol",
         "agent_health",
         "telemetry_age",
@@ -217,6 +218,36 @@ def test_a_node_degraded_by_its_worker_is_told_about_the_worker_not_preflight(
     assert "because of its runtime worker" in checks["agent_health"]["detail"]
     assert checks["agent_health"]["next_step"] == checks["worker"]["next_step"]
     assert "--preflight" not in checks["agent_health"]["next_step"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "gpu_probe", "worker_mode"),
+    [("nvidia", "ok", "cpu"), ("cpu", "not_applicable", "nvidia"), ("auto", "ok", "cpu")],
+)
+def test_a_worker_in_the_wrong_accelerator_mode_is_named_as_the_cause(
+    sqlite_control_plane, mode, gpu_probe, worker_mode
+):
+    """A worker answering compatibly in the wrong mode passed the worker check, and
+    agent_health said "run --preflight": the next step now names the worker's setting."""
+    cp = sqlite_control_plane
+    agent = Agent(cp, mode=mode, hostname=f"gpu-{mode}")
+    expected = "cpu" if gpu_probe == "not_applicable" else "nvidia"
+    problem = (  # what the agent itself reports (agent/modelforge_node_agent/work.py)
+        f"the runtime worker runs in {worker_mode} mode but this node is {expected}: "
+        f"set MODELFORGE_WORKER_ACCELERATOR_MODE={expected}"
+    )
+    worker = {**WORKER, "accelerator_mode": worker_mode, "message": problem}
+    answer = agent.heartbeat(status="degraded", gpu_probe=gpu_probe, worker=worker, message=problem)
+    assert answer.status_code == 200, answer.text
+    checks = {c["name"]: c for c in readiness(cp, agent.node_id)["checks"]}
+    assert not checks["worker"]["ok"]
+    assert f"runs in {worker_mode} mode" in checks["worker"]["detail"]
+    assert f"MODELFORGE_WORKER_ACCELERATOR_MODE={expected}" in checks["worker"]["next_step"]
+    assert checks["agent_health"]["next_step"] == checks["worker"]["next_step"]
+    assert "--preflight" not in checks["agent_health"]["next_step"]
+    # The same worker in the node's own mode passes.
+    agent.heartbeat(gpu_probe=gpu_probe, worker={**WORKER, "accelerator_mode": expected})
+    assert {c["name"]: c for c in readiness(cp, agent.node_id)["checks"]}["worker"]["ok"]
 
 
 def test_telemetry_is_not_applicable_to_a_cpu_node(sqlite_control_plane):

@@ -42,14 +42,16 @@ def worker_health(protocol: int | None = WORKER_PROTOCOL_VERSION, reachable: boo
 class WorkNode:
     """An enrolled node: heartbeat, inventory and the three work calls, driven by the test."""
 
-    def __init__(self, cp, hostname: str, gpus: list[dict] | None = None) -> None:
+    def __init__(
+        self, cp, hostname: str, gpus: list[dict] | None = None, mode: str = "nvidia"
+    ) -> None:
         self.cp, self.hostname = cp, hostname
         self.gpus = [gpu(0), gpu(1)] if gpus is None else gpus
         response = cp.enroll(
             cp.mint(hostname)["token"],
             hostname=hostname,
             identity=new_identity(),
-            accelerator_mode="nvidia",
+            accelerator_mode=mode,
         )
         assert response.status_code == 201, response.text
         self.node_id = response.json()["node_id"]
@@ -62,9 +64,13 @@ class WorkNode:
         assert response.status_code == 200, response.text
 
     def inventory(self) -> None:
-        body = {"node_id": self.node_id, "agent_version": "0.1.0", "accelerators": self.gpus}
-        response = self.cp.agent("PUT", "/api/v1/agent/inventory", self.credential, json=body)
+        response = self.publish(self.gpus)
         assert response.status_code == 200, response.text
+
+    def publish(self, gpus: list[dict]):
+        """An inventory listing ``gpus``, answered as it is."""
+        body = {"node_id": self.node_id, "agent_version": "0.1.0", "accelerators": gpus}
+        return self.cp.agent("PUT", "/api/v1/agent/inventory", self.credential, json=body)
 
     def ready(self) -> WorkNode:
         self.heartbeat()

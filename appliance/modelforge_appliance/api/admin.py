@@ -14,6 +14,7 @@ from modelforge_contract import (
     PATH_ADMIN_ENROLLMENT,
     PATH_ADMIN_ENROLLMENTS,
     PATH_ADMIN_NODE,
+    PATH_ADMIN_NODE_ACCEPT_HARDWARE,
     PATH_ADMIN_NODE_AGENT_IMAGE_CHECK,
     PATH_ADMIN_NODE_CORDON,
     PATH_ADMIN_NODE_CREDENTIAL,
@@ -32,8 +33,14 @@ from modelforge_contract import (
 from .. import lifecycle
 from ..core.clock import isoformat
 from ..core.errors import Invalid, StoreUnavailable
-from ..core.validation import EXECUTE_FIELDS, IMAGE_CHECK_FIELDS, MINT_FIELDS, WORK_SLOTS_FIELDS
-from ..fleet import alerts, node_agent_image, nodes, readiness, telemetry
+from ..core.validation import (
+    ACCEPT_HARDWARE_FIELDS,
+    EXECUTE_FIELDS,
+    IMAGE_CHECK_FIELDS,
+    MINT_FIELDS,
+    WORK_SLOTS_FIELDS,
+)
+from ..fleet import alerts, hardware, node_agent_image, nodes, readiness, telemetry
 from ..identity import credentials, enrollment
 from ..store import audit
 from ..web.auth import ADMIN, PUBLIC, SCRAPER
@@ -156,6 +163,15 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         wanted = context.body(WORK_SLOTS_FIELDS)["work_slots_max"]
         node = nodes.set_work_slots(store, node_id, wanted, actor)
         return json_response(nodes.node_view(node, clock.now(), settings))
+
+    @app.post(PATH_ADMIN_NODE_ACCEPT_HARDWARE, auth=ADMIN)
+    def accept_hardware(node_id: str, actor: str):
+        # The body is optional: {"digest": …} accepts only what the caller was shown.
+        has_body = bottle.request.content_length > 0
+        digest = context.body(ACCEPT_HARDWARE_FIELDS).get("digest") if has_body else None
+        accepted = hardware.accept_hardware(store, node_id, actor, digest)
+        view = nodes.node_view(nodes.get_node(store, node_id), clock.now(), settings)
+        return json_response({**view, "accepted": accepted.as_dict()})
 
     # -- alerts and audit ----------------------------------------------------------
 

@@ -13,7 +13,7 @@ import click
 from modelforge_contract import DECOMMISSIONED, EXIT_CHECK_FAILED, WORK_SLOTS_MAX
 
 from .. import lifecycle
-from ..fleet import alerts, nodes, readiness
+from ..fleet import alerts, hardware, nodes, readiness
 from ..identity import credentials
 from ..store import audit
 from ..store.tables import Node
@@ -161,6 +161,14 @@ def _detail(node: Node, view: dict[str, Any], now: float) -> str:
     ]
     if view["decommissioned_at"]:
         lines.append(("retired", view["decommissioned_at"]))
+    if view["hardware"]["pending"]:
+        lines.append(
+            (
+                "hardware",
+                f"CHANGED since {view['hardware']['since']}, no new work until accepted "
+                f"(modelforge nodes accept-hardware): {hardware.describe_pending(node)}",
+            )
+        )
     text = [f"{label:12} {value}" for label, value in lines]
     text.append(f"{'accelerators':12} {len(view['accelerators']) or 'none'}")
     for gpu in view["accelerators"]:
@@ -302,6 +310,40 @@ def set_work_slots(obj: Context, node: str, slots: int | None, as_json: bool) ->
         as_json,
         view,
         f"Node {node_id} may hold at most {view['work_slots_max']} leased work item(s) ({source}).",
+    )
+
+
+@nodes_group.command("accept-hardware")
+@NODE_ARGUMENT
+@click.option("--yes", is_flag=True, help="Accept the change shown without asking.")
+@JSON_OPTION
+@click.pass_obj
+def accept_hardware(obj: Context, node: str, yes: bool, as_json: bool) -> None:
+    """Accept the node's changed accelerators as its new baseline, so it takes work again.
+
+    Shows how they differ from the accepted ones and asks on the terminal; with --json,
+    --yes is required. Exactly what was shown is accepted: if the node publishes other
+    accelerators meanwhile, it is refused and nothing changes.
+    """
+    store = obj.store()
+    row = find_node(obj, node)
+    if as_json and not yes:  # refused before anything is looked at
+        fail("--json does not ask questions: add --yes to go ahead")
+    waiting = hardware.hardware_view(row)
+    if not as_json and waiting["pending"]:
+        click.echo(
+            f"Node {row.node_id} published other accelerators on {waiting['since']}:\n"
+            f"  {hardware.describe_pending(row)}"
+        )
+    if waiting["pending"]:
+        confirm_or_refuse("Accept them as its hardware?", yes, as_json)
+    accepted = hardware.accept_hardware(store, row.node_id, audit.CLI_ACTOR, waiting["digest"])
+    view = nodes.node_view(nodes.get_node(store, row.node_id), store.clock.now(), obj.settings)
+    emit(
+        as_json,
+        {**view, "accepted": accepted.as_dict()},
+        f"Node {row.node_id}: {len(view['accelerators'])} accelerator(s) accepted; it may take "
+        "work again.",
     )
 
 

@@ -368,6 +368,11 @@ WORK_SLOTS_FIELDS = {
     "work_slots_max": Field(int, nullable=True, low=1, high=WORK_SLOTS_MAX),
 }
 
+# POST …/accept-hardware: optionally the digest of the pending accelerators that were shown.
+ACCEPT_HARDWARE_FIELDS = {
+    "digest": Field(str, required=False, nullable=True, low=16, high=16),
+}
+
 RENEW_FIELDS = {"node_id": _ID, "lease_id": _WORK_ID}
 
 COMPLETE_FIELDS = {

@@ -12,6 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from modelforge_contract import (
+    ALERT_HARDWARE_CHANGED,
     ALERT_HOSTNAME_CONFLICT,
     ALERT_NODE_OFFLINE,
     ALERT_NODE_STALE,
@@ -25,6 +26,7 @@ from ..core.lookalike import lookalike_key
 from ..core.settings import Settings
 from ..store.database import Store
 from ..store.tables import Node
+from . import hardware
 from .nodes import liveness_of
 from .telemetry import active_floods
 
@@ -57,6 +59,21 @@ def active_alerts(store: Store, settings: Settings) -> list[dict[str, Any]]:
                     node.last_heartbeat_at + settings.stale_after_seconds,
                     "the node's heartbeats are late",
                     "Check the agent's log and its connection to the control plane.",
+                )
+            )
+        changes = hardware.describe_pending(node)
+        if changes is not None:
+            alerts.append(
+                _alert(
+                    ALERT_HARDWARE_CHANGED,
+                    "warning",
+                    node,
+                    node.hardware_changed_at,
+                    f"the node published other accelerators than those accepted: {changes}; "
+                    "it gets no new work until an administrator accepts them",
+                    "Check the node's hardware; if the change is expected: modelforge nodes "
+                    f"accept-hardware {node.node_id}. If not, the node may be compromised "
+                    "(docs/runbooks/credential-loss.md).",
                 )
             )
     alerts += _conflicts(enabled)

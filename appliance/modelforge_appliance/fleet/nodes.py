@@ -23,6 +23,7 @@ from ..identity.credentials import Caller
 from ..store import audit
 from ..store.database import Store
 from ..store.tables import Credential, Node
+from . import hardware
 
 
 def liveness_of(node: Node, now: float, settings: Settings) -> str:
@@ -74,6 +75,9 @@ def node_view(node: Node, now: float, settings: Settings) -> dict[str, Any]:
             settings.work_slots_per_node if node.work_slots_max is None else node.work_slots_max
         ),
         "work_slots_max_source": "default" if node.work_slots_max is None else "node",
+        # Accelerators published unlike the accepted ``accelerators``, held for an
+        # administrator (fleet/hardware.py).
+        "hardware": hardware.hardware_view(node),
     }
 
 
@@ -92,6 +96,8 @@ def _dump(value: Any) -> str:
 def record_inventory(
     store: Store, caller: Caller, inventory: dict[str, Any], source_address: str | None = None
 ) -> float:
+    """Store a published inventory; its accelerators only when they match the accepted
+    ones or are the node's first (fleet/hardware.py), otherwise they wait for an admin."""
     # Invariant 9: an nvidia node never publishes an empty inventory.
     if caller.accelerator_mode == "nvidia" and not inventory.get("accelerators"):
         raise Invalid(
@@ -99,11 +105,21 @@ def record_inventory(
             code=INVENTORY_EMPTY,
             next_step="Run the agent's --preflight; it refuses to start without a GPU.",
         )
+    accelerators = inventory.get("accelerators") or []
+    hardware.check_published(caller.accelerator_mode, accelerators)
     now = store.clock.now()
     stored = {key: value for key, value in inventory.items() if key != "node_id"}
     with store.write():
+        # Read where it is written (locked on PostgreSQL), so an accept and an inventory
+        # that meet each see the other's outcome.
+        query = Node.select(
+            Node.inventory, Node.pending_accelerators, Node.hardware_changed_at
+        ).where(Node.node_id == caller.node_id)
+        node = (query if store.is_sqlite else query.for_update()).get()
         Node.update(
-            inventory=_dump(stored), inventory_at=now, **source_update(source_address)
+            **hardware.columns_for(node, stored, now),
+            inventory_at=now,
+            **source_update(source_address),
         ).where(Node.node_id == caller.node_id).execute()
         mark_credential_used(caller, now)
     return now

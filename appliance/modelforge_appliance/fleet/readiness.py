@@ -23,6 +23,7 @@ from modelforge_contract import (
 from ..core.settings import Settings
 from ..store.database import Store
 from ..store.tables import Credential, Node
+from . import hardware
 from .nodes import get_node, liveness_of, node_view
 
 
@@ -90,6 +91,24 @@ def _inventory(node: Node, now: float, settings: Settings) -> Check:
             "Restart the agent so it measures and publishes its inventory again.",
         )
     return Check("inventory_age", True, f"inventory measured {age:.0f}s ago")
+
+
+def _hardware(node: Node) -> Check:
+    """Trust on first use (fleet/hardware.py): the published accelerators are the accepted."""
+    changes = hardware.describe_pending(node)
+    if changes is not None:
+        return Check(
+            "hardware",
+            False,
+            f"the published accelerators differ from the accepted ones: {changes}",
+            "Check the node's hardware; if the change is expected, accept it: "
+            f"modelforge nodes accept-hardware {node.node_id} (or Accept hardware on its "
+            "console page).",
+        )
+    accepted = hardware.accepted_accelerators(node)
+    if accepted is None:
+        return Check("hardware", True, "no inventory yet: the first one becomes the baseline")
+    return Check("hardware", True, f"{len(accepted)} accelerator(s), as accepted")
 
 
 def _protocol(node: Node) -> Check:
@@ -161,7 +180,15 @@ def _telemetry(node: Node, now: float, settings: Settings) -> Check:
     return Check("telemetry_age", True, f"telemetry {age:.0f}s old")
 
 
-def _worker(health: dict[str, Any] | None) -> Check:
+def expected_worker_mode(node: Node, health: dict[str, Any] | None) -> str:
+    """The accelerator mode the node's worker must run in: the node's own, or for ``auto``
+    what its agent found (a GPU probe that does not apply means no GPU)."""
+    if node.accelerator_mode != "auto":
+        return node.accelerator_mode
+    return "cpu" if (health or {}).get("gpu_probe") == "not_applicable" else "nvidia"
+
+
+def _worker(node: Node, health: dict[str, Any] | None) -> Check:
     """The runtime worker beside the agent, as the agent last reported it (issue 13)."""
     answer, worker = worker_answer(health)
     if answer == "UNREPORTED":
@@ -183,6 +210,22 @@ def _worker(health: dict[str, Any] | None) -> Check:
     detail = f"worker {version}, protocol {worker.get('protocol')} is {answer}"
     if answer != COMPATIBLE:
         return Check("worker", False, detail, WORKER_COMPATIBILITY_NEXT_STEPS[answer])
+    mode, expected = worker.get("accelerator_mode"), expected_worker_mode(node, health)
+    if mode is not None and mode != expected:
+        return Check(
+            "worker",
+            False,
+            f"{detail}, but it runs in {mode} mode and this node is {expected}",
+            f"Set MODELFORGE_WORKER_ACCELERATOR_MODE={expected} where the runtime worker runs "
+            "(its -cpu image has no GPU support; nvidia needs the GPU image) and restart it.",
+        )
+    if worker.get("message"):  # the agent found it unusable for another reason
+        return Check(
+            "worker",
+            False,
+            f"{detail}, but the agent does not use it: {worker['message']}",
+            "Fix what the agent names, then restart the runtime worker.",
+        )
     capabilities = ", ".join(worker.get("capabilities") or []) or "none"
     return Check("worker", True, f"{detail}; capabilities: {capabilities}")
 
@@ -204,10 +247,11 @@ def checks_of(node: Node, active: Credential | None, now: float, settings: Setti
     if node.decommissioned_at is not None:
         return [Check(name, False, "the node is decommissioned") for name in READINESS_CHECKS]
     health = json.loads(node.health) if node.health else None
-    worker = _worker(health)
+    worker = _worker(node, health)
     return [
         _connection(node, active, now, settings),
         _inventory(node, now, settings),
+        _hardware(node),
         _protocol(node),
         _agent_health(health, worker),
         _telemetry(node, now, settings),

@@ -20,7 +20,7 @@ What one node may cost the store is bounded three ways:
   of the cap. After a start the estimate begins at nine tenths, so a node is counted within
   a tenth of the cap of new samples, and never holds more than the cap and that tenth.
 
-Telemetry must name the GPUs of the node's stored inventory, each once: anything else is
+Telemetry must name the GPUs of the node's accepted inventory, each once: anything else is
 refused before anything is counted or written.
 
 The history answer is down-sampled in the store: at most ``HISTORY_MAX_POINTS`` points per
@@ -258,7 +258,9 @@ class TelemetryHistory:
 
 
 def check_gpus(store: Store, node_id: str, samples: list[dict[str, Any]]) -> None:
-    """400 unless every sample names a GPU of the node's stored inventory, each once."""
+    """400 unless every sample names a GPU of the node's accepted inventory, each once: the
+    accelerators its ``inventory`` holds, never those waiting for an administrator
+    (fleet/hardware.py)."""
     with store.connection():
         inventory = Node.select(Node.inventory).where(Node.node_id == node_id).scalar()
     known = (
@@ -271,9 +273,11 @@ def check_gpus(store: Store, node_id: str, samples: list[dict[str, Any]]) -> Non
         uuid = sample["uuid"]
         if uuid not in known:
             raise Invalid(
-                f"samples[{position}].uuid is not a GPU of this node's inventory",
+                f"samples[{position}].uuid is not a GPU of this node's accepted inventory",
                 code=TELEMETRY_GPU_UNKNOWN,
-                next_step="Publish the inventory first; telemetry names only its GPUs.",
+                next_step="Publish the inventory first; telemetry names only its GPUs, and a "
+                "GPU that changed only once an administrator accepts it "
+                "(modelforge nodes accept-hardware).",
             )
         if uuid in seen:
             raise Invalid(

@@ -301,6 +301,14 @@ _TELEMETRY_FLOOD = (
     '"since" {double} NOT NULL, "last_dropped_at" {double} NOT NULL)',
 )
 
+# 9: hardware held for an administrator (trust on first use, fleet/hardware.py): a node's
+# published accelerators that differ from its accepted ones, and since when. The accepted
+# ones stay in "inventory", so every node's inventory at the upgrade is its baseline.
+_PENDING_HARDWARE = (
+    'ALTER TABLE "node" ADD COLUMN "pending_accelerators" TEXT',
+    'ALTER TABLE "node" ADD COLUMN "hardware_changed_at" {double}',
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
@@ -316,5 +324,6 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(6, "node source address", _NODE_SOURCE_ADDRESS),
     Migration(7, "work slots per node, work attribution", _WORK_SLOTS_AND_ATTRIBUTION),
     Migration(8, "telemetry floods", _TELEMETRY_FLOOD),
+    Migration(9, "pending hardware", _PENDING_HARDWARE),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

@@ -55,6 +55,10 @@ class Node(BaseModel):
     source_address = pw.CharField(max_length=64, null=True)  # the agent's last caller address
     # The most items it may hold leased at once; None: MODELFORGE_WORK_SLOTS_PER_NODE.
     work_slots_max = pw.IntegerField(null=True)
+    # Trust on first use (fleet/hardware.py): ``inventory`` holds the accepted accelerators;
+    # accelerators published unlike them wait here for an administrator, since that time.
+    pending_accelerators = pw.TextField(null=True)  # JSON list
+    hardware_changed_at = pw.DoubleField(null=True)
 
 
 class EnrollmentToken(BaseModel):

@@ -3,8 +3,9 @@
 A node claims only while it is online, uncordoned, speaks an accepted agent protocol, reports
 a compatible runtime worker and healthy agent, and holds an inventory measured since its
 enrollment (never a restored snapshot) within MODELFORGE_INVENTORY_MAX_AGE_SECONDS
-(docs/architecture.md §5; invariant 7 and invariant 8), and holds fewer leases than its
-work slots allow. Reading only: the claim itself is in leases.py.
+(docs/architecture.md §5; invariant 7 and invariant 8), has no hardware change waiting for an
+administrator, and holds fewer leases than its work slots allow. Items fit its accepted
+accelerators. Reading only: the claim itself is in leases.py.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def ineligibility(node: Node, reported: Reported, now: float, settings: Settings
         return "not_online"
     if node.cordoned:
         return "cordoned"
+    # Accelerators unlike the accepted ones wait for an administrator (fleet/hardware.py).
+    if node.pending_accelerators is not None:
+        return "hardware"
     if node.protocol_version not in ACCEPTED_PROTOCOL_VERSIONS:  # invariant 8
         return "protocol"
     if worker_answer(reported.health)[0] != COMPATIBLE:

@@ -6,6 +6,7 @@ const nodeId = $("node").getAttribute("data-node-id");
 const base = `/admin/hardware/nodes/${encodeURIComponent(nodeId)}`;
 const errorBox = $("node-error");
 let preview = null;
+let pendingDigest = null; // the hardware change shown, which Accept hardware accepts
 const charts = new Map(); // `${uuid}/${metric}` -> uPlot
 const METRICS = [
   ["utilization_gpu_percent", "Utilisation", "%", (v) => v],
@@ -40,10 +41,27 @@ async function loadNode() {
     ...fact("Enrolled", when(node.enrolled_at)),
   );
   const retired = node.liveness === "decommissioned";
+  showHardware(retired ? { pending: false } : node.hardware);
   $("cordon").disabled = retired || node.cordoned;
   $("uncordon").disabled = retired || !node.cordoned;
   $("revoke-credential").disabled = retired;
   $("decommission-preview").disabled = retired;
+}
+
+// Accelerators the node published unlike its accepted ones (trust on first use).
+function showHardware(hardware) {
+  const panel = $("hardware-change");
+  panel.hidden = !hardware.pending;
+  pendingDigest = hardware.pending ? hardware.digest : null;
+  if (!hardware.pending) return;
+  setText($("hardware-since"), `on ${when(hardware.since)}`);
+  const memory = (change, side) => (change.field === "memory_total_bytes" ? gib(change[side]) : String(change[side]));
+  const difference = hardware.difference;
+  $("hardware-difference").replaceChildren(
+    ...difference.appeared.map((g) => el("li", { text: `appeared: ${g.uuid} (${g.name}, ${gib(g.memory_total_bytes)})` })),
+    ...difference.vanished.map((g) => el("li", { text: `vanished: ${g.uuid} (${g.name}, ${gib(g.memory_total_bytes)})` })),
+    ...difference.changed.map((c) => el("li", { text: `${c.uuid}: ${c.field} ${memory(c, "accepted")} → ${memory(c, "published")}` })),
+  );
 }
 
 async function loadReadiness() {
@@ -172,6 +190,9 @@ function armed(button, label, call) {
 }
 
 $("cordon").addEventListener("click", () => action(() => api("POST", `${base}/cordon`)));
+$("accept-hardware").addEventListener("click", () =>
+  action(() => api("POST", `${base}/accept-hardware`, { digest: pendingDigest })),
+);
 $("uncordon").addEventListener("click", () => action(() => api("POST", `${base}/uncordon`)));
 armed($("revoke-credential"), "Click again to revoke for good", () => api("DELETE", `${base}/credential`));
 $("decommission-preview").addEventListener("click", () =>

@@ -14,6 +14,11 @@
     <button type="button" id="revoke-credential" data-testid="node-revoke-credential" class="danger">Revoke credential</button>
     <button type="button" id="decommission-preview" data-testid="decommission-preview" class="danger">Decommission…</button>
   </div>
+  <div id="hardware-change" data-testid="hardware-change" hidden>
+    <p>This node published other accelerators than those accepted <span id="hardware-since"></span>. It gets no new work until an administrator accepts them:</p>
+    <ul id="hardware-difference" data-testid="hardware-difference"></ul>
+    <button type="button" id="accept-hardware" data-testid="accept-hardware">Accept hardware</button>
+  </div>
   <div id="decommission" data-testid="decommission-panel" hidden>
     <p>Decommissioning will:</p>
     <ul id="decommission-effects" data-testid="decommission-effects"></ul>
