@@ -125,6 +125,16 @@ class Target:
     machine: Machine | None = None
 
 
+# Neither node archive carries the control plane or its web and store libraries.
+NODE_FORBIDDEN = (
+    "bottle",
+    "peewee",
+    "playhouse",
+    "bcrypt",
+    "waitress",
+    "psycopg2",
+    "modelforge_appliance",
+)
 APPLIANCE_FORBIDDEN = ("pynvml", "docker", "requests", "modelforge_node_agent", "modelforge_worker")
 
 
@@ -151,16 +161,7 @@ TARGETS = {
         entry_point="modelforge_node_agent.main:main",
         requirements="requirements-agent.txt",
         packages=("modelforge_contract", "modelforge_node_agent"),
-        forbidden=(
-            "bottle",
-            "peewee",
-            "playhouse",
-            "bcrypt",
-            "waitress",
-            "psycopg2",
-            "modelforge_appliance",
-            "modelforge_worker",
-        ),
+        forbidden=(*NODE_FORBIDDEN, "modelforge_worker"),
     ),
     # The runtime worker for a systemd host (systemd/modelforge-runtime-worker.service): the
     # images' lock (docker SDK, nvidia-ml-py, their pure-Python dependencies), none of the
@@ -172,13 +173,7 @@ TARGETS = {
         requirements="requirements-worker.txt",
         packages=("modelforge_contract", "modelforge_worker"),
         forbidden=(
-            "bottle",
-            "peewee",
-            "playhouse",
-            "bcrypt",
-            "waitress",
-            "psycopg2",
-            "modelforge_appliance",
+            *NODE_FORBIDDEN,
             "modelforge_node_agent",
             "nvidia",  # nvidia-cuda-runtime-cu12, the CUDA image's wheel
         ),
