@@ -152,6 +152,35 @@ def wait_for_healthz(container: Any, url: str, timeout: float = 60) -> Any:
         time.sleep(0.2)
 
 
+def wait_for(
+    what: str, check: Callable[[], Any], logs: Callable[[], str], timeout: float = 90
+) -> Any:
+    """Poll until ``check`` returns something true; the deadline only bounds a failure, whose
+    message carries ``logs()``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{logs()}"
+        time.sleep(0.25)
+
+
+def compose_service(client: Any, project: str, service: str) -> Any:
+    """The one container of a Compose project's service, by the labels Compose gives it."""
+    found = client.containers.list(
+        all=True,
+        filters={
+            "label": [
+                f"com.docker.compose.project={project}",
+                f"com.docker.compose.service={service}",
+            ]
+        },
+    )
+    assert len(found) == 1, f"{service}: {found}"
+    return found[0]
+
+
 # -- release directories and their mutations -------------------------------------------------
 
 

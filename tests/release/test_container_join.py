@@ -18,7 +18,6 @@ import pty
 import select
 import signal
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -37,20 +36,9 @@ from modelforge_contract import (
     __version__,
 )
 from tests.harness.control_plane import free_port
-from tests.harness.release_images import release_env, unique, wait_for_healthz
+from tests.harness.release_images import release_env, unique, wait_for, wait_for_healthz
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
-
-
-def wait_for(what: str, check: Callable[[], Any], logs: Callable[[], str], timeout: float = 120):
-    """Poll until ``check`` returns something true; the deadline only bounds a failure."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{logs()}"
-        time.sleep(0.5)
 
 
 def run_on_a_pty(command: str, token: str, timeout: float = 300) -> tuple[int, str]:
@@ -162,7 +150,7 @@ def test_the_printed_container_join_ends_in_a_ready_node(
             ).json()
             return answer if answer["ready"] else None
 
-        readiness = wait_for("the joined node to be ready", ready, logs)
+        readiness = wait_for("the joined node to be ready", ready, logs, timeout=120)
         assert {check["name"]: check["ok"] for check in readiness["checks"]}["worker"] is True
         assert minted["token"] not in logs()
     finally:

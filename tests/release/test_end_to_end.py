@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,14 @@ import requests
 
 from modelforge_contract import HEADER_ADMIN_TOKEN
 from tests.harness.control_plane import free_port
-from tests.harness.release_images import release_env, run_release, unique, wait_for_healthz
+from tests.harness.release_images import (
+    compose_service,
+    release_env,
+    run_release,
+    unique,
+    wait_for,
+    wait_for_healthz,
+)
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -56,17 +62,7 @@ class Deployment:
         return result
 
     def container(self, client: Any, service: str) -> Any:
-        found = client.containers.list(
-            all=True,
-            filters={
-                "label": [
-                    f"com.docker.compose.project={self.project}",
-                    f"com.docker.compose.service={service}",
-                ]
-            },
-        )
-        assert len(found) == 1, f"{service}: {found}"
-        return found[0]
+        return compose_service(client, self.project, service)
 
     def admin(self, method: str, path: str, **kwargs: Any) -> requests.Response:
         headers = {HEADER_ADMIN_TOKEN: self.admin_token}
@@ -89,19 +85,6 @@ class Deployment:
         response = self.admin("GET", "/api/v1/admin/hardware/nodes")
         assert response.status_code == 200, response.text
         return response.json()["nodes"]
-
-
-def wait_for(
-    what: str, check: Callable[[], Any], logs: Callable[[], str], timeout: float = 90
-) -> Any:
-    """Poll until ``check`` returns something true; the deadline only bounds a failure."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{logs()}"
-        time.sleep(0.25)
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ import json
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,13 @@ import requests
 from modelforge_appliance.fleet.node_agent_image import RECREATE_COMMAND
 from modelforge_contract import HEADER_ADMIN_TOKEN
 from tests.harness.control_plane import free_port
-from tests.harness.release_images import release_env, unique, wait_for_healthz
+from tests.harness.release_images import (
+    compose_service,
+    release_env,
+    unique,
+    wait_for,
+    wait_for_healthz,
+)
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -40,17 +45,6 @@ ALIAS = "control-plane"
 ORIGIN = f"http://{ALIAS}:8000"  # the token's origin: how the node's containers reach it
 MANIFEST_IN_CONTAINER = "/etc/modelforge/release-manifest.json"
 TOKEN_VARIABLE = "MODELFORGE_AGENT_ENROLLMENT_TOKEN"
-
-
-def wait_for(what: str, check: Callable[[], Any], logs: Callable[[], str], timeout: float = 120):
-    """Poll until ``check`` returns something true; the deadline only bounds a failure."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{logs()}"
-        time.sleep(0.5)
 
 
 class ControlPlane:
@@ -196,7 +190,7 @@ def test_the_wizards_files_bring_a_cpu_node_to_ready_and_the_recreate_drops_the_
         (mine,) = [e for e in enrollments if e["enrollment_id"] == minted["enrollment_id"]]
         return mine["node_id"]
 
-    node_id = wait_for("the agent to enroll", enrolled, logs)
+    node_id = wait_for("the agent to enroll", enrolled, logs, timeout=120)
 
     def ready(after: str = "") -> Callable[[], Any]:
         def check() -> Any:
@@ -210,14 +204,14 @@ def test_the_wizards_files_bring_a_cpu_node_to_ready_and_the_recreate_drops_the_
 
         return check
 
-    node, readiness = wait_for("the node to become READY", ready(), logs)
+    node, readiness = wait_for("the node to become READY", ready(), logs, timeout=120)
     checks = {check["name"]: check for check in readiness["checks"]}
     assert checks["worker"]["ok"], checks["worker"]
     assert "COMPATIBLE" in checks["worker"]["detail"]
     assert node["hostname"] == socket.gethostname()  # the host's, not the container id
-    agent = _service(docker_client, project, "node-agent")
+    agent = compose_service(docker_client, project, "node-agent")
     assert f"{TOKEN_VARIABLE}={token}" in agent.attrs["Config"]["Env"]  # the first start's
-    worker = _service(docker_client, project, "runtime-worker")
+    worker = compose_service(docker_client, project, "runtime-worker")
     assert worker.attrs["HostConfig"]["NetworkMode"] == "none"
     assert worker.attrs["Config"]["User"] == agent.attrs["Config"]["User"] == "65532:65532"
     assert not any(e.startswith(TOKEN_VARIABLE) for e in worker.attrs["Config"]["Env"])
@@ -227,11 +221,14 @@ def test_the_wizards_files_bring_a_cpu_node_to_ready_and_the_recreate_drops_the_
     recreate = bash(node_dir, RECREATE_COMMAND)
     assert recreate.returncode == 0, recreate.stdout + recreate.stderr
     assert "the container no longer carries the enrollment token" in recreate.stdout
-    again = _service(docker_client, project, "node-agent")
+    again = compose_service(docker_client, project, "node-agent")
     assert again.id != agent.id
     assert not any(e.startswith(TOKEN_VARIABLE) for e in again.attrs["Config"]["Env"])
     node_again, readiness = wait_for(
-        "the recreated node to be READY again", ready(after=node["last_heartbeat_at"]), logs
+        "the recreated node to be READY again",
+        ready(after=node["last_heartbeat_at"]),
+        logs,
+        timeout=120,
     )
     assert (node_again["node_id"], node_again["hostname"]) == (node_id, node["hostname"])
     assert {c["name"]: c["ok"] for c in readiness["checks"]}["worker"] is True
@@ -246,17 +243,3 @@ def test_the_wizards_files_bring_a_cpu_node_to_ready_and_the_recreate_drops_the_
     assert docker_client.containers.list(all=True, filters={"label": label}) == []
     volumes = {v.name for v in docker_client.volumes.list(filters={"label": label})}
     assert f"{project}_modelforge-node-agent-state" in volumes
-
-
-def _service(client: Any, project: str, service: str) -> Any:
-    found = client.containers.list(
-        all=True,
-        filters={
-            "label": [
-                f"com.docker.compose.project={project}",
-                f"com.docker.compose.service={service}",
-            ]
-        },
-    )
-    assert len(found) == 1, f"{service}: {found}"
-    return found[0]
