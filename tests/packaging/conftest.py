@@ -6,17 +6,20 @@ other test reuses these builds, so the suite pays for two builds of each.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from tests.harness.control_plane import IN_CI, clean_env
+from tests.harness.control_plane import IN_CI, clean_env, wait_until_answering
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "packaging" / "build_pyz.py"
@@ -142,6 +145,39 @@ def shebang_env(**extra: str) -> dict[str, str]:
     assert (here / "python3").exists(), f"{here} has no python3 for the shebang to find"
     env["PATH"] = f"{here}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
     return env
+
+
+def init_pyz(pyz: Path, env: dict[str, str]) -> str:
+    """``modelforge init --json`` from the control-plane archive: the first admin token."""
+    init = subprocess.run(
+        pyz_command(pyz, "init", "--json"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert init.returncode == 0, init.stderr
+    return json.loads(init.stdout)["admin_token"]
+
+
+@contextlib.contextmanager
+def serving_pyz(pyz: Path, env: dict[str, str], port: int, log_path: Path) -> Iterator[str]:
+    """``modelforge serve`` from the control-plane archive on 127.0.0.1:PORT, its output in
+    LOG_PATH, until the block ends: its URL, once /healthz answers."""
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            pyz_command(pyz, "serve", "--listen", f"127.0.0.1:{port}"),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_answering(url + "/healthz", process, log_path, timeout=60)
+        yield url
+    finally:
+        stop(process)
 
 
 def stop(process: subprocess.Popen) -> None:

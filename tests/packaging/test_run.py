@@ -26,9 +26,9 @@ from modelforge_contract import (
     PATH_ADMIN_NODES,
     PATH_ADMIN_WORK,
 )
-from tests.harness.control_plane import clean_env, free_port, wait_until_answering
+from tests.harness.control_plane import clean_env, free_port
 
-from .conftest import pyz_command, stop
+from .conftest import init_pyz, pyz_command, serving_pyz, stop
 
 
 @dataclass
@@ -69,16 +69,7 @@ def served_appliance(appliance_pyz, tmp_path_factory) -> Iterator[ServedApplianc
         MODELFORGE_STATE_DIR=str(base / "state"),
         HOME=str(home),
     )
-    init = subprocess.run(
-        pyz_command(installed, "init", "--json"),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert init.returncode == 0, init.stderr
-    admin_token = json.loads(init.stdout)["admin_token"]
+    admin_token = init_pyz(installed, env)
     assert admin_token
 
     port = free_port()
@@ -92,27 +83,17 @@ def served_appliance(appliance_pyz, tmp_path_factory) -> Iterator[ServedApplianc
     )
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
 
-    log_path = base / "serve.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            pyz_command(installed, "serve", "--listen", f"127.0.0.1:{port}"),
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until_answering(url + "/healthz", process, log_path, timeout=60)
-        yield ServedAppliance(
-            url=url,
-            admin_token=admin_token,
-            install_dir=installed.parent,
-            install_listing=[installed.name],
-            shiv_root=base / "cache",
-            state_dir=base / "state",
-        )
+        with serving_pyz(installed, env, port, base / "serve.log") as url:
+            yield ServedAppliance(
+                url=url,
+                admin_token=admin_token,
+                install_dir=installed.parent,
+                install_listing=[installed.name],
+                shiv_root=base / "cache",
+                state_dir=base / "state",
+            )
     finally:
-        stop(process)
         installed.parent.chmod(0o755)
 
 

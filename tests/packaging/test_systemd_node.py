@@ -35,9 +35,9 @@ from modelforge_contract import (
 )
 from modelforge_contract.envfile import parse_env_file
 from modelforge_node_agent.settings import DEFAULT_WORKER_SOCKET
-from tests.harness.control_plane import IN_CI, clean_env, free_port, wait_until_answering
+from tests.harness.control_plane import IN_CI, clean_env, free_port
 
-from .conftest import ROOT, pyz_command, stop, unit_directives
+from .conftest import ROOT, init_pyz, pyz_command, serving_pyz, stop, unit_directives
 
 DOC = ROOT / "docs" / "install-systemd.md"
 WORKER_UNIT = "modelforge-runtime-worker.service"
@@ -193,29 +193,9 @@ def control_plane(appliance_pyz, tmp_path) -> Iterator[tuple[str, str, dict[str,
         MODELFORGE_NODE_STALE_AFTER_SECONDS="5",
         MODELFORGE_NODE_OFFLINE_AFTER_SECONDS="10",
     )
-    init = subprocess.run(
-        pyz_command(appliance_pyz, "init", "--json"),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert init.returncode == 0, init.stderr
-    log_path = tmp_path / "serve.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            pyz_command(appliance_pyz, "serve", "--listen", f"127.0.0.1:{port}"),
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until_answering(url + "/healthz", process, log_path, timeout=60)
-        yield url, json.loads(init.stdout)["admin_token"], env
-    finally:
-        stop(process)
+    admin_token = init_pyz(appliance_pyz, env)
+    with serving_pyz(appliance_pyz, env, port, tmp_path / "serve.log") as url:
+        yield url, admin_token, env
 
 
 def test_the_systemd_install_of_a_node_ends_ready(
