@@ -4,7 +4,6 @@ Starting them against real images is tests/release/test_end_to_end.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.compose import compose_v1_binary, config_as_data, gpu_reservation
 from tests.harness.control_plane import IN_CI, clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,17 +56,11 @@ COMPOSE_FILES = (
     "docker-compose.gpu.yml",
     "docker-compose.node-recovery.yml",
 )
-# docker-compose (v1) is a Debian Python program: its YAML library reads its output.
-_YAML_TO_JSON = "import json, sys, yaml; print(json.dumps(yaml.safe_load(sys.stdin)))"
 
 
 def compose_model(tmp_path: Path, *files: str, **env: str) -> dict:
     """``docker-compose config`` of FILES, as data; fails the test with v1's message."""
-    binary = shutil.which("docker-compose")
-    if binary is None:
-        if IN_CI:
-            pytest.fail("docker-compose is missing: scripts/test installs it as root")
-        pytest.skip("docker-compose is not installed")
+    binary = compose_v1_binary()
     env_file = tmp_path / "modelforge-node.env"
     env_file.write_text("MODELFORGE_AGENT_CONTROL_PLANE_URL=http://cp.lan:8000\n")
     argv = [binary]
@@ -81,18 +75,7 @@ def compose_model(tmp_path: Path, *files: str, **env: str) -> dict:
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr
-    converted = subprocess.run(
-        [shutil.which("python3", path="/usr/bin") or "/usr/bin/python3", "-c", _YAML_TO_JSON],
-        input=result.stdout,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(converted.stdout)
-
-
-def gpu_reservation(service: dict) -> list:
-    return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    return config_as_data(result.stdout)
 
 
 def test_every_image_falls_back_to_a_local_source_build_never_latest():

@@ -22,7 +22,8 @@ import pytest
 from modelforge_appliance.fleet import node_agent_image
 from modelforge_contract import __version__
 from modelforge_contract.manifest import REQUIRED_LABELS, runtime_config
-from tests.harness.control_plane import IN_CI, clean_env, error_code, make_settings, serve
+from tests.harness.compose import compose_v1_binary, config_as_data, gpu_reservation
+from tests.harness.control_plane import clean_env, error_code, make_settings, serve
 from tests.harness.manifest_entries import sample_config
 
 CHECK = "/api/v1/admin/node-agent-image/check"
@@ -190,18 +191,10 @@ def test_generated_compose_file_and_script_name_the_local_tag_and_never_pull(rel
 
 # -- the generated Compose file, read by real Compose v1 ------------------------------------
 
-# docker-compose (v1) is a Debian Python program: its YAML library reads its output.
-_YAML_TO_JSON = "import json, sys, yaml; print(json.dumps(yaml.safe_load(sys.stdin)))"
-
 
 def compose_v1(directory: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    binary = shutil.which("docker-compose")
-    if binary is None:
-        if IN_CI:
-            pytest.fail("docker-compose is missing: scripts/test installs it as root")
-        pytest.skip("docker-compose is not installed")
     return subprocess.run(
-        [binary, "-f", node_agent_image.COMPOSE_FILE, *args],
+        [compose_v1_binary(), "-f", node_agent_image.COMPOSE_FILE, *args],
         cwd=directory,
         env=clean_env(**env),
         capture_output=True,
@@ -226,18 +219,7 @@ def saved_files(directory: Path, answer: dict) -> Path:
 def v1_model(directory: Path, **env: str) -> dict:
     result = compose_v1(directory, "config", **env)
     assert result.returncode == 0, result.stderr
-    converted = subprocess.run(
-        [shutil.which("python3", path="/usr/bin") or "/usr/bin/python3", "-c", _YAML_TO_JSON],
-        input=result.stdout,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(converted.stdout)
-
-
-def gpu_reservation(service: dict) -> list:
-    return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    return config_as_data(result.stdout)
 
 
 @pytest.mark.parametrize(
