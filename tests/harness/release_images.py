@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,49 @@ def wait_for_healthz(container: Any, url: str, timeout: float = 60) -> Any:
             pass
         assert time.monotonic() < deadline, f"{url} did not answer:\n{container.logs().decode()}"
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def control_plane_container(
+    client: Any,
+    version: str,
+    prefix: str,
+    environment: dict[str, str] | None = None,
+    volumes: dict[str, dict[str, str]] | None = None,
+) -> Iterator[tuple[Any, str, str]]:
+    """The control-plane image run locked down (read-only root, no capabilities), its store in
+    a volume of its own, published on 127.0.0.1 only, with liveness fast enough for a test;
+    once it answers and ``modelforge init`` ran: (container, URL, admin token). Container and
+    volume are removed at the end."""
+    from .control_plane import free_port
+
+    name, port = unique(prefix), free_port()
+    container = client.containers.run(
+        f"modelforge-control-plane:{version}",
+        name=name,
+        detach=True,
+        read_only=True,
+        tmpfs={"/tmp": ""},
+        cap_drop=["ALL"],
+        security_opt=["no-new-privileges:true"],
+        ports={"8000/tcp": ("127.0.0.1", port)},
+        volumes={name: {"bind": "/var/lib/modelforge", "mode": "rw"}, **(volumes or {})},
+        environment={
+            "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS": "1",
+            "MODELFORGE_NODE_STALE_AFTER_SECONDS": "5",
+            "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS": "10",
+            **(environment or {}),
+        },
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_healthz(container, url + "/healthz")
+        code, (output, said) = container.exec_run(["modelforge", "init", "--json"], demux=True)
+        assert code == 0, (said or b"").decode()
+        yield container, url, json.loads(output)["admin_token"]
+    finally:
+        container.remove(force=True)
+        client.volumes.get(name).remove(force=True)
 
 
 def wait_for(

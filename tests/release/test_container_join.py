@@ -12,7 +12,6 @@ starts first; the agent must find it on the shared socket volume and the node be
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pty
 import select
@@ -35,8 +34,12 @@ from modelforge_contract import (
     WORKER_SERVICE,
     __version__,
 )
-from tests.harness.control_plane import free_port
-from tests.harness.release_images import release_env, unique, wait_for, wait_for_healthz
+from tests.harness.release_images import (
+    control_plane_container,
+    release_env,
+    unique,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -74,36 +77,18 @@ def run_on_a_pty(command: str, token: str, timeout: float = 300) -> tuple[int, s
 def test_the_printed_container_join_ends_in_a_ready_node(
     docker_client, built_images, release_version, tmp_path
 ):
-    plane_name = unique("mfjoin-cp")
-    port = free_port()
-    plane = docker_client.containers.run(
-        f"modelforge-control-plane:{release_version}",
-        name=plane_name,
-        detach=True,
-        read_only=True,
-        tmpfs={"/tmp": ""},
-        cap_drop=["ALL"],
-        security_opt=["no-new-privileges:true"],
-        ports={"8000/tcp": ("127.0.0.1", port)},
-        volumes={plane_name: {"bind": "/var/lib/modelforge", "mode": "rw"}},
-        environment={
-            "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS": "1",
-            "MODELFORGE_NODE_STALE_AFTER_SECONDS": "5",
-            "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS": "10",
-        },
-    )
     names = {
         WORKER_SERVICE: unique("mfjoin-worker"),
         AGENT_SERVICE: unique("mfjoin-agent"),
         WORKER_SOCKET_VOLUME: unique("mfjoin-socket"),
     }
     state = tmp_path / "state"
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for_healthz(plane, url + "/healthz")
-        code, (output, said) = plane.exec_run(["modelforge", "init", "--json"], demux=True)
-        assert code == 0, (said or b"").decode()
-        headers = {HEADER_ADMIN_TOKEN: json.loads(output)["admin_token"]}
+    with contextlib.ExitStack() as cleanup:
+        plane, url, admin_token = cleanup.enter_context(
+            control_plane_container(docker_client, release_version, "mfjoin-cp")
+        )
+        cleanup.callback(remove_node, docker_client, names)
+        headers = {HEADER_ADMIN_TOKEN: admin_token}
         plane.reload()
         address = plane.attrs["NetworkSettings"]["Networks"]["bridge"]["IPAddress"]
         # Minted through the address the node uses: the token is locked to that origin.
@@ -153,10 +138,12 @@ def test_the_printed_container_join_ends_in_a_ready_node(
         readiness = wait_for("the joined node to be ready", ready, logs, timeout=120)
         assert {check["name"]: check["ok"] for check in readiness["checks"]}["worker"] is True
         assert minted["token"] not in logs()
-    finally:
-        for name in (names[AGENT_SERVICE], names[WORKER_SERVICE], plane_name):
-            with contextlib.suppress(Exception):  # not created when an earlier step failed
-                docker_client.containers.get(name).remove(force=True)
-        for volume in (names[WORKER_SOCKET_VOLUME], plane_name):
-            with contextlib.suppress(Exception):
-                docker_client.volumes.get(volume).remove(force=True)
+
+
+def remove_node(client: Any, names: dict[str, str]) -> None:
+    """The node's containers and socket volume, those that were made."""
+    for name in (names[AGENT_SERVICE], names[WORKER_SERVICE]):
+        with contextlib.suppress(Exception):  # not created when an earlier step failed
+            client.containers.get(name).remove(force=True)
+    with contextlib.suppress(Exception):
+        client.volumes.get(names[WORKER_SOCKET_VOLUME]).remove(force=True)

@@ -30,13 +30,12 @@ import requests
 
 from modelforge_appliance.fleet.node_agent_image import RECREATE_COMMAND
 from modelforge_contract import HEADER_ADMIN_TOKEN
-from tests.harness.control_plane import free_port
 from tests.harness.release_images import (
     compose_service,
+    control_plane_container,
     release_env,
     unique,
     wait_for,
-    wait_for_healthz,
 )
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -63,41 +62,20 @@ def control_plane(docker_client, built_images, release_version, release_bundle, 
     manifest = tmp_path / "release-manifest.json"
     shutil.copyfile(next(release_bundle.glob("modelforge-*-manifest.json")), manifest)
     manifest.chmod(0o644)
-    name = unique("mfwiz-cp")
-    port = free_port()
-    container = docker_client.containers.run(
-        f"modelforge-control-plane:{release_version}",
-        name=name,
-        detach=True,
-        read_only=True,
-        tmpfs={"/tmp": ""},
-        cap_drop=["ALL"],
-        security_opt=["no-new-privileges:true"],
-        ports={"8000/tcp": ("127.0.0.1", port)},
-        volumes={
-            name: {"bind": "/var/lib/modelforge", "mode": "rw"},
-            str(manifest): {"bind": MANIFEST_IN_CONTAINER, "mode": "ro"},
-        },
+    with control_plane_container(
+        docker_client,
+        release_version,
+        "mfwiz-cp",
         environment={
             "MODELFORGE_PUBLIC_API_ORIGIN": ORIGIN,
             "MODELFORGE_RELEASE_MANIFEST": MANIFEST_IN_CONTAINER,
-            "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS": "1",
-            "MODELFORGE_NODE_STALE_AFTER_SECONDS": "5",
-            "MODELFORGE_NODE_OFFLINE_AFTER_SECONDS": "10",
         },
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for_healthz(container, url + "/healthz")
-        code, (output, said) = container.exec_run(["modelforge", "init", "--json"], demux=True)
-        assert code == 0, (said or b"").decode()
-        plane = ControlPlane(url, json.loads(output)["admin_token"])
+        volumes={str(manifest): {"bind": MANIFEST_IN_CONTAINER, "mode": "ro"}},
+    ) as (container, url, admin_token):
+        plane = ControlPlane(url, admin_token)
         plane.container = container  # type: ignore[attr-defined]
         plane.manifest = json.loads(manifest.read_text())  # type: ignore[attr-defined]
         yield plane
-    finally:
-        container.remove(force=True)
-        docker_client.volumes.get(name).remove(force=True)
 
 
 @pytest.fixture
