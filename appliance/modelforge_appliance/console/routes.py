@@ -33,6 +33,7 @@ CONSOLE = "/console/"
 SIGN_IN = SIGN_IN_PATH
 PAGE_HEADERS = {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"}
 SIGN_IN_FIELDS = {"password": Field(str, low=1, high=1024)}
+IMPORT_COMMAND = "modelforge models import NAME PATH"
 EXPIRY_CHOICES = ((300, "5 minutes"), (900, "15 minutes"), (3600, "1 hour"), (86400, "24 hours"))
 
 
@@ -155,6 +156,10 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     @app.get("/console/work", auth=SESSION)
     def work_page(session: sessions.Session):
         return page("work", session=session, states=WORK_STATES)
+
+    @app.get("/console/models", auth=SESSION)
+    def models_page(session: sessions.Session):
+        return page("models", session=session, import_command=IMPORT_COMMAND)
 
     @app.get("/console/work/<work_id>", auth=SESSION)
     def work_item_page(work_id: str, session: sessions.Session):
