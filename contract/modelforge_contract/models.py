@@ -1,4 +1,4 @@
-"""The models wire contract (docs/architecture.md §9, docs/models.md).
+"""The models wire contract (docs/architecture.md §10, docs/models.md).
 
 A model revision is a manifest ``{name, revision, files: [{path, size, sha256}]}``; its
 digest ``sha256:<hex>`` over the canonical JSON (sorted keys, no spaces) is its identity.
