@@ -272,12 +272,19 @@ function schedule() {
 }
 
 let busy = false;
+let again = false; // asked while a refresh was in flight: its answer may predate the change
 
 async function refreshReplicas() {
-  if (busy) return;
+  if (busy) {
+    again = true;
+    return;
+  }
   busy = true;
   try {
-    await Promise.all([...cards.values()].map(loadReplicas));
+    do {
+      again = false;
+      await Promise.all([...cards.values()].map(loadReplicas));
+    } while (again);
     setText($("models-error"), "");
   } catch (error) {
     setText($("models-error"), `Could not refresh: ${errorText(error)}`);
