@@ -21,6 +21,7 @@ from ..core.errors import ApiError
 from ..core.validation import ENROLL_FIELDS, HEARTBEAT_FIELDS, INVENTORY_FIELDS, TELEMETRY_FIELDS
 from ..fleet import nodes
 from ..identity import enrollment
+from ..models import replicas
 from ..web.auth import AGENT, ENROLLING, AgentCall, Body
 from ..web.http import ApiContext, json_response, request_origin
 
@@ -96,6 +97,9 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
                 "compatibility": COMPATIBLE,
                 # Additive: what to publish again now (an older agent ignores it).
                 "republish": list(caller.republish),
+                # Additive (issue 24): changes when the node's replicas do; an agent that
+                # sees a new value fetches GET /agent/models.
+                "models_generation": caller.models_generation,
             }
         )
 
@@ -103,6 +107,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     def inventory(agent: AgentCall):
         fields, caller = agent.fields, agent.caller
         at = nodes.record_inventory(store, caller, fields, source_address())
+        replicas.record_report(store, caller, fields.get("models"), at)
         return json_response({"server_time": isoformat(at), "compatibility": COMPATIBLE})
 
     @app.post(PATH_AGENT_TELEMETRY, auth=AGENT, body=Body(TELEMETRY_FIELDS))

@@ -29,6 +29,7 @@ from modelforge_contract import (
     WORK_TIMEOUT_MAX_SECONDS,
 )
 from modelforge_contract import containers as fence
+from modelforge_contract import models as models_contract
 
 from .errors import ApiError, Invalid, TooLarge
 from .lookalike import first_refused_in_name
@@ -255,7 +256,7 @@ ACCELERATOR_FIELDS = {
 
 STORAGE_ROOT_FIELDS = {
     "path": Field(str, low=1, high=4096),
-    "role": Field(str, required=False, choices=("artifacts", "quarantine", "state")),
+    "role": Field(str, required=False, choices=models_contract.STORAGE_ROLES),
     "total_bytes": _BYTES,
     "free_bytes": _BYTES,
 }
@@ -267,6 +268,19 @@ HOST_FIELDS = {
     "memory_total_bytes": _OPT_BYTES,
 }
 
+MODEL_REPORT_ERROR_FIELDS = {
+    "code": Field(str, low=1, high=64),
+    "message": Field(str, high=1000),
+}
+
+MODEL_REPORT_FIELDS = {
+    "digest": Field(str, low=71, high=71),
+    "state": Field(str, choices=models_contract.REPORTED_STATES),
+    "bytes_done": _BYTES,
+    "bytes_total": _BYTES,
+    "error": Field(dict, required=False, nullable=True, fields=MODEL_REPORT_ERROR_FIELDS),
+}
+
 INVENTORY_FIELDS = {
     "node_id": _ID,
     "agent_version": _VERSION,
@@ -276,6 +290,9 @@ INVENTORY_FIELDS = {
     "storage_roots": Field(
         list, required=False, high=32, items=Field(dict, fields=STORAGE_ROOT_FIELDS)
     ),
+    # Additive (issue 24): what the node holds of the models asked of it; an older agent
+    # sends no such field, and nothing about its replicas changes then.
+    "models": Field(list, required=False, high=1000, items=Field(dict, fields=MODEL_REPORT_FIELDS)),
 }
 
 _OPT_INT = Field(int, required=False, nullable=True, low=0, high=10**9)
@@ -371,6 +388,17 @@ WORK_SLOTS_FIELDS = {
 # POST …/accept-hardware: optionally the digest of the pending accelerators that were shown.
 ACCEPT_HARDWARE_FIELDS = {
     "digest": Field(str, required=False, nullable=True, low=16, high=16),
+}
+
+IMPORT_MODEL_FIELDS = {
+    "name": Field(str, low=1, high=120),
+    "revision": Field(str, required=False, nullable=True, low=1, high=64),
+    "source": Field(dict, fields={"path": Field(str, low=1, high=4096)}),
+}
+
+REPLICATE_FIELDS = {
+    "node_ids": Field(list, low=1, high=1000, items=_ID),
+    "revision": Field(str, required=False, nullable=True, low=1, high=64),
 }
 
 RENEW_FIELDS = {"node_id": _ID, "lease_id": _WORK_ID}

@@ -108,7 +108,8 @@ def record_inventory(
     accelerators = inventory.get("accelerators") or []
     hardware.check_published(caller.accelerator_mode, accelerators)
     now = store.clock.now()
-    stored = {key: value for key, value in inventory.items() if key != "node_id"}
+    # A node's models are its replicas' rows (models/replicas.py), not part of its inventory.
+    stored = {key: value for key, value in inventory.items() if key not in ("node_id", "models")}
     with store.write():
         # Read where it is written (locked on PostgreSQL), so an accept and an inventory
         # that meet each see the other's outcome.

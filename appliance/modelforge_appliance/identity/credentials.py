@@ -91,12 +91,14 @@ class Caller:
     # What the control plane holds no fresh measurement of (after a restore, or before the
     # first publication since enrollment): the heartbeat answer asks for it again.
     republish: tuple[str, ...] = ()
+    # The node's models generation (models/replicas.py), carried by the heartbeat answer.
+    models_generation: int = 0
 
 
 # The heartbeat path runs this for every call: one indexed read, no model objects.
 _CALLER_SQL = (
     "SELECT c.digest, c.revoked_at, n.node_id, n.decommissioned_at, n.accelerator_mode, "
-    "n.enrolled_at, n.inventory_at, n.telemetry_at "
+    "n.enrolled_at, n.inventory_at, n.telemetry_at, n.models_generation "
     "FROM credential AS c JOIN node AS n ON n.node_id = c.node_id "
     "WHERE c.credential_id = ?"
 )
@@ -123,6 +125,7 @@ class Credentialed:
     owner: str
     accelerator_mode: str
     republish: tuple[str, ...]
+    models_generation: int = 0
 
     def for_node(self, node_id: str) -> Caller:
         """The caller, authorised for node_id (403 when the credential is another node's)."""
@@ -131,7 +134,13 @@ class Credentialed:
                 "the credential authenticates but belongs to another node",
                 code=CREDENTIAL_NODE_MISMATCH,
             )
-        return Caller(self.credential_id, self.owner, self.accelerator_mode, self.republish)
+        return Caller(
+            self.credential_id,
+            self.owner,
+            self.accelerator_mode,
+            self.republish,
+            self.models_generation,
+        )
 
 
 def authenticate_credential(store: Store, authorization: str | None) -> Credentialed:
@@ -170,7 +179,7 @@ def authenticate_credential(store: Store, authorization: str | None) -> Credenti
             next_step=_REENROLL,
         )
     return Credentialed(
-        credential_id, owner, accelerator_mode, _republish(accelerator_mode, *row[5:])
+        credential_id, owner, accelerator_mode, _republish(accelerator_mode, *row[5:8]), row[8]
     )
 
 

@@ -380,6 +380,8 @@ def _prepare(
             _keep_console_security(store, password, clock.now())
             # Placement and readiness wait for a fresh measurement, never a snapshot.
             store.db.execute_sql("UPDATE node SET inventory_at = NULL, telemetry_at = NULL")
+            # Presence of models is measured again too (docs/models.md).
+            store.db.execute_sql("UPDATE model_replica SET reported_at = NULL")
             audit.record(
                 store,
                 audit.CLI_ACTOR,
@@ -569,6 +571,8 @@ def restore_finality(settings: Settings, path: Path, clock: Clock) -> dict[str, 
             with store.write():
                 carried = finality.carry_into(store, entries)
                 store.db.execute_sql("UPDATE node SET inventory_at = NULL, telemetry_at = NULL")
+                # Presence of models is measured again too (docs/models.md).
+                store.db.execute_sql("UPDATE model_replica SET reported_at = NULL")
                 audit.record(
                     store,
                     audit.CLI_ACTOR,

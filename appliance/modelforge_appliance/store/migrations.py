@@ -309,6 +309,31 @@ _PENDING_HARDWARE = (
     'ALTER TABLE "node" ADD COLUMN "hardware_changed_at" {double}',
 )
 
+# 10: models (models/): imported revisions, their replicas per node, and the generation a
+# node's heartbeat answer carries so its agent knows when to fetch what it should hold.
+_MODELS = (
+    'ALTER TABLE "node" ADD COLUMN "models_generation" INTEGER NOT NULL DEFAULT 0',
+    'CREATE TABLE "model" ("model_id" VARCHAR(40) NOT NULL PRIMARY KEY, '
+    '"name" VARCHAR(120) NOT NULL, "revision" VARCHAR(64) NOT NULL, '
+    '"digest" VARCHAR(71) NOT NULL, "manifest" TEXT NOT NULL, '
+    '"size_bytes" {bigint} NOT NULL, "file_count" INTEGER NOT NULL, "source" TEXT NOT NULL, '
+    '"created_by" VARCHAR(120) NOT NULL, "created_at" {double} NOT NULL)',
+    'CREATE UNIQUE INDEX "model_name_revision" ON "model" ("name", "revision")',
+    'CREATE UNIQUE INDEX "model_name_digest" ON "model" ("name", "digest")',
+    'CREATE TABLE "model_replica" ("id" {serial} NOT NULL PRIMARY KEY, '
+    '"model_id" VARCHAR(40) NOT NULL, "node_id" VARCHAR(40) NOT NULL, '
+    '"state" VARCHAR(16) NOT NULL, "bytes_done" {bigint} NOT NULL, '
+    '"bytes_total" {bigint} NOT NULL, "error" TEXT, "requested_by" VARCHAR(120) NOT NULL, '
+    '"requested_at" {double} NOT NULL, "updated_at" {double} NOT NULL, '
+    '"reported_at" {double}, '
+    'FOREIGN KEY ("model_id") REFERENCES "model" ("model_id") ON DELETE RESTRICT, '
+    'FOREIGN KEY ("node_id") REFERENCES "node" ("node_id") ON DELETE RESTRICT)',
+    'CREATE INDEX "model_replica_model_id" ON "model_replica" ("model_id")',
+    'CREATE INDEX "model_replica_node_id" ON "model_replica" ("node_id")',
+    'CREATE UNIQUE INDEX "model_replica_model_id_node_id" ON "model_replica" '
+    '("model_id", "node_id")',
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
@@ -325,5 +350,6 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(7, "work slots per node, work attribution", _WORK_SLOTS_AND_ATTRIBUTION),
     Migration(8, "telemetry floods", _TELEMETRY_FLOOD),
     Migration(9, "pending hardware", _PENDING_HARDWARE),
+    Migration(10, "models and replicas", _MODELS),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

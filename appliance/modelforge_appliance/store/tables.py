@@ -59,6 +59,9 @@ class Node(BaseModel):
     # accelerators published unlike them wait here for an administrator, since that time.
     pending_accelerators = pw.TextField(null=True)  # JSON list
     hardware_changed_at = pw.DoubleField(null=True)
+    # Bumped with every replica asked for or away on this node (models/replicas.py); the
+    # heartbeat answer carries it, and an agent that sees it change fetches its models.
+    models_generation = pw.IntegerField(default=0)
 
 
 class EnrollmentToken(BaseModel):
@@ -238,3 +241,50 @@ class WorkLease(BaseModel):
     expires_at = pw.DoubleField()
     ended_at = pw.DoubleField(null=True)
     end_reason = pw.CharField(max_length=32, null=True)
+
+
+# -- models (migration 10, models/) ----------------------------------------------------
+
+
+class Model(BaseModel):
+    """One imported model revision: its manifest and where its files came from.
+
+    The blobs it names are in the seed cache, ``STATE_DIR/models/blobs/sha256/<hex>``.
+    """
+
+    model_id = pw.CharField(primary_key=True, max_length=40)
+    name = pw.CharField(max_length=120)
+    revision = pw.CharField(max_length=64)
+    digest = pw.CharField(max_length=71)  # sha256:<hex> of the canonical manifest
+    manifest = pw.TextField()  # canonical JSON of {name, revision, files}
+    size_bytes = pw.BigIntegerField()
+    file_count = pw.IntegerField()
+    source = pw.TextField()  # the imported path on the control-plane host
+    created_by = pw.CharField(max_length=120)
+    created_at = pw.DoubleField()
+
+    class Meta:
+        indexes = (
+            (("name", "revision"), True),
+            (("name", "digest"), True),
+        )
+
+
+class ModelReplica(BaseModel):
+    """One model revision asked for on one node, and what the node last reported of it."""
+
+    id = pw.AutoField()
+    model = pw.ForeignKeyField(Model, backref="replicas", on_delete="RESTRICT")
+    node = pw.ForeignKeyField(Node, backref="replicas", on_delete="RESTRICT")
+    state = pw.CharField(max_length=16)
+    bytes_done = pw.BigIntegerField()
+    bytes_total = pw.BigIntegerField()
+    error = pw.TextField(null=True)  # JSON {code, message}
+    requested_by = pw.CharField(max_length=120)
+    requested_at = pw.DoubleField()
+    updated_at = pw.DoubleField()
+    # The node's last verified report of this digest; nulled by a restore (measure again).
+    reported_at = pw.DoubleField(null=True)
+
+    class Meta:
+        indexes = ((("model", "node"), True),)

@@ -126,9 +126,15 @@ def scraper(context: ApiContext) -> None:
     context.heartbeats.flush()
 
 
+# A GET agent route (``body=NO_BODY``): no body is read; the caller is the credential's node.
+NO_BODY = Body({})
+
+
 def agent_call(context: ApiContext, body: dict[str, Field]) -> AgentCall:
     protocol = agent_protocol()
     credential = credentials.authenticate_credential(context.store, request_header("Authorization"))
+    if not body:
+        return AgentCall(protocol, {}, credential.for_node(credential.owner))
     fields = context.body(body)
     return AgentCall(protocol, fields, credential.for_node(fields["node_id"]))
 

@@ -14,9 +14,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from modelforge_contract import LIVENESS_STATES
+from modelforge_contract.models import REPLICA_STATES
 
 from ..core.settings import Settings
 from ..fleet.nodes import liveness_of
+from ..models import replicas
 from ..store.database import Store
 from ..store.tables import Node
 from ..work import items
@@ -66,6 +68,30 @@ class _WorkByState(Collector):
         family = self._family()
         for state, count in items.counts_by_state(self.store).items():
             family.add_metric([state], count)
+        yield family
+
+
+class _ReplicasByState(Collector):
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "modelforge_model_replicas",
+            "Model replicas by stored state (a present one not measured since its node's "
+            "enrollment or a restore is shown pending in the API).",
+            labels=["state"],
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        counts = replicas.replica_counts(self.store)
+        for state in REPLICA_STATES:
+            family.add_metric([state], counts.get(state, 0))
         yield family
 
 
@@ -150,8 +176,14 @@ class Metrics:
             registry=self.registry,
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600),
         )
+        self.blob_bytes_served = Counter(
+            "modelforge_blob_bytes_served",
+            "Bytes of model blobs served to agents from the seed cache (GET /agent/blobs).",
+            registry=self.registry,
+        )
         self.registry.register(_NodesByLiveness(store, settings))
         self.registry.register(_WorkByState(store))
+        self.registry.register(_ReplicasByState(store))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
