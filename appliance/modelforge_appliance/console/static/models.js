@@ -48,7 +48,7 @@ function digestBox(digest) {
 
 function fileCount(model) {
   const files = model.files;
-  const count = Array.isArray(files) ? files.length : files;
+  const count = model.file_count ?? (Array.isArray(files) ? files.length : files);
   return count === undefined || count === null ? "" : ` · ${count} file${count === 1 ? "" : "s"}`;
 }
 
