@@ -23,6 +23,7 @@ from .completion import completion
 from .doctor import doctor
 from .enrollments import enroll, enrollments_group
 from .errors import report
+from .models import models_group
 from .nodes import alerts_command, nodes_group
 from .serve import init, serve
 from .store import backup_command, restore_command, restore_finality_command, save_finality_command
@@ -92,6 +93,7 @@ for command in (
     doctor,
     completion,
     work_group,
+    models_group,
 ):
     main.add_command(command)
 
