@@ -1,4 +1,4 @@
-"""Admin model routes: import, list, show, delete, replicate (docs/architecture.md §9)."""
+"""Admin model routes: import, list, show, delete, replicate (docs/architecture.md §10)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Agent model routes: what to hold, and the blobs (docs/architecture.md §9).
+"""Agent model routes: what to hold, and the blobs (docs/architecture.md §10).
 
 ``GET /agent/models`` answers the caller's node its manifests and the digests to remove;
 ``GET /agent/blobs/sha256:<hex>`` serves one seed-cache blob, whole or one ``Range``,

@@ -1,1 +1,1 @@
-"""Models: manifests, the seed cache, replicas and presence (docs/architecture.md §9)."""
+"""Models: manifests, the seed cache, replicas and presence (docs/architecture.md §10)."""

@@ -1,4 +1,4 @@
-"""Model revisions: import into the seed cache, list, show, delete (docs/architecture.md §9).
+"""Model revisions: import into the seed cache, list, show, delete (docs/architecture.md §10).
 
 The revision rules: an explicit revision (or a Hugging Face snapshot's commit) that exists
 with the same files is answered again (200), with other files refused 409

@@ -1,6 +1,6 @@
 """Replicas: which node should hold which model revision, and what it reports it holds.
 
-Nothing moves until an administrator asks (docs/architecture.md §9). Each request or
+Nothing moves until an administrator asks (docs/architecture.md §10). Each request or
 removal bumps the node's ``models_generation`` in its transaction; the heartbeat answer
 carries it, so the agent fetches ``GET /agent/models`` when it changes. A replica shows
 ``present`` only from the node's verified report since its last enrollment or the last
