@@ -51,6 +51,12 @@ ROUTES = [
     "/api/v1/agent/work/claim",
     "/api/v1/agent/work/{work}/renew",
     "/api/v1/agent/work/{work}/complete",
+    "/api/v1/admin/models",
+    "/api/v1/admin/models/{name}",
+    "/api/v1/admin/models/{name}/replicas",
+    "/api/v1/admin/models/{name}/replicas/{node}",
+    "/api/v1/agent/models",
+    "/api/v1/agent/blobs/{digest}",
 ]
 HEADER_TEXT = st.text(alphabet=string.printable.strip() + " ", max_size=120)
 JSON_LEAVES = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
@@ -114,7 +120,14 @@ def requests_(draw, node: dict, minted: dict):
     filler = st.sampled_from([node["node_id"], minted["enrollment_id"]]) | st.text(
         alphabet=string.ascii_letters + string.digits + "-_.~%", min_size=1, max_size=40
     )
-    path = route.format(node=draw(filler), enrollment=draw(filler), work=draw(filler))
+    digests = st.just("sha256:" + "0" * 64) | filler
+    path = route.format(
+        node=draw(filler),
+        enrollment=draw(filler),
+        work=draw(filler),
+        name=draw(filler),
+        digest=draw(digests),
+    )
     if draw(st.booleans()):
         path += "?" + draw(st.text(alphabet=string.ascii_letters + "=&%0123456789-", max_size=40))
     headers = {}
@@ -190,7 +203,11 @@ HEADER_VALUES = st.sampled_from([b"ADMIN", b"Bearer CRED", b"1", b"application/j
 def raw_requests(draw, node: dict, minted: dict, cp) -> bytes:
     route = draw(st.sampled_from(ROUTES))
     path = route.format(
-        node=node["node_id"], enrollment=minted["enrollment_id"], work="no-such-work"
+        node=node["node_id"],
+        enrollment=minted["enrollment_id"],
+        work="no-such-work",
+        name="no-such-model",
+        digest="sha256:" + "0" * 64,
     ).encode()
     method = draw(st.sampled_from([b"GET", b"POST", b"PUT", b"DELETE"]))
     swap = {b"ADMIN": cp.admin_token.encode(), b"CRED": node["credential"].encode()}
@@ -249,7 +266,13 @@ def test_every_api_route_is_fuzzed(tmp_path):
         clock = None
 
     app = make_app(make_settings(tmp_path), store=NoStore())
-    names = {"node_id": "node", "enrollment_id": "enrollment", "work_id": "work"}
+    names = {
+        "node_id": "node",
+        "enrollment_id": "enrollment",
+        "work_id": "work",
+        "name": "name",
+        "digest": "digest",
+    }
     served = {
         re.sub(r"<(\w+)(?::[^>]*)?>", lambda m: "{" + names[m.group(1)] + "}", route.rule)
         for route in app.routes

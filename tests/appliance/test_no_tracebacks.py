@@ -40,6 +40,7 @@ COMMANDS = {
     "save-finality": ["save-finality", "{record}"],
     "restore-finality": ["restore-finality", "{record}"],
     "work": ["work", "show", "0123456789abcdef"],
+    "models": ["models", "show", "tiny"],
     "doctor": ["doctor", "--listen", "{busy}"],
     "completion": ["completion", "bash"],
 }
