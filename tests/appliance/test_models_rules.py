@@ -60,6 +60,12 @@ def test_a_file_a_directory_and_a_hugging_face_snapshot(control_plane, tmp_path)
         link = repo / "snapshots" / commit / relative
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(os.path.relpath(blob, link.parent))
+    stray = tmp_path / "hub" / "stray.bin"
+    stray.write_bytes(b"outside the repo folder")
+    (repo / "snapshots" / commit / "stray.bin").symlink_to(stray)
+    escaped = import_model(cp, "tiny", repo / "snapshots" / commit)
+    assert (escaped.status_code, error_code(escaped)) == (400, "MODEL_SYMLINK_ESCAPES")
+    (repo / "snapshots" / commit / "stray.bin").unlink()
     answer = import_model(cp, "tiny", repo / "snapshots" / commit)
     assert answer.status_code == 201, answer.text
     model = answer.json()
@@ -324,3 +330,8 @@ def test_a_blob_larger_than_any_buffer_streams_whole_and_in_ranges(sqlite_contro
     ]
     assert float(served.split()[1]) == size + size - start + 1000
     assert 'modelforge_model_replicas{state="pending"} 1.0' in metrics
+    # The cache lost the blob: a 500 that says to import again, not a 403 or a hang.
+    (cp.settings.state_dir / "models/blobs/sha256" / model["files"][0]["sha256"]).unlink()
+    lost = requests.get(url, headers=headers, timeout=30)
+    assert (lost.status_code, error_code(lost)) == (500, "MODEL_CACHE_INVALID")
+    assert "import" in lost.json()["error"]["next_step"]
