@@ -4,13 +4,9 @@ models and blob routes, and presence recorded from the node's inventory."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import threading
 
-import pytest
-
-from modelforge_appliance.store.tables import AuditEvent, ModelReplica, Node
+from modelforge_appliance.store.tables import AuditEvent
 from modelforge_contract.models import (
     PATH_ADMIN_MODELS,
     PATH_AGENT_MODELS,
@@ -152,7 +148,11 @@ def test_import_replicate_pull_and_report_present(control_plane, tmp_path):
     entry = {"digest": model["digest"], "bytes_total": total, "error": None}
     report(cp, member, [{**entry, "state": "downloading", "bytes_done": 1024}])
     [shown] = replicas_of(cp, "tiny")
-    assert (shown["state"], shown["bytes_done"], shown["reported_at"]) == ("downloading", 1024, None)
+    assert (shown["state"], shown["bytes_done"], shown["reported_at"]) == (
+        "downloading",
+        1024,
+        None,
+    )
     report(cp, member, [{**entry, "state": "present", "bytes_done": total}])
     [shown] = replicas_of(cp, "tiny")
     assert (shown["state"], shown["bytes_done"]) == ("present", total)
