@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 
 import requests
 
@@ -335,3 +336,28 @@ def test_a_blob_larger_than_any_buffer_streams_whole_and_in_ranges(sqlite_contro
     lost = requests.get(url, headers=headers, timeout=30)
     assert (lost.status_code, error_code(lost)) == (500, "MODEL_CACHE_INVALID")
     assert "import" in lost.json()["error"]["next_step"]
+
+
+def test_a_download_slower_than_the_request_timeout_is_not_cut(tmp_path):
+    """The request deadline covers receiving a request, never sending its answer: a blob a
+    slow agent reads for longer than MODELFORGE_REQUEST_TIMEOUT_SECONDS arrives whole."""
+    settings = make_settings(tmp_path / "state", request_timeout_seconds=1)
+    data = os.urandom(16 * 1024 * 1024)  # more than the socket buffers hold
+    (tmp_path / "w.bin").write_bytes(data)
+    with serve(settings) as cp:
+        model = import_model(cp, "slow", tmp_path / "w.bin").json()
+        member = node(cp)
+        cp.admin("POST", f"{MODELS}/slow/replicas", json={"node_ids": [member.node_id]})
+        headers = {
+            HEADER_AGENT_PROTOCOL: str(PROTOCOL_VERSION),
+            "Authorization": f"Bearer {member.credential}",
+        }
+        url = cp.url + blob_path(model["files"][0]["sha256"])
+        got = hashlib.sha256()
+        began = time.monotonic()
+        with requests.get(url, headers=headers, stream=True, timeout=30) as answer:
+            for chunk in answer.iter_content(512 * 1024):
+                got.update(chunk)
+                time.sleep(0.1)  # 32 chunks: over 3 s, past the 1 s request deadline
+        assert time.monotonic() - began > 2 * settings.request_timeout_seconds
+        assert got.hexdigest() == hashlib.sha256(data).hexdigest()
