@@ -9,6 +9,7 @@ BLOB_NOT_ASSIGNED whether or not the cache holds it.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 
@@ -86,7 +87,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             )
         path = cache.blob_file(state_dir, hexdigest)
         try:
-            handle = open(path, "rb")  # noqa: SIM115 - the server closes it once sent
+            handle = ServedFile(path, metrics.blob_bytes_served)
         except FileNotFoundError:
             raise cache.CacheInvalid(f"the seed cache has lost blob sha256:{hexdigest}") from None
         size = os.fstat(handle.fileno()).st_size
@@ -109,12 +110,30 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         if wanted is not None:
             headers["Content-Range"] = f"bytes {start}-{end}/{size}"
         handle.seek(start)
-        metrics.blob_bytes_served.inc(length)
+        handle.start = start
         # bottle hands a file to wsgi.file_wrapper; waitress then sends Content-Length
         # bytes from the file's position with sendfile-like buffers (never all in memory).
         environ = bottle.request.environ
         body = handle if "wsgi.file_wrapper" in environ else _limited(handle, length)
         return bottle.HTTPResponse(body, status=206 if wanted else 200, headers=headers)
+
+
+class ServedFile(io.BufferedReader):
+    """A cache blob being sent: on close (the server closes it once sent, or when the client
+    went away) it counts the bytes read past ``start``, so the bytes-served metric says what
+    left, not what was asked for. A real file, so waitress keeps its file_wrapper path."""
+
+    def __init__(self, path, counter) -> None:
+        super().__init__(io.FileIO(path, "rb"), buffer_size=CHUNK_READ)
+        self.counter, self.start = counter, 0
+
+    def close(self) -> None:
+        if not self.closed:
+            self.counter.inc(max(0, self.tell() - self.start))
+        super().close()
+
+
+CHUNK_READ = 1 << 20
 
 
 def _limited(handle, length: int):
