@@ -41,6 +41,7 @@ from .enroll import ensure_enrolled, load_or_create_identity, token_is_spent
 from .identity import NodeState, StateError, save_state
 from .join import join_command
 from .logs import configure_logging
+from .models import ModelLoop, prepare_model_roots
 from .nvidia import PreflightFailure, PreflightResult, run_preflight
 from .publisher import DEFAULT_HEARTBEAT_INTERVAL, Publisher
 from .refusals import AgentExit
@@ -174,6 +175,7 @@ def run_agent(
     log.info("preflight passed: %s", preflight.summary())
     try:
         state = load_or_create_identity(settings)
+        prepare_model_roots(settings)
         client = RecordingClient(url, make_session(settings), recorder=recorder)
         enrolled = ensure_enrolled(settings, state, client, stop)
         if enrolled is None:
@@ -204,6 +206,12 @@ def run_agent(
             )
             node_id = enrolled.state.node_id
             WorkLoop(settings, node_id, client, worker, run_stop, publisher.refuse).start()
+            # Models (issue 24): the same stop and refusal as the work loop.
+            models = ModelLoop(settings, client, run_stop, publisher.refuse)
+            models.wake_inventory = publisher.wake_inventory
+            publisher.models_report = models.report
+            publisher.models_generation = models.generation_seen
+            models.start()
             outcome = publisher.run()
             if outcome is None:
                 return EXIT_OK

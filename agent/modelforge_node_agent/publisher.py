@@ -191,6 +191,10 @@ class Publisher:
         # Telemetry names only the GPUs of the inventory the control plane holds: it waits
         # for the first inventory to be accepted.
         self.inventory_published = threading.Event()
+        # Models (issue 24): the model loop's report (the inventory's ``models``) and where
+        # a heartbeat answer's ``models_generation`` goes; unset, neither is sent or read.
+        self.models_report: Callable[[], list[dict[str, Any]]] | None = None
+        self.models_generation: Callable[[object], None] | None = None
 
     # -- shared ------------------------------------------------------------------
 
@@ -240,6 +244,8 @@ class Publisher:
             if answer is None:
                 return
             self.republish.ask(answer.get("republish"), sent_at)
+            if self.models_generation is not None:
+                self.models_generation(answer.get("models_generation"))
             self._take_interval(answer.get("heartbeat_interval_seconds"))
             if self.stop.wait(self.heartbeat_interval):
                 return
@@ -266,18 +272,24 @@ class Publisher:
         accelerators = nvml.read_inventory() if nvml else []
         self.accelerators = accelerators
         roots = []
-        try:
-            usage = shutil.disk_usage(self.settings.state_volume)
+        for path, role in (
+            (self.settings.state_volume, "state"),
+            (self.settings.artifacts_dir, "artifacts"),
+            (self.settings.quarantine_dir, "quarantine"),
+        ):
+            try:
+                usage = shutil.disk_usage(path)
+            except OSError as exc:
+                log.warning("cannot measure the %s root: %s", role, exc.strerror)
+                continue
             roots.append(
                 {
-                    "path": str(self.settings.state_volume),
-                    "role": "state",
+                    "path": str(path),
+                    "role": role,
                     "total_bytes": usage.total,
                     "free_bytes": usage.free,
                 }
             )
-        except OSError as exc:
-            log.warning("cannot measure the state volume: %s", exc.strerror)
         inventory = {
             "node_id": self.state.node_id,
             "agent_version": __version__,
@@ -285,9 +297,15 @@ class Publisher:
             "accelerators": accelerators,
             "storage_roots": roots,
         }
+        if self.models_report is not None:
+            inventory["models"] = self.models_report()
         if self.health.worker is not None:
             inventory["worker_version"] = self.health.worker.current().version
         return inventory
+
+    def wake_inventory(self) -> None:
+        """Publish the inventory now (a model changed state or moved bytes)."""
+        self.republish.ask([REPUBLISH_INVENTORY], time.monotonic())
 
     def inventory_loop(self) -> None:
         published, published_at = None, float("-inf")

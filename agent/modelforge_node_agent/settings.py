@@ -124,6 +124,24 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "10",
         "How often the agent asks its worker for /v1/info (and reports it in the heartbeat).",
     ),
+    SettingSpec(
+        "MODELFORGE_AGENT_ARTIFACT_ROOT",
+        None,
+        "Directory holding the models replicated to this node (blobs/, partial/, models/). "
+        "Defaults to <state volume>/artifacts; created 0700 when missing.",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_QUARANTINE_ROOT",
+        None,
+        "Where a downloaded blob that does not hash is moved, for inspection. Defaults to "
+        "<state volume>/quarantine; created 0700 when missing.",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_MODEL_STALL_SECONDS",
+        "30",
+        "A model download that receives no byte for this long is stalled, and resumed after "
+        "a backoff. Lower it only for tests.",
+    ),
     SettingSpec("MODELFORGE_AGENT_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
 )
 
@@ -158,6 +176,10 @@ class AgentSettings:
     work_slots: int = 1
     work_poll_seconds: float = 5.0
     worker_check_seconds: float = 10.0
+    # Models (issue 24): None means under the state volume.
+    artifact_root: Path | None = None
+    quarantine_root: Path | None = None
+    model_stall_seconds: float = 30.0
     # Observed, not ours: the NVIDIA container toolkit sets it when GPUs are requested.
     nvidia_visible_devices: str | None = None
 
@@ -165,6 +187,14 @@ class AgentSettings:
         # The token is a secret; keep it out of any repr that reaches a log or traceback.
         token = "set" if self.enrollment_token else "unset"
         return f"AgentSettings(control_plane_url={self.control_plane_url!r}, token={token})"
+
+    @property
+    def artifacts_dir(self) -> Path:
+        return self.artifact_root or self.state_volume / "artifacts"
+
+    @property
+    def quarantine_dir(self) -> Path:
+        return self.quarantine_root or self.state_volume / "quarantine"
 
     @property
     def tls_verify_value(self) -> bool | str:
@@ -317,4 +347,12 @@ def load_settings(
         work_poll_seconds=_float(env, "MODELFORGE_AGENT_WORK_POLL_SECONDS", 0.01, 3600),
         worker_check_seconds=_float(env, "MODELFORGE_AGENT_WORKER_CHECK_SECONDS", 0.1, 3600),
         nvidia_visible_devices=env.get("NVIDIA_VISIBLE_DEVICES"),
+        artifact_root=_path(env, "MODELFORGE_AGENT_ARTIFACT_ROOT"),
+        quarantine_root=_path(env, "MODELFORGE_AGENT_QUARANTINE_ROOT"),
+        model_stall_seconds=_float(env, "MODELFORGE_AGENT_MODEL_STALL_SECONDS", 0.1, 3600),
     )
+
+
+def _path(env: Mapping[str, str], name: str) -> Path | None:
+    raw = _value(env, name)
+    return Path(raw).expanduser().absolute() if raw else None
