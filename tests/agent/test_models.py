@@ -1,0 +1,261 @@
+"""Models on real agents (issue 24): a real control plane (waitress, SQLite) replicates an
+imported model to node agent processes, which pull, verify and lay it out; and the agent's
+blob store on real files."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+
+import pytest
+
+from modelforge_contract.models import (
+    DIGEST_MISMATCH,
+    INSUFFICIENT_SPACE,
+    PATH_ADMIN_MODELS,
+)
+from modelforge_node_agent.blobs import BlobStore, DigestMismatch
+from tests.harness.agent_process import wait_until
+from tests.harness.control_plane import make_settings, serve
+from tests.harness.work_node import short_dir, start_node
+
+MODELS = PATH_ADMIN_MODELS
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# -- the blob store on real files -----------------------------------------------------------
+
+
+def store_in(tmp_path) -> BlobStore:
+    store = BlobStore(tmp_path / "artifacts", tmp_path / "quarantine")
+    store.prepare()
+    return store
+
+
+def manifest_of(files: dict[str, bytes], name="m", revision="r1") -> dict:
+    entries = [{"path": p, "size": len(d), "sha256": sha(d)} for p, d in sorted(files.items())]
+    return {"name": name, "revision": revision, "files": entries}
+
+
+def test_a_partial_resumes_from_its_bytes_and_commits_read_only(tmp_path):
+    store = store_in(tmp_path)
+    data = os.urandom(3 * 1024 * 1024 + 5)
+    handle, hasher, have = store.open_partial(sha(data))
+    handle.write(data[:1000])
+    handle.close()
+    handle, hasher, have = store.open_partial(sha(data))
+    assert have == 1000  # the resume point is what is on disk, hashed again
+    handle.write(data[have:])
+    hasher.update(data[have:])
+    blob = store.commit(sha(data), handle, hasher)
+    assert blob == store.blob_path(sha(data)) and blob.read_bytes() == data
+    assert oct(blob.stat().st_mode & 0o777) == "0o444"
+    assert not store.partial_path(sha(data)).exists()
+
+
+def test_a_blob_that_does_not_hash_goes_to_quarantine_not_blobs(tmp_path):
+    store = store_in(tmp_path)
+    claimed = sha(b"the real bytes")
+    with pytest.raises(DigestMismatch) as raised:
+        store.write_blob(claimed, [b"other bytes"])
+    assert not store.has_blob(claimed) and not store.partial_path(claimed).exists()
+    [kept] = list((tmp_path / "quarantine").iterdir())
+    assert kept == raised.value.quarantined and kept.name.startswith(claimed + ".")
+    assert kept.read_bytes() == b"other bytes"
+
+
+def test_models_are_hard_links_and_removal_keeps_shared_blobs(tmp_path):
+    store = store_in(tmp_path)
+    shared, own_a, own_b = b"shared weights", b"config a", b"config b"
+    a = manifest_of({"w/shared.bin": shared, "config.json": own_a}, "a")
+    b = manifest_of({"shared.bin": shared, "config.json": own_b}, "b")
+    for data in (shared, own_a, own_b):
+        store.write_blob(sha(data), [data])
+    hex_a, hex_b = "a" * 64, "b" * 64
+    store.link_model(hex_a, a)
+    store.link_model(hex_b, b)
+    linked = store.model_dir(hex_a) / "w" / "shared.bin"
+    assert linked.read_bytes() == shared
+    assert linked.stat().st_ino == store.blob_path(sha(shared)).stat().st_ino
+    assert store.missing_bytes(a) == 0 and set(store.present_models()) == {hex_a, hex_b}
+    assert store.remove_model(hex_a) == 1  # only config a: b still links the shared blob
+    assert not store.model_dir(hex_a).exists() and not store.has_blob(sha(own_a))
+    assert store.has_blob(sha(shared)) and set(store.present_models()) == {hex_b}
+    assert store.remove_model(hex_b) == 2
+    assert list(store.blobs.iterdir()) == []
+
+
+def test_missing_bytes_counts_partials_and_each_blob_once(tmp_path):
+    store = store_in(tmp_path)
+    data = b"x" * 5000
+    manifest = manifest_of({"a.bin": data, "b.bin": data})
+    assert store.missing_bytes(manifest) == 5000
+    handle, _, _ = store.open_partial(sha(data))
+    handle.write(data[:2000])
+    handle.close()
+    assert store.missing_bytes(manifest) == 3000
+
+
+# -- real agents ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cp(tmp_path):
+    settings = make_settings(tmp_path / "cp", heartbeat_interval_seconds=1)
+    with serve(settings) as plane:
+        yield plane
+
+
+@pytest.fixture
+def sockets():
+    with short_dir() as path:
+        yield path
+
+
+def import_model(cp, name, files: dict[str, bytes], tmp_path) -> dict:
+    source = tmp_path / f"src-{name}"
+    for path, data in files.items():
+        (source / path).parent.mkdir(parents=True, exist_ok=True)
+        (source / path).write_bytes(data)
+    answer = cp.admin("POST", MODELS, json={"name": name, "source": {"path": str(source)}})
+    assert answer.status_code == 201, answer.text
+    return answer.json()
+
+
+def replicas(cp, name) -> dict[str, dict]:
+    answer = cp.admin("GET", f"{MODELS}/{name}/replicas")
+    assert answer.status_code == 200, answer.text
+    return {r["node_id"]: r for r in answer.json()["replicas"]}
+
+
+def wait_for_states(cp, name, wanted: dict[str, str], timeout=90) -> dict[str, dict]:
+    def reached():
+        shown = replicas(cp, name)
+        states = {node_id: r["state"] for node_id, r in shown.items()}
+        return shown if states == wanted else None
+
+    return wait_until(reached, timeout=timeout, what=f"replicas {wanted}")
+
+
+def online_node(cp, tmp_path, sockets, name, **settings):
+    node = start_node(cp, tmp_path / name, sockets, name, with_worker=False, **settings)
+
+    def online():
+        answer = cp.admin("GET", f"/api/v1/admin/hardware/nodes/{node.node_id}")
+        return answer.status_code == 200 and answer.json().get("liveness") == "online"
+
+    try:
+        wait_until(lambda: (node.state_volume / "identity.json").exists(), timeout=60)
+        wait_until(online, timeout=60, what=f"{name} online")
+    except BaseException:
+        node.close()
+        raise
+    return node
+
+
+FILES = {
+    "config.json": b'{"hidden_size": 8}',
+    "weights/model.safetensors": os.urandom(3 * 1024 * 1024 + 17),
+    "tokenizer.json": b'{"v": 1}',
+}
+
+
+def test_replicated_to_two_agents_present_identical_hard_linked_then_removed(cp, tmp_path, sockets):
+    model = import_model(cp, "tiny", FILES, tmp_path)
+    digest_hex = model["digest"].removeprefix("sha256:")
+    a = online_node(cp, tmp_path, sockets, "models-a")
+    b = online_node(cp, tmp_path, sockets, "models-b")
+    try:
+        made = cp.admin(
+            "POST", f"{MODELS}/tiny/replicas", json={"node_ids": [a.node_id, b.node_id]}
+        )
+        assert made.status_code == 202, made.text
+        shown = wait_for_states(cp, "tiny", {a.node_id: "present", b.node_id: "present"})
+        assert {r["bytes_done"] for r in shown.values()} == {model["size_bytes"]}
+        for node in (a, b):
+            root = node.state_volume / "artifacts"
+            model_dir = root / "models" / digest_hex
+            for path, data in FILES.items():
+                linked = model_dir / path
+                assert linked.read_bytes() == data
+                blob = root / "blobs" / "sha256" / sha(data)
+                assert linked.stat().st_ino == blob.stat().st_ino  # a hard link, not a copy
+                assert blob.stat().st_mode & 0o777 == 0o444
+            assert list((root / "partial").iterdir()) == []
+        # Removal: the node deletes its files, then stops reporting it; the row goes.
+        gone = cp.admin("DELETE", f"{MODELS}/tiny/replicas/{a.node_id}")
+        assert gone.status_code == 202, gone.text
+        wait_for_states(cp, "tiny", {b.node_id: "present"})
+        root = a.state_volume / "artifacts"
+        assert not (root / "models" / digest_hex).exists()
+        assert list((root / "blobs" / "sha256").iterdir()) == []
+        assert (b.state_volume / "artifacts" / "models" / digest_hex).is_dir()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_tampered_cache_blob_fails_digest_mismatch_into_quarantine(cp, tmp_path, sockets):
+    model = import_model(cp, "tampered", FILES, tmp_path)
+    weights = sha(FILES["weights/model.safetensors"])
+    cached = cp.settings.state_dir / "models" / "blobs" / "sha256" / weights
+    data = bytearray(cached.read_bytes())
+    data[12345] ^= 0xFF  # same size, other bytes
+    os.chmod(cached, 0o644)
+    cached.write_bytes(bytes(data))
+    node = online_node(cp, tmp_path, sockets, "models-t")
+    try:
+        made = cp.admin("POST", f"{MODELS}/tampered/replicas", json={"node_ids": [node.node_id]})
+        assert made.status_code == 202, made.text
+        shown = wait_for_states(cp, "tampered", {node.node_id: "failed"})
+        assert shown[node.node_id]["error"]["code"] == DIGEST_MISMATCH
+        root = node.state_volume / "artifacts"
+        assert not (root / "blobs" / "sha256" / weights).exists()
+        assert not (root / "models" / model["digest"].removeprefix("sha256:")).exists()
+        [kept] = list((node.state_volume / "quarantine").iterdir())
+        assert kept.name.startswith(weights + ".") and kept.read_bytes() == bytes(data)
+    finally:
+        node.close()
+
+
+def mount_tmpfs(path, size: str) -> bool:
+    """A size-limited tmpfs at ``path`` (root only); False where it cannot be made."""
+    if os.geteuid() != 0:
+        return False
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        check=False,
+    )
+    return done.returncode == 0
+
+
+def test_preflight_insufficient_space_on_a_small_artifact_root(cp, tmp_path, sockets):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if not mount_tmpfs(mount, "1m"):
+        if os.environ.get("CI"):
+            pytest.fail("CI must be able to mount a tmpfs (run the agent tests as root)")
+        pytest.skip("needs root to mount a size-limited tmpfs")
+    try:
+        model = import_model(cp, "toolarge", FILES, tmp_path)
+        node = online_node(cp, tmp_path, sockets, "models-s", artifact_root=str(mount / "art"))
+        try:
+            made = cp.admin(
+                "POST", f"{MODELS}/toolarge/replicas", json={"node_ids": [node.node_id]}
+            )
+            assert made.status_code == 202, made.text
+            shown = wait_for_states(cp, "toolarge", {node.node_id: "failed"})
+            assert shown[node.node_id]["error"]["code"] == INSUFFICIENT_SPACE
+            art = mount / "art"
+            assert list((art / "partial").iterdir()) == []
+            assert list((art / "blobs" / "sha256").iterdir()) == []
+            assert not (art / "models" / model["digest"].removeprefix("sha256:")).exists()
+        finally:
+            node.close()
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
