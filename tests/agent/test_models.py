@@ -4,9 +4,13 @@ blob store on real files."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import os
+import socket
 import subprocess
+import threading
 
 import pytest
 
@@ -16,9 +20,9 @@ from modelforge_contract.models import (
     PATH_ADMIN_MODELS,
 )
 from modelforge_node_agent.blobs import BlobStore, DigestMismatch
-from tests.harness.agent_process import wait_until
+from tests.harness.agent_process import AgentProcess, agent_env, wait_until
 from tests.harness.control_plane import make_settings, serve
-from tests.harness.work_node import short_dir, start_node
+from tests.harness.work_node import fast_agent_settings, short_dir, start_node
 
 MODELS = PATH_ADMIN_MODELS
 
@@ -259,3 +263,171 @@ def test_preflight_insufficient_space_on_a_small_artifact_root(cp, tmp_path, soc
             node.close()
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+# -- through a proxy the test controls ------------------------------------------------------
+
+
+class HoldingProxy:
+    """A TCP proxy on 127.0.0.1 to the control plane. While ``hold_after`` is set, a
+    connection that has forwarded that many bytes towards the agent forwards nothing more
+    (the connection stays open: a stall). Only blob answers grow that large; heartbeats
+    and inventories on the same keep-alive connections stay far below it. ``sent`` counts
+    every byte forwarded towards the agent."""
+
+    def __init__(self, target_port: int, hold_after: int | None = None) -> None:
+        self.target_port, self.hold_after = target_port, hold_after
+        self.sent = 0
+        self._lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            except OSError:
+                client.close()  # the control plane is down: as a refused connection
+                continue
+            upstream.settimeout(None)
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, to_agent: bool) -> None:
+        forwarded = 0
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                while to_agent and self.hold_after is not None and forwarded >= self.hold_after:
+                    if self._closed.wait(0.05):
+                        return
+                sink.sendall(data)
+                forwarded += len(data)
+                if to_agent:
+                    with self._lock:
+                        self.sent += len(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.listener.close()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+BIG = {"config.json": b"{}", "weights.bin": os.urandom(6 * 1024 * 1024 + 3)}
+MIB = 1024 * 1024
+
+
+def through(cp, proxy):
+    """The control plane's helpers with its URL the proxy's, so a token is minted for the
+    origin the agent uses."""
+    return dataclasses.replace(cp, url=proxy.url)
+
+
+def partial_of(node, data: bytes):
+    return node.state_volume / "artifacts" / "partial" / sha(data)
+
+
+def size_of(path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def test_killed_mid_pull_and_restarted_resumes_fetching_at_most_one_chunk_again(
+    cp, tmp_path, sockets
+):
+    model = import_model(cp, "big", BIG, tmp_path)
+    proxy = HoldingProxy(int(cp.url.rsplit(":", 1)[1]), hold_after=int(2.5 * MIB))
+    node = online_node(through(cp, proxy), tmp_path, sockets, "models-k")
+    try:
+        made = cp.admin("POST", f"{MODELS}/big/replicas", json={"node_ids": [node.node_id]})
+        assert made.status_code == 202, made.text
+        partial = partial_of(node, BIG["weights.bin"])
+        wait_until(lambda: size_of(partial) >= 2 * MIB, timeout=60, what="2 MiB pulled")
+        node.agent.process.kill()  # SIGKILL: no goodbye, the partial file as it is
+        node.agent.process.wait(timeout=10)
+        kept = size_of(partial)
+        assert 2 * MIB <= kept < len(BIG["weights.bin"])
+        with proxy._lock:
+            proxy.sent = 0
+        proxy.hold_after = None
+        # The same agent again: enrolled already, the same state volume and proxy.
+        env = agent_env(
+            control_plane_url=proxy.url,
+            accelerator_mode="cpu",
+            state_volume=node.state_volume,
+            hostname="models-k",
+            **fast_agent_settings(sockets / "models-k.sock"),
+        )
+        node.agent = AgentProcess(env, tmp_path / "models-k" / "agent2.log")
+        wait_for_states(cp, "big", {node.node_id: "present"})
+        remaining = len(BIG["weights.bin"]) - kept
+        # Everything after the restart (the rest of the blob, plus a few small answers)
+        # is within one chunk of what was missing: the pull resumed, it did not restart.
+        assert remaining <= proxy.sent <= remaining + MIB
+        model_dir = node.state_volume / "artifacts" / "models" / model["digest"][7:]
+        assert (model_dir / "weights.bin").read_bytes() == BIG["weights.bin"]
+    finally:
+        node.close()
+        proxy.close()
+
+
+def test_a_stalled_download_is_detected_and_resumed(cp, tmp_path, sockets):
+    import_model(cp, "stall", BIG, tmp_path)
+    proxy = HoldingProxy(int(cp.url.rsplit(":", 1)[1]), hold_after=int(1.5 * MIB))
+    node = online_node(through(cp, proxy), tmp_path, sockets, "models-st", model_stall_seconds="1")
+    try:
+        made = cp.admin("POST", f"{MODELS}/stall/replicas", json={"node_ids": [node.node_id]})
+        assert made.status_code == 202, made.text
+        # Every connection stalls after 1.5 MiB: each stall is cut and the pull resumes
+        # where it was, until the blob is whole.
+        wait_for_states(cp, "stall", {node.node_id: "present"}, timeout=120)
+        assert node.agent.log().count("stalled at") >= 3
+    finally:
+        node.close()
+        proxy.close()
+
+
+def test_the_control_plane_restarted_mid_pull_and_the_pull_finishes(
+    restartable_control_plane, tmp_path, sockets
+):
+    rcp = restartable_control_plane
+    import_model(rcp.plane, "restart", BIG, tmp_path)
+    proxy = HoldingProxy(rcp.port, hold_after=int(2.5 * MIB))
+    node = online_node(through(rcp.plane, proxy), tmp_path, sockets, "models-r")
+    try:
+        made = rcp.plane.admin(
+            "POST", f"{MODELS}/restart/replicas", json={"node_ids": [node.node_id]}
+        )
+        assert made.status_code == 202, made.text
+        partial = partial_of(node, BIG["weights.bin"])
+        wait_until(lambda: size_of(partial) >= 2 * MIB, timeout=60, what="2 MiB pulled")
+        rcp.stop()  # the blob's connection goes with it, mid-answer
+        proxy.hold_after = None
+        rcp.start()
+        wait_for_states(rcp.plane, "restart", {node.node_id: "present"}, timeout=120)
+        model_dir = node.state_volume / "artifacts" / "models"
+        [laid_out] = list(model_dir.iterdir())
+        assert (laid_out / "weights.bin").read_bytes() == BIG["weights.bin"]
+    finally:
+        node.close()
+        proxy.close()
