@@ -16,6 +16,7 @@ import pytest
 
 from modelforge_contract.models import (
     DIGEST_MISMATCH,
+    DISK_FULL,
     INSUFFICIENT_SPACE,
     PATH_ADMIN_MODELS,
 )
@@ -431,3 +432,41 @@ def test_the_control_plane_restarted_mid_pull_and_the_pull_finishes(
     finally:
         node.close()
         proxy.close()
+
+
+def test_a_disk_filling_part_way_fails_disk_full_and_keeps_the_partial(cp, tmp_path, sockets):
+    import shutil
+
+    mount = tmp_path / "filling"
+    mount.mkdir()
+    if not mount_tmpfs(mount, "8m"):
+        if os.environ.get("CI"):
+            pytest.fail("CI must be able to mount a tmpfs (run the agent tests as root)")
+        pytest.skip("needs root to mount a size-limited tmpfs")
+    try:
+        import_model(cp, "filling", BIG, tmp_path)
+        proxy = HoldingProxy(int(cp.url.rsplit(":", 1)[1]), hold_after=int(1.5 * MIB))
+        art = mount / "art"
+        node = online_node(
+            through(cp, proxy), tmp_path, sockets, "models-f", artifact_root=str(art)
+        )
+        try:
+            made = cp.admin("POST", f"{MODELS}/filling/replicas", json={"node_ids": [node.node_id]})
+            assert made.status_code == 202, made.text
+            partial = art / "partial" / sha(BIG["weights.bin"])
+            wait_until(lambda: size_of(partial) >= MIB, timeout=60, what="1 MiB pulled")
+            # The preflight passed; now something else takes the space, and the pull goes on.
+            filler = mount / "filler"
+            with open(filler, "wb") as handle:
+                handle.write(b"\0" * (shutil.disk_usage(mount).free - 256 * 1024))
+            proxy.hold_after = None
+            shown = wait_for_states(cp, "filling", {node.node_id: "failed"})
+            assert shown[node.node_id]["error"]["code"] == DISK_FULL
+            assert size_of(partial) >= MIB  # kept, for a resume once there is room
+            assert not (art / "blobs" / "sha256" / sha(BIG["weights.bin"])).exists()
+            assert list((art / "models").iterdir()) == []
+        finally:
+            node.close()
+            proxy.close()
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
