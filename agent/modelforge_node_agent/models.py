@@ -83,6 +83,11 @@ class _Retry(Exception):
     pass
 
 
+# One pull at a time in the process: a loop of a run that a refusal stopped may still sit
+# in a read (up to the stall timeout) while the next run's loop starts on the same files.
+_ONE_AT_A_TIME = threading.Lock()
+
+
 class ModelLoop:
     """One thread that keeps the node's models as the control plane asks."""
 
@@ -171,7 +176,10 @@ class ModelLoop:
             if self.stop.is_set():
                 return
             try:
-                self.sync_once()
+                with _ONE_AT_A_TIME:
+                    if self.stop.is_set():
+                        return
+                    self.sync_once()
             except Stopped:
                 return
             except Exception as exc:  # logged by type only: its text may quote an answer

@@ -223,6 +223,14 @@ def test_a_tampered_cache_blob_fails_digest_mismatch_into_quarantine(cp, tmp_pat
         assert not (root / "models" / model["digest"].removeprefix("sha256:")).exists()
         [kept] = list((node.state_volume / "quarantine").iterdir())
         assert kept.name.startswith(weights + ".") and kept.read_bytes() == bytes(data)
+        # The cache mended (as a re-import would), a replicate again is a retry: present.
+        cached.write_bytes(FILES["weights/model.safetensors"])
+        again = cp.admin("POST", f"{MODELS}/tampered/replicas", json={"node_ids": [node.node_id]})
+        assert again.status_code == 202, again.text
+        wait_for_states(cp, "tampered", {node.node_id: "present"})
+        assert (root / "blobs" / "sha256" / weights).read_bytes() == FILES[
+            "weights/model.safetensors"
+        ]
     finally:
         node.close()
 
