@@ -14,6 +14,7 @@ import threading
 
 import pytest
 
+from modelforge_contract import EXIT_USAGE
 from modelforge_contract.models import (
     DIGEST_MISMATCH,
     DISK_FULL,
@@ -21,7 +22,7 @@ from modelforge_contract.models import (
     PATH_ADMIN_MODELS,
 )
 from modelforge_node_agent.blobs import BlobStore, DigestMismatch
-from tests.harness.agent_process import AgentProcess, agent_env, wait_until
+from tests.harness.agent_process import AgentProcess, agent_env, run_agent, wait_until
 from tests.harness.control_plane import make_settings, serve
 from tests.harness.work_node import fast_agent_settings, short_dir, start_node
 
@@ -478,3 +479,37 @@ def test_a_disk_filling_part_way_fails_disk_full_and_keeps_the_partial(cp, tmp_p
             proxy.close()
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_an_unusable_artifact_root_stops_the_agent_with_exit_2(tmp_path):
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("x")
+    env = agent_env(
+        control_plane_url="http://127.0.0.1:9",
+        accelerator_mode="cpu",
+        state_volume=tmp_path / "state",
+        artifact_root=not_a_dir / "art",
+    )
+    done = run_agent(env)
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert "artifact root" in done.stderr and "MODELFORGE_AGENT_ARTIFACT_ROOT" in done.stderr
+
+
+def test_two_models_sharing_a_blob_fetch_it_once(cp, tmp_path, sockets):
+    import_model(cp, "one", BIG, tmp_path)
+    import_model(cp, "two", {"weights.bin": BIG["weights.bin"], "other.json": b"[]"}, tmp_path)
+    proxy = HoldingProxy(int(cp.url.rsplit(":", 1)[1]))
+    node = online_node(through(cp, proxy), tmp_path, sockets, "models-sh")
+    try:
+        for name in ("one", "two"):
+            made = cp.admin("POST", f"{MODELS}/{name}/replicas", json={"node_ids": [node.node_id]})
+            assert made.status_code == 202, made.text
+        for name in ("one", "two"):
+            wait_for_states(cp, name, {node.node_id: "present"})
+        assert proxy.sent < 2 * len(BIG["weights.bin"])
+        dirs = list((node.state_volume / "artifacts" / "models").iterdir())
+        inodes = {(d / "weights.bin").stat().st_ino for d in dirs}
+        assert len(dirs) == 2 and len(inodes) == 1
+    finally:
+        node.close()
+        proxy.close()
