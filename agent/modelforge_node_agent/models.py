@@ -206,6 +206,9 @@ class ModelLoop:
             else:
                 with self._lock:
                     self._fetched_generation = answer.get("models_generation", generation)
+                    if self._seen_generation in (None, self._fetched_generation):
+                        # A heartbeat that came while this call was out saw what it answered.
+                        self._fetch.clear()
                 return answer
             step, delay = backoff.next_step()
             log.warning("%s (backoff %s): retry in %s", problem, backoff.span, seconds(step))

@@ -323,9 +323,19 @@ class Publisher:
             if inventory is not None and (due or _fingerprint(inventory) != published):
                 if self._publish("PUT", PATH_AGENT_INVENTORY, lambda body=inventory: body) is None:
                     return
-                published, published_at = _fingerprint(inventory), time.monotonic()
+                before, published_at = published, time.monotonic()
+                published = _fingerprint(inventory)
                 self.inventory_published.set()
-                log.info("inventory published: %d accelerator(s)", len(inventory["accelerators"]))
+                # A pull's progress republishes every second: said once, not per second.
+                only_models = (
+                    before is not None
+                    and before != published
+                    and _fingerprint({**inventory, "models": None})
+                    == _fingerprint({**json.loads(before), "models": None})
+                )
+                (log.debug if only_models else log.info)(
+                    "inventory published: %d accelerator(s)", len(inventory["accelerators"])
+                )
             interval = self.settings.inventory_interval_seconds
             if self.republish.wait(REPUBLISH_INVENTORY, self.stop, interval):
                 return
