@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -211,7 +212,7 @@ class BlobStore:
             found[digest_hex] = manifest
         return found
 
-    def remove_model(self, digest_hex: str, keep_blobs: set[str] = frozenset()) -> int:  # type: ignore[assignment]
+    def remove_model(self, digest_hex: str, keep_blobs: Iterable[str] = ()) -> int:
         """Delete models/<hex>/ and its manifest, then every blob (and partial) of it that no
         other laid-out model and nothing in ``keep_blobs`` references; the blobs deleted."""
         manifest_file = self.manifests / f"{_check_hex(digest_hex)}.json"
