@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -112,7 +113,7 @@ def test_bad_sources_are_refused_and_nothing_is_kept(control_plane, tmp_path):
         (empty, "MODEL_SOURCE_INVALID", "empty"),
         (tmp_path / "missing", "MODEL_SOURCE_INVALID", "missing"),
     ]
-    if os.geteuid() != 0:  # root reads a file whatever its mode
+    if os.geteuid() != 0:  # as root: through setpriv, below
         cases.append((unreadable, "MODEL_SOURCE_INVALID", "b.bin"))
     try:
         for path, code, named in cases:
@@ -121,6 +122,21 @@ def test_bad_sources_are_refused_and_nothing_is_kept(control_plane, tmp_path):
             assert named in answer.json()["error"]["message"]
     finally:
         server.close()
+    if os.geteuid() == 0:
+        # Root reads a file whatever its mode; without CAP_DAC_OVERRIDE and
+        # CAP_DAC_READ_SEARCH (setpriv) the CLI meets the mode as any other user would.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFORGE_")}
+        env["MODELFORGE_STATE_DIR"] = str(tmp_path / "cli-state")
+        cli = [sys.executable, "-m", "modelforge_appliance.cli"]
+        subprocess.run([*cli, "init", "--json"], env=env, check=True, capture_output=True)
+        refused = subprocess.run(
+            ["setpriv", "--bounding-set", "-dac_override,-dac_read_search",
+             *cli, "models", "import", "bad", str(unreadable)],
+            env=env, capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert refused.returncode == 2, refused.stderr
+        assert "b.bin: not readable (MODEL_SOURCE_INVALID)" in refused.stderr
+        assert not (tmp_path / "cli-state" / "models" / "blobs").exists()
     bad_name = import_model(cp, "../up", escaping)
     assert (bad_name.status_code, error_code(bad_name)) == (400, "FIELD_FORMAT")
     assert (model_rows(cp), blobs(cp)) == (0, [])
