@@ -62,6 +62,8 @@ HAND_WRITTEN = {
     "appliance/modelforge_appliance/store/backup.py": "SQLite's online backup into a file",
     "release/modelforge_release/bundle.py": "the images tarball, streamed from dockerd",
     "release/modelforge_release/debs.py": "a verified download moved into the cache",
+    "appliance/modelforge_appliance/models/cache.py": "a model file streamed into the seed cache",
+    "agent/modelforge_node_agent/blobs.py": "a blob, resumable, renamed in once it hashes",
 }
 
 
