@@ -195,6 +195,10 @@ def _count_attempt(store: Store, address: str, now: float) -> None:
     count this attempt in both buckets, setting the next wait once one is past its free
     failures."""
     with store.write():
+        # Read the clock once the write is ours: an attempt that read it earlier but wrote
+        # later would see a free attempt's stamp (blocked_until = its now) in its future,
+        # and be refused 429 before five failures were counted.
+        now = max(now, store.clock.now())
         rows = {
             row.address: row
             for row in SignInThrottle.select().where(
