@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
+from modelforge_contract.files import fsync_directory, write_atomically
 from modelforge_contract.models import HEX_RE, check_relative_path
 
 CHUNK = 1024 * 1024  # the largest piece read, hashed or written at once
@@ -34,14 +35,6 @@ class DigestMismatch(Exception):
     def __init__(self, hex_digest: str, actual: str, quarantined: Path) -> None:
         super().__init__(f"blob {hex_digest} hashed to {actual}; moved to {quarantined}")
         self.quarantined = quarantined
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def prepare_root(path: Path) -> None:
@@ -127,13 +120,13 @@ class BlobStore:
             except OSError:  # another filesystem: copy, then drop the partial
                 shutil.copyfile(partial, target)
                 partial.unlink()
-            _fsync_dir(self.quarantine_root)
+            fsync_directory(self.quarantine_root)
             raise DigestMismatch(hex_digest, actual, target)
         os.chmod(partial, 0o444)
         final = self.blob_path(hex_digest)
         os.replace(partial, final)
-        _fsync_dir(self.blobs)
-        _fsync_dir(self.partial)
+        fsync_directory(self.blobs)
+        fsync_directory(self.partial)
         return final
 
     def write_blob(self, hex_digest: str, chunks: Any) -> Path:
@@ -183,19 +176,13 @@ class BlobStore:
         if target.exists():
             shutil.rmtree(target)
         os.replace(temp, target)
-        _fsync_dir(self.models)
+        fsync_directory(self.models)
         self._write_manifest(digest_hex, manifest)
         return target
 
     def _write_manifest(self, digest_hex: str, manifest: dict[str, Any]) -> None:
         final = self.manifests / f"{digest_hex}.json"
-        temp = final.with_suffix(".json.tmp")
-        with open(temp, "w", encoding="utf-8") as handle:
-            json.dump(manifest, handle, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, final)
-        _fsync_dir(self.manifests)
+        write_atomically(final, json.dumps(manifest, sort_keys=True), mode=0o644)
 
     def present_models(self) -> dict[str, dict[str, Any]]:
         """{digest hex: manifest} of every model laid out on disk (trusted after a restart:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from modelforge_contract.files import fsync_directory
 from modelforge_contract.models import (
     MANIFEST_MAX_FILES,
     MODEL_CACHE_INVALID,
@@ -152,14 +153,6 @@ def _walk(
     seen_dirs.discard(real_dir)  # the directories above this one: a loop, not a second link
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def store_file(state_dir: Path, source: Path, progress: Progress | None = None) -> tuple[str, bool]:
     """Copy source into the cache while hashing it: ``(hex, whether this call added it)``."""
     tmp_dir = models_dir(state_dir) / "tmp"
@@ -187,7 +180,7 @@ def store_file(state_dir: Path, source: Path, progress: Progress | None = None) 
             return hexdigest, False
         os.chmod(tmp_name, 0o444)
         os.replace(tmp_name, target)
-        _fsync_dir(blobs)
+        fsync_directory(blobs)
         return hexdigest, True
     except BaseException:
         if os.path.exists(tmp_name):
