@@ -100,6 +100,9 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
                 # Additive (issue 24): changes when the node's replicas do; an agent that
                 # sees a new value fetches GET /agent/models.
                 "models_generation": caller.models_generation,
+                # Additive (issue 25): changes when the node's servers do; an agent that
+                # sees a new value fetches GET /agent/servers.
+                "servers_generation": caller.servers_generation,
             }
         )
 

@@ -137,6 +137,13 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "the queue.",
     ),
     SettingSpec(
+        "MODELFORGE_SERVE_LEASE_SECONDS",
+        "30",
+        "How long a deployment's server stays leased to its node's agent without a renewal; "
+        "agents renew at a third of it, and at least every 5 s. An expired serve lease marks "
+        "the server failed (SERVER_LEASE_LOST).",
+    ),
+    SettingSpec(
         "MODELFORGE_WORK_INPUT_MAX_BYTES",
         "65536",
         "Largest work item input accepted, measured as compact JSON.",
@@ -273,6 +280,7 @@ class Settings:
     telemetry_max_age_seconds: int
     max_body_bytes: int
     work_lease_seconds: int
+    serve_lease_seconds: int
     work_input_max_bytes: int
     threads: int
     log_level: str
@@ -513,6 +521,7 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         telemetry_max_age_seconds=telemetry_max_age,
         max_body_bytes=max_body,
         work_lease_seconds=integer(env, "MODELFORGE_WORK_LEASE_SECONDS", 5, 3600),
+        serve_lease_seconds=integer(env, "MODELFORGE_SERVE_LEASE_SECONDS", 3, 3600),
         work_input_max_bytes=integer(env, "MODELFORGE_WORK_INPUT_MAX_BYTES", 256, 1024 * 1024),
         work_slots_per_node=integer(env, "MODELFORGE_WORK_SLOTS_PER_NODE", 1, WORK_SLOTS_MAX),
         work_claims_per_second=integer(env, "MODELFORGE_WORK_CLAIMS_PER_SECOND", 1, 10_000),

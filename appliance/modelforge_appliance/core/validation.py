@@ -29,6 +29,7 @@ from modelforge_contract import (
     WORK_TIMEOUT_MAX_SECONDS,
 )
 from modelforge_contract import containers as fence
+from modelforge_contract import deployments as deploy_contract
 from modelforge_contract import models as models_contract
 
 from .errors import ApiError, Invalid, TooLarge
@@ -222,6 +223,8 @@ WORKER_HEALTH_FIELDS = {
     "protocol": Field(int, required=False, nullable=True, low=0, high=10**9),
     "version": Field(str, required=False, nullable=True, high=64),
     "capabilities": Field(list, required=False, high=32, items=Field(str, low=1, high=64)),
+    # Additive (issue 25): the model runtimes its ``serve`` capability can launch.
+    "runtimes": Field(list, required=False, high=16, items=Field(str, low=1, high=32)),
     "accelerator_mode": Field(str, required=False, nullable=True, high=16),
     "message": Field(str, required=False, nullable=True, high=500),
 }
@@ -420,4 +423,43 @@ COMPLETE_FIELDS = {
             "message": Field(str, high=WORK_ERROR_MAX_CHARS, multiline=True),
         },
     ),
+}
+
+# -- deployments (docs/architecture.md §11) -----------------------------------------------
+
+DEPLOYMENT_SETTINGS_FIELDS = {
+    "context_length": Field(
+        int, required=False, nullable=True, low=1, high=deploy_contract.CONTEXT_LENGTH_MAX
+    ),
+    "args": Field(
+        list,
+        required=False,
+        nullable=True,
+        high=deploy_contract.ARGS_MAX,
+        items=Field(str, low=1, high=deploy_contract.ARG_MAX_CHARS),
+    ),
+    "image_id": Field(str, required=False, nullable=True, low=71, high=71),
+    "model_file": Field(str, required=False, nullable=True, low=1, high=1024),
+}
+
+DEPLOY_FIELDS = {
+    "name": Field(str, low=1, high=63),
+    "model": Field(str, low=1, high=120),
+    "revision": Field(str, required=False, nullable=True, low=1, high=64),
+    "runtime": Field(str, choices=deploy_contract.RUNTIMES),
+    "node_ids": Field(list, low=1, high=256, items=_ID),
+    "gpu_count": Field(int, required=False, nullable=True, low=0, high=64),
+    "share_gpus": Field(bool, required=False),
+    "settings": Field(dict, required=False, nullable=True, fields=DEPLOYMENT_SETTINGS_FIELDS),
+    "replicate": Field(bool, required=False),
+}
+
+SERVER_CLAIM_FIELDS = {"node_id": _ID}
+
+SERVER_RENEW_FIELDS = {
+    "node_id": _ID,
+    "lease_id": _WORK_ID,
+    "state": Field(str, choices=deploy_contract.SERVER_REPORTED_STATES),
+    "restarts": Field(int, required=False, low=0, high=10**6),
+    "error": Field(dict, required=False, nullable=True, fields=MODEL_REPORT_ERROR_FIELDS),
 }

@@ -93,12 +93,14 @@ class Caller:
     republish: tuple[str, ...] = ()
     # The node's models generation (models/replicas.py), carried by the heartbeat answer.
     models_generation: int = 0
+    # The node's servers generation (deployments/), carried by the heartbeat answer.
+    servers_generation: int = 0
 
 
 # The heartbeat path runs this for every call: one indexed read, no model objects.
 _CALLER_SQL = (
     "SELECT c.digest, c.revoked_at, n.node_id, n.decommissioned_at, n.accelerator_mode, "
-    "n.enrolled_at, n.inventory_at, n.telemetry_at, n.models_generation "
+    "n.enrolled_at, n.inventory_at, n.telemetry_at, n.models_generation, n.servers_generation "
     "FROM credential AS c JOIN node AS n ON n.node_id = c.node_id "
     "WHERE c.credential_id = ?"
 )
@@ -126,6 +128,7 @@ class Credentialed:
     accelerator_mode: str
     republish: tuple[str, ...]
     models_generation: int = 0
+    servers_generation: int = 0
 
     def for_node(self, node_id: str) -> Caller:
         """The caller, authorised for node_id (403 when the credential is another node's)."""
@@ -140,6 +143,7 @@ class Credentialed:
             self.accelerator_mode,
             self.republish,
             self.models_generation,
+            self.servers_generation,
         )
 
 
@@ -179,7 +183,12 @@ def authenticate_credential(store: Store, authorization: str | None) -> Credenti
             next_step=_REENROLL,
         )
     return Credentialed(
-        credential_id, owner, accelerator_mode, _republish(accelerator_mode, *row[5:8]), row[8]
+        credential_id,
+        owner,
+        accelerator_mode,
+        _republish(accelerator_mode, *row[5:8]),
+        row[8],
+        row[9],
     )
 
 

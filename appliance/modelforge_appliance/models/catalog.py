@@ -19,6 +19,7 @@ import peewee as pw
 
 from modelforge_contract import FIELD_FORMAT
 from modelforge_contract.models import (
+    MODEL_IN_USE,
     MODEL_NOT_FOUND,
     MODEL_REPLICATED,
     MODEL_REVISION_EXISTS,
@@ -31,7 +32,7 @@ from ..core.clock import isoformat
 from ..core.errors import Conflict, Invalid, NotFound
 from ..store import audit
 from ..store.database import Store
-from ..store.tables import Model, ModelReplica, Node
+from ..store.tables import Deployment, Model, ModelReplica, Node
 from . import cache
 
 
@@ -239,6 +240,18 @@ def revision_summary(model: Model) -> dict[str, Any]:
     }
 
 
+def _refuse_in_use(name: str, deployments: Any) -> None:
+    """409 MODEL_IN_USE while a deployment (even one still stopping) runs the model."""
+    using = sorted(d.name for d in deployments)
+    if using:
+        raise Conflict(
+            f"model {name} is used by deployment(s) {', '.join(using)}",
+            code=MODEL_IN_USE,
+            next_step=f"Undeploy them first: modelforge undeploy {using[0]} --wait.",
+            extra={"deployments": using},
+        )
+
+
 def delete_model(
     store: Store, state_dir: Path, name: str, actor: str, revision: str | None = None
 ) -> list[dict[str, Any]]:
@@ -247,6 +260,7 @@ def delete_model(
     targets = [get_revision(store, name, revision)] if revision else revisions_of(store, name)
     ids = [m.model_id for m in targets]
     with store.write():
+        _refuse_in_use(name, Deployment.select().where(Deployment.model.in_(ids)))
         replicated = list(
             ModelReplica.select(ModelReplica, Node)
             .join(Node)
@@ -261,7 +275,6 @@ def delete_model(
                 next_step=f"Remove them first: modelforge models remove {name} --node NODE.",
                 extra={"node_ids": sorted({r.node.node_id for r in replicated})},
             )
-        # Issue 25: a deployment that runs this model refuses here with MODEL_IN_USE.
         try:
             Model.delete().where(Model.model_id.in_(ids)).execute()
         except pw.IntegrityError:  # a replica made in between (PostgreSQL's RESTRICT)

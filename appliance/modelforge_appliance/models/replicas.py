@@ -14,6 +14,7 @@ from typing import Any
 
 from modelforge_contract import ONLINE
 from modelforge_contract.models import (
+    MODEL_IN_USE,
     NODE_NOT_ELIGIBLE,
     REPLICA_DOWNLOADING,
     REPLICA_FAILED,
@@ -30,7 +31,7 @@ from ..fleet.nodes import liveness_of
 from ..identity.credentials import Caller
 from ..store import audit
 from ..store.database import Store
-from ..store.tables import Model, ModelReplica, Node
+from ..store.tables import Deployment, DeploymentServer, Model, ModelReplica, Node
 from . import catalog
 
 
@@ -169,6 +170,24 @@ def remove_replica(
                 code=REPLICA_NOT_FOUND,
                 next_step=f"See its replicas with `modelforge models replicas {name}`.",
             )
+        in_use = sorted(
+            {
+                d.name
+                for d in Deployment.select(Deployment.name)
+                .join(DeploymentServer)
+                .where(
+                    Deployment.model.in_([r.model.model_id for r in rows])
+                    & (DeploymentServer.node == node_id)
+                )
+            }
+        )
+        if in_use:
+            raise Conflict(
+                f"model {name} on node {node_id} is used by deployment(s) {', '.join(in_use)}",
+                code=MODEL_IN_USE,
+                next_step=f"Undeploy them first: modelforge undeploy {in_use[0]} --wait.",
+                extra={"deployments": in_use},
+            )
         ids = [r.id for r in rows]
         ModelReplica.update(state=REPLICA_REMOVING, updated_at=now).where(
             ModelReplica.id.in_(ids)
@@ -276,6 +295,14 @@ def record_report(
                 continue
             changes["updated_at"] = now
             ModelReplica.update(**changes).where(ModelReplica.id == replica.id).execute()
+            if state == REPLICA_PRESENT and not (
+                replica.state == REPLICA_PRESENT and replica.reported_at is not None
+            ):
+                # Newly present: a server waiting for this model may start now, so the
+                # agent fetches its servers again (deployments/, docs/architecture.md §11).
+                Node.update(servers_generation=Node.servers_generation + 1).where(
+                    Node.node_id == node_id
+                ).execute()
 
 
 def replica_counts(store: Store) -> dict[str, int]:

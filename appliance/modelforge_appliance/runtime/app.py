@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import bottle
 
-from ..api import admin, admin_models, admin_work, agent, agent_models, agent_work
+from ..api import (
+    admin,
+    admin_deployments,
+    admin_models,
+    admin_work,
+    agent,
+    agent_models,
+    agent_servers,
+    agent_work,
+)
 from ..console import routes as console_routes
 from ..core.settings import Settings
 from ..fleet.heartbeats import HeartbeatBuffer
@@ -51,6 +60,8 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     agent_work.add_routes(app, context)
     admin_models.add_routes(app, context)
     agent_models.add_routes(app, context)
+    admin_deployments.add_routes(app, context)
+    agent_servers.add_routes(app, context)
     console_routes.add_routes(app, context)
     refuse_undeclared(app)  # a route that names no caller stops the app here
     return app

@@ -334,6 +334,39 @@ _MODELS = (
     '("model_id", "node_id")',
 )
 
+# 11: deployments (deployments/): one server row per member node, each under its node's
+# serve lease, and the generation a heartbeat answer carries so the agent fetches its
+# servers when they change.
+_DEPLOYMENTS = (
+    'ALTER TABLE "node" ADD COLUMN "servers_generation" INTEGER NOT NULL DEFAULT 0',
+    'CREATE TABLE "deployment" ("deployment_id" VARCHAR(40) NOT NULL PRIMARY KEY, '
+    '"name" VARCHAR(64) NOT NULL, "model_id" VARCHAR(40) NOT NULL, '
+    '"runtime" VARCHAR(32) NOT NULL, "gpu_count" INTEGER, "share_gpus" {bool} NOT NULL, '
+    '"settings" TEXT NOT NULL, "stopping" {bool} NOT NULL, '
+    '"created_by" VARCHAR(120) NOT NULL, "created_at" {double} NOT NULL, '
+    'FOREIGN KEY ("model_id") REFERENCES "model" ("model_id") ON DELETE RESTRICT)',
+    'CREATE UNIQUE INDEX "deployment_name" ON "deployment" ("name")',
+    'CREATE INDEX "deployment_model_id" ON "deployment" ("model_id")',
+    'CREATE TABLE "deployment_server" ("server_id" VARCHAR(40) NOT NULL PRIMARY KEY, '
+    '"deployment_id" VARCHAR(40) NOT NULL, "node_id" VARCHAR(40) NOT NULL, '
+    '"state" VARCHAR(16) NOT NULL, "state_since" {double} NOT NULL, "error" TEXT, '
+    '"gpus" TEXT NOT NULL, "restarts" INTEGER NOT NULL, "lease_id" VARCHAR(40), '
+    '"lease_expires_at" {double}, "lease_credential_id" VARCHAR(32), '
+    '"previous_lease_id" VARCHAR(40), "previous_lease_end" VARCHAR(16), "started_at" {double}, '
+    'FOREIGN KEY ("deployment_id") REFERENCES "deployment" ("deployment_id") '
+    "ON DELETE RESTRICT, "
+    'FOREIGN KEY ("node_id") REFERENCES "node" ("node_id") ON DELETE RESTRICT)',
+    'CREATE INDEX "deployment_server_deployment_id" ON "deployment_server" ("deployment_id")',
+    'CREATE INDEX "deployment_server_node_id" ON "deployment_server" ("node_id")',
+    'CREATE INDEX "deployment_server_node_id_state" ON "deployment_server" ("node_id", "state")',
+    'CREATE INDEX "deployment_server_state_lease_expires_at" ON "deployment_server" '
+    '("state", "lease_expires_at")',
+)
+
+# 12: the GPUs a leased work item holds, by UUID (work/placement.py picks them at the claim
+# and the lease carries them): a JSON array, null for an item that never held one.
+_WORK_GPU_UUIDS = ('ALTER TABLE "work_item" ADD COLUMN "gpu_uuids" TEXT',)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
@@ -351,5 +384,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(8, "telemetry floods", _TELEMETRY_FLOOD),
     Migration(9, "pending hardware", _PENDING_HARDWARE),
     Migration(10, "models and replicas", _MODELS),
+    Migration(11, "deployments and servers", _DEPLOYMENTS),
+    Migration(12, "work item GPUs by UUID", _WORK_GPU_UUIDS),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

@@ -62,6 +62,7 @@ class Node(BaseModel):
     # Bumped with every replica asked for or away on this node (models/replicas.py); the
     # heartbeat answer carries it, and an agent that sees it change fetches its models.
     models_generation = pw.IntegerField(default=0)
+    servers_generation = pw.IntegerField(default=0)  # migration 11, deployments/
 
 
 class EnrollmentToken(BaseModel):
@@ -213,6 +214,9 @@ class WorkItem(BaseModel):
     lease_credential_id = pw.CharField(max_length=32, null=True)
     completed_by_node_id = pw.CharField(max_length=40, null=True)
     completed_by_credential_id = pw.CharField(max_length=32, null=True)
+    # The UUIDs of the GPUs its lease holds (JSON array), picked at the claim; kept with the
+    # finished item, cleared when it goes back to the queue.
+    gpu_uuids = pw.TextField(null=True)
     created_by = pw.CharField(max_length=120)
     created_at = pw.DoubleField()
     started_at = pw.DoubleField(null=True)
@@ -288,3 +292,52 @@ class ModelReplica(BaseModel):
 
     class Meta:
         indexes = ((("model", "node"), True),)
+
+
+# -- deployments (migration 11, deployments/) ------------------------------------------
+
+
+class Deployment(BaseModel):
+    """One model revision served by one runtime on the nodes an administrator chose.
+
+    ``stopping`` once an administrator asked it away; the row (and its servers) goes once
+    every server has stopped, so the name can be deployed again.
+    """
+
+    deployment_id = pw.CharField(primary_key=True, max_length=40)
+    name = pw.CharField(max_length=64, unique=True)
+    model = pw.ForeignKeyField(Model, backref="deployments", on_delete="RESTRICT")
+    runtime = pw.CharField(max_length=32)
+    gpu_count = pw.IntegerField(null=True)  # per server; null: 1 on a GPU node, 0 without
+    share_gpus = pw.BooleanField(default=False)
+    settings = pw.TextField()  # JSON {context_length, args, image_id, model_file}
+    stopping = pw.BooleanField(default=False)
+    created_by = pw.CharField(max_length=120)
+    created_at = pw.DoubleField()
+
+
+class DeploymentServer(BaseModel):
+    """One member of a deployment: the server its node's agent runs under a serve lease."""
+
+    server_id = pw.CharField(primary_key=True, max_length=40)
+    deployment = pw.ForeignKeyField(Deployment, backref="servers", on_delete="RESTRICT")
+    node = pw.ForeignKeyField(Node, backref="servers", on_delete="RESTRICT")
+    state = pw.CharField(max_length=16)
+    state_since = pw.DoubleField()
+    error = pw.TextField(null=True)  # JSON {code, message}
+    gpus = pw.TextField()  # JSON array of GPU UUIDs, chosen at placement
+    restarts = pw.IntegerField(default=0)  # crash restarts the agent reported
+    lease_id = pw.CharField(max_length=40, null=True)
+    lease_expires_at = pw.DoubleField(null=True)
+    lease_credential_id = pw.CharField(max_length=32, null=True)
+    # The lease before this one and how it ended, so a renewal under it is told (409
+    # LEASE_LOST's lease_end: restarted, replaced, stopped, expired, failed).
+    previous_lease_id = pw.CharField(max_length=40, null=True)
+    previous_lease_end = pw.CharField(max_length=16, null=True)
+    started_at = pw.DoubleField(null=True)  # first seen running under the current lease
+
+    class Meta:
+        indexes = (
+            (("node", "state"), False),
+            (("state", "lease_expires_at"), False),
+        )

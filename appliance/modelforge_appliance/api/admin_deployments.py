@@ -1,0 +1,49 @@
+"""Admin deployment routes: deploy, list, show, restart, undeploy (docs/architecture.md §11)."""
+
+from __future__ import annotations
+
+import bottle
+
+from modelforge_contract.deployments import (
+    PATH_ADMIN_DEPLOYMENT,
+    PATH_ADMIN_DEPLOYMENT_RESTART,
+    PATH_ADMIN_DEPLOYMENTS,
+)
+
+from ..core.validation import DEPLOY_FIELDS
+from ..deployments import leases, servers
+from ..web.auth import ADMIN
+from ..web.http import ApiContext, json_response
+
+
+def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
+    settings, store = context.settings, context.store
+
+    def settle() -> None:
+        leases.expire_servers(store, settings)
+
+    @app.post(PATH_ADMIN_DEPLOYMENTS, auth=ADMIN)
+    def deploy(actor: str):
+        fields = context.body(DEPLOY_FIELDS)
+        settle()
+        return json_response(servers.deploy(store, settings, fields, actor), 201)
+
+    @app.get(PATH_ADMIN_DEPLOYMENTS, auth=ADMIN)
+    def list_deployments():
+        settle()
+        return json_response({"deployments": servers.list_deployments(store)})
+
+    @app.get(PATH_ADMIN_DEPLOYMENT, auth=ADMIN)
+    def show(name: str):
+        settle()
+        return json_response(servers.get_deployment(store, name))
+
+    @app.delete(PATH_ADMIN_DEPLOYMENT, auth=ADMIN)
+    def undeploy(name: str, actor: str):
+        settle()
+        return json_response(servers.undeploy(store, name, actor))
+
+    @app.post(PATH_ADMIN_DEPLOYMENT_RESTART, auth=ADMIN)
+    def restart(name: str, actor: str):
+        settle()
+        return json_response(servers.restart(store, name, actor))

@@ -1,0 +1,443 @@
+"""Deployments, the admin side: deploy, list, show, restart, undeploy.
+
+A deployment is one model revision, one runtime and its settings, and one server row per
+member node (docs/architecture.md §11). Nothing starts unless every member is eligible,
+offers the runtime and reports the model present (placement.py); the call is all or
+nothing. Each change bumps the members' ``servers_generation`` in its transaction, so
+their agents fetch ``GET /agent/servers`` at their next heartbeat.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import peewee as pw
+
+from modelforge_contract import FIELD_FORMAT
+from modelforge_contract.deployments import (
+    DEPLOYMENT_EXISTS,
+    DEPLOYMENT_NAME_RE,
+    DEPLOYMENT_NOT_FOUND,
+    LEASE_END_RESTARTED,
+    LEASE_END_STOPPED,
+    MODEL_FORMAT_UNSUPPORTED,
+    RUNTIME_LLAMA_CPP,
+    RUNTIME_VLLM,
+    SERVER_FAILED,
+    SERVER_PENDING,
+    SERVER_RUNNING,
+    SERVER_STARTING,
+    SERVER_STOPPED,
+    SERVER_STOPPING,
+)
+
+from ..core.clock import isoformat
+from ..core.errors import Conflict, Invalid, NotFound
+from ..core.settings import Settings
+from ..models import catalog, replicas
+from ..store import audit
+from ..store.database import Store
+from ..store.tables import Deployment, DeploymentServer, Model, Node
+from . import placement
+
+_IMAGE_ID_LENGTH = 71
+
+
+def _load(text: str | None) -> Any:
+    return json.loads(text) if text else None
+
+
+def _dump(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+# -- views ------------------------------------------------------------------------------
+
+
+def server_view(server: DeploymentServer, node: Node) -> dict[str, Any]:
+    return {
+        "server_id": server.server_id,
+        "node_id": node.node_id,
+        "display_name": node.display_name,
+        "state": server.state,
+        "state_since": isoformat(server.state_since),
+        "error": _load(server.error),
+        "gpus": _load(server.gpus) or [],
+        "restarts": server.restarts,
+        "lease_expires_at": isoformat(server.lease_expires_at),
+        "started_at": isoformat(server.started_at),
+    }
+
+
+def derived_state(deployment: Deployment, states: list[str]) -> str:
+    """One word for the whole deployment, from its servers' states."""
+    if deployment.stopping:
+        return SERVER_STOPPED if all(s == SERVER_STOPPED for s in states) else SERVER_STOPPING
+    if states and all(s == SERVER_RUNNING for s in states):
+        return SERVER_RUNNING
+    if states and all(s == SERVER_FAILED for s in states):
+        return SERVER_FAILED
+    if SERVER_RUNNING in states and SERVER_FAILED in states:
+        return "degraded"
+    if states and all(s == SERVER_PENDING for s in states):
+        return SERVER_PENDING
+    return SERVER_STARTING
+
+
+def deployment_view(
+    deployment: Deployment, model: Model, servers: list[tuple[DeploymentServer, Node]]
+) -> dict[str, Any]:
+    settings = _load(deployment.settings) or {}
+    return {
+        "deployment_id": deployment.deployment_id,
+        "name": deployment.name,
+        "model": model.name,
+        "revision": model.revision,
+        "digest": model.digest,
+        "runtime": deployment.runtime,
+        "gpu_count": deployment.gpu_count,
+        "share_gpus": deployment.share_gpus,
+        "settings": {
+            "context_length": settings.get("context_length"),
+            "args": settings.get("args") or [],
+            "image_id": settings.get("image_id"),
+            "model_file": settings.get("model_file"),
+        },
+        "state": derived_state(deployment, [s.state for s, _ in servers]),
+        "created_at": isoformat(deployment.created_at),
+        "created_by": deployment.created_by,
+        "servers": [server_view(s, n) for s, n in servers],
+    }
+
+
+def _servers_of(deployment_ids: list[str]) -> dict[str, list[tuple[DeploymentServer, Node]]]:
+    rows = (
+        DeploymentServer.select(DeploymentServer, Node)
+        .join(Node)
+        .where(DeploymentServer.deployment.in_(deployment_ids))
+        .order_by(Node.display_name, Node.node_id)
+    )
+    found: dict[str, list[tuple[DeploymentServer, Node]]] = {d: [] for d in deployment_ids}
+    for row in rows:
+        found[row.deployment_id].append((row, row.node))
+    return found
+
+
+def list_deployments(store: Store) -> list[dict[str, Any]]:
+    with store.connection():
+        rows = list(Deployment.select(Deployment, Model).join(Model).order_by(Deployment.name))
+        servers = _servers_of([d.deployment_id for d in rows])
+    return [deployment_view(d, d.model, servers[d.deployment_id]) for d in rows]
+
+
+def _get(name: str) -> Deployment:
+    found = Deployment.select(Deployment, Model).join(Model).where(Deployment.name == name).first()
+    if found is None:
+        raise NotFound(
+            f"no deployment {name}",
+            code=DEPLOYMENT_NOT_FOUND,
+            next_step="See the deployments with `modelforge deployments`.",
+        )
+    return found
+
+
+def get_deployment(store: Store, name: str) -> dict[str, Any]:
+    with store.connection():
+        deployment = _get(name)
+        servers = _servers_of([deployment.deployment_id])[deployment.deployment_id]
+    return deployment_view(deployment, deployment.model, servers)
+
+
+# -- deploy -------------------------------------------------------------------------------
+
+
+def check_name(name: str) -> str:
+    if not DEPLOYMENT_NAME_RE.fullmatch(name):
+        raise Invalid(
+            f"name: {name[:80]!r} is not a deployment name (lower-case letters, digits, '.', "
+            "'_' and '-', starting with a letter or digit, at most 63)",
+            code=FIELD_FORMAT,
+            next_step="Clients name the deployment as their `model`; pick a short name like "
+            "qwen-7b.",
+        )
+    return name
+
+
+def model_file_for(model: Model, runtime: str, wanted: str | None) -> str | None:
+    """The file the runtime loads (llama.cpp: one GGUF of the manifest), or None (vLLM
+    loads the directory); 400 MODEL_FORMAT_UNSUPPORTED when there is none to choose."""
+    paths = [entry["path"] for entry in json.loads(model.manifest)["files"]]
+    if wanted is not None:
+        if wanted not in paths:
+            raise Invalid(
+                f"settings.model_file: {wanted!r} is not a file of {model.name} revision "
+                f"{model.revision}",
+                code=MODEL_FORMAT_UNSUPPORTED,
+                next_step=f"Name one of its files (modelforge models show {model.name}).",
+            )
+        return wanted
+    if runtime != RUNTIME_LLAMA_CPP:
+        return None
+    ggufs = sorted(p for p in paths if p.lower().endswith(".gguf"))
+    first_shards = [p for p in ggufs if "-00001-of-" in p]
+    weights = [p for p in ggufs if "mmproj" not in p.lower()]
+    chosen = first_shards or weights
+    if len(chosen) == 1:
+        return chosen[0]
+    raise Invalid(
+        f"model {model.name} revision {model.revision} has "
+        f"{'no' if not ggufs else len(chosen)} GGUF file(s) llama.cpp could load"
+        + (f" ({', '.join(chosen[:5])})" if chosen else ""),
+        code=MODEL_FORMAT_UNSUPPORTED,
+        next_step="Import a GGUF model for llama.cpp, or name the file with settings.model_file "
+        "(--model-file).",
+    )
+
+
+def _settings_of(fields: dict[str, Any], model: Model) -> dict[str, Any]:
+    given = fields.get("settings") or {}
+    runtime = fields["runtime"]
+    image_id = given.get("image_id")
+    if runtime == RUNTIME_VLLM and not image_id:
+        raise Invalid(
+            "settings.image_id: a vllm deployment runs an image loaded on each node, pinned by "
+            "its id",
+            code=FIELD_FORMAT,
+            next_step="docker load the vLLM image on each node and pass --image-id "
+            "$(docker image inspect --format '{{.Id}}' IMAGE).",
+        )
+    if image_id is not None and (
+        len(image_id) != _IMAGE_ID_LENGTH
+        or not image_id.startswith("sha256:")
+        or any(c not in "0123456789abcdef" for c in image_id[7:])
+    ):
+        raise Invalid(
+            "settings.image_id: must be sha256:<64 hex digits>",
+            code=FIELD_FORMAT,
+            next_step="Pin the image by its id: docker image inspect --format '{{.Id}}' IMAGE",
+        )
+    return {
+        "context_length": given.get("context_length"),
+        "args": list(given.get("args") or []),
+        "image_id": image_id,
+        "model_file": model_file_for(model, runtime, given.get("model_file")),
+    }
+
+
+def deploy(store: Store, settings: Settings, fields: dict[str, Any], actor: str) -> dict[str, Any]:
+    """Make the deployment and its servers (all or nothing); see the module."""
+    name = check_name(fields["name"])
+    model = catalog.get_revision(store, fields["model"], fields.get("revision"))
+    runtime = fields["runtime"]
+    server_settings = _settings_of(fields, model)
+    node_ids = list(dict.fromkeys(fields["node_ids"]))
+    now = store.clock.now()
+    with store.connection():
+        found = {n.node_id: n for n in Node.select().where(Node.node_id.in_(node_ids))}
+        members = [
+            placement.check_member(found.get(i), i, runtime, now, settings) for i in node_ids
+        ]
+        if Deployment.select().where(Deployment.name == name).exists():
+            raise _exists(name)
+        missing = placement.missing_on(store, model, members)
+    if missing and not fields.get("replicate"):
+        placement.refuse_missing(model, missing)
+    if missing:  # replicate first; each server starts once its node reports the model
+        replicas.replicate(
+            store, settings, model.name, [n.node_id for n in missing], actor, model.revision
+        )
+    deployment_id = uuid.uuid4().hex
+    with store.write():
+        # Counted again where it decides: deploys to the same node commit one at a time
+        # (SQLite's write lock; on PostgreSQL the members' rows, locked in node_id order).
+        if not store.is_sqlite:
+            for node_id in sorted(node_ids):
+                store.db.execute_sql(
+                    "SELECT node_id FROM node WHERE node_id = %s FOR NO KEY UPDATE", (node_id,)
+                )
+        if Deployment.select().where(Deployment.name == name).exists():
+            raise _exists(name)
+        chosen = {
+            node.node_id: placement.pick_gpus(
+                node,
+                fields.get("gpu_count"),
+                bool(fields.get("share_gpus")),
+                placement.gpus_held(node.node_id) | placement.gpus_of_work(node.node_id),
+            )
+            for node in members
+        }
+        try:
+            Deployment.create(
+                deployment_id=deployment_id,
+                name=name,
+                model=model.model_id,
+                runtime=runtime,
+                gpu_count=fields.get("gpu_count"),
+                share_gpus=bool(fields.get("share_gpus")),
+                settings=_dump(server_settings),
+                stopping=False,
+                created_by=actor,
+                created_at=now,
+            )
+        except pw.IntegrityError:  # the same name, committed in between
+            raise _exists(name) from None
+        for node in members:
+            DeploymentServer.create(
+                server_id=uuid.uuid4().hex,
+                deployment=deployment_id,
+                node=node.node_id,
+                state=SERVER_PENDING,
+                state_since=now,
+                error=None,
+                gpus=_dump(chosen[node.node_id]),
+                restarts=0,
+            )
+        _bump(node_ids)
+        audit.record(
+            store,
+            actor,
+            "deployment.created",
+            name=name,
+            deployment_id=deployment_id,
+            model=model.name,
+            revision=model.revision,
+            digest=model.digest,
+            runtime=runtime,
+            node_ids=node_ids,
+            gpus=chosen,
+            replicated=[n.node_id for n in missing],
+        )
+    return get_deployment(store, name)
+
+
+def _exists(name: str) -> Conflict:
+    return Conflict(
+        f"a deployment named {name} exists",
+        code=DEPLOYMENT_EXISTS,
+        next_step=f"Choose another name, or undeploy it first: modelforge undeploy {name} --wait.",
+    )
+
+
+def _bump(node_ids: list[str]) -> None:
+    Node.update(servers_generation=Node.servers_generation + 1).where(
+        Node.node_id.in_(node_ids)
+    ).execute()
+
+
+# -- undeploy and restart -----------------------------------------------------------------
+
+
+def reap(store: Store, deployment_id: str, actor: str) -> bool:
+    """Delete a stopping deployment whose servers have all stopped (inside the caller's
+    transaction), so its name is free again; whether it went."""
+    deployment = Deployment.get_or_none(Deployment.deployment_id == deployment_id)
+    if deployment is None or not deployment.stopping:
+        return False
+    states = {
+        s
+        for (s,) in DeploymentServer.select(DeploymentServer.state)
+        .where(DeploymentServer.deployment == deployment_id)
+        .tuples()
+    }
+    if states - {SERVER_STOPPED}:
+        return False
+    DeploymentServer.delete().where(DeploymentServer.deployment == deployment_id).execute()
+    deployment.delete_instance()
+    audit.record(
+        store, actor, "deployment.removed", name=deployment.name, deployment_id=deployment_id
+    )
+    return True
+
+
+def undeploy(store: Store, name: str, actor: str) -> dict[str, Any]:
+    """Stop every server: one nobody runs stops at once, a leased one goes ``stopping``
+    until its agent says it stopped (or its lease runs out). The deployment goes with its
+    last server."""
+    now = store.clock.now()
+    with store.write():
+        deployment = _get(name)
+        servers = _servers_of([deployment.deployment_id])[deployment.deployment_id]
+        Deployment.update(stopping=True).where(
+            Deployment.deployment_id == deployment.deployment_id
+        ).execute()
+        deployment.stopping = True
+        for server, _node in servers:
+            if server.state in (SERVER_STOPPED,):
+                continue
+            leased = server.lease_id is not None and server.state in (
+                SERVER_STARTING,
+                SERVER_RUNNING,
+                SERVER_STOPPING,
+            )
+            changes: dict[str, Any] = {"state": SERVER_STOPPING if leased else SERVER_STOPPED}
+            if changes["state"] != server.state:
+                changes["state_since"] = now
+            if not leased:
+                changes.update(_end_lease(server, LEASE_END_STOPPED))
+            DeploymentServer.update(**changes).where(
+                DeploymentServer.server_id == server.server_id
+            ).execute()
+        _bump([n.node_id for _, n in servers])
+        audit.record(
+            store, actor, "deployment.stopping", name=name, deployment_id=deployment.deployment_id
+        )
+        gone = reap(store, deployment.deployment_id, actor)
+        servers = _servers_of([deployment.deployment_id])[deployment.deployment_id]
+    view = deployment_view(deployment, deployment.model, servers)
+    if gone:
+        view["state"] = SERVER_STOPPED
+    return view
+
+
+def _end_lease(server: DeploymentServer, how: str) -> dict[str, Any]:
+    """The columns that end the server's current lease, remembering how."""
+    if server.lease_id is None:
+        return {}
+    return {
+        "lease_id": None,
+        "lease_expires_at": None,
+        "lease_credential_id": None,
+        "previous_lease_id": server.lease_id,
+        "previous_lease_end": how,
+    }
+
+
+def restart(store: Store, name: str, actor: str) -> dict[str, Any]:
+    """Every server back to ``pending`` (a running one's agent stops it at its next renewal
+    and claims it again); a failed one gets its restarts back."""
+    now = store.clock.now()
+    with store.write():
+        deployment = _get(name)
+        if deployment.stopping:
+            raise Conflict(
+                f"deployment {name} is being stopped",
+                code=DEPLOYMENT_NOT_FOUND,
+                next_step=f"Wait for it to go (modelforge undeploy {name} --wait), then deploy "
+                "it again.",
+            )
+        servers = _servers_of([deployment.deployment_id])[deployment.deployment_id]
+        for server, _node in servers:
+            DeploymentServer.update(
+                state=SERVER_PENDING,
+                state_since=now,
+                error=None,
+                restarts=0,
+                started_at=None,
+                **_end_lease(server, LEASE_END_RESTARTED),
+            ).where(DeploymentServer.server_id == server.server_id).execute()
+        _bump([n.node_id for _, n in servers])
+        audit.record(
+            store, actor, "deployment.restarted", name=name, deployment_id=deployment.deployment_id
+        )
+    return get_deployment(store, name)
+
+
+def server_counts(store: Store) -> dict[str, int]:
+    """Servers per state (the metrics gauge)."""
+    with store.connection():
+        counts: dict[str, int] = {}
+        for (state,) in DeploymentServer.select(DeploymentServer.state).tuples():
+            counts[state] = counts.get(state, 0) + 1
+    return counts

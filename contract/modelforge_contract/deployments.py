@@ -1,0 +1,114 @@
+"""The deployments wire contract (docs/architecture.md §11, docs/deployments.md).
+
+A deployment runs one model revision with one runtime on the nodes an administrator
+names: one *server* row per member node, sharing model, runtime and settings, each started
+by its own node's agent (the control plane never dials a node).
+
+How a server travels:
+
+1. ``POST /admin/deployments`` checks, against freshly measured state, that every member
+   is eligible, offers the runtime and reports the model ``present``; it picks each
+   server's GPUs by UUID, makes the rows ``pending`` and bumps each member's
+   ``servers_generation``.
+2. Every heartbeat answer carries ``servers_generation`` (additive). An agent that sees a
+   value other than the one it last fetched calls ``GET /agent/servers``: the servers its
+   node should run. A server the agent's worker runs that is not in that answer is stopped.
+3. For each server it should run, the agent claims a serve lease
+   (``POST /agent/servers/{server_id}/claim``), asks its runtime worker to launch the
+   runtime on the replicated files with exactly the lease's GPUs, polls the runtime's
+   readiness on the node, and renews the lease while the server runs
+   (``POST /agent/servers/{server_id}/renew``), each renewal carrying the state it sees.
+4. A lease that expires marks the server ``failed`` (``SERVER_LEASE_LOST``); a renewal of a
+   lease that is no longer held answers ``409 LEASE_LOST`` with ``lease_end`` saying how it
+   ended (``restarted``: stop the runtime and claim again; anything else: stop it).
+"""
+
+from __future__ import annotations
+
+import re
+
+from . import API_PREFIX
+
+# -- paths ---------------------------------------------------------------------
+
+PATH_ADMIN_DEPLOYMENTS = f"{API_PREFIX}/admin/deployments"
+PATH_ADMIN_DEPLOYMENT = f"{PATH_ADMIN_DEPLOYMENTS}/<name>"
+PATH_ADMIN_DEPLOYMENT_RESTART = f"{PATH_ADMIN_DEPLOYMENT}/restart"
+PATH_AGENT_SERVERS = f"{API_PREFIX}/agent/servers"
+PATH_AGENT_SERVER_CLAIM = f"{PATH_AGENT_SERVERS}/<server_id>/claim"
+PATH_AGENT_SERVER_RENEW = f"{PATH_AGENT_SERVERS}/<server_id>/renew"
+
+
+def server_path(template: str, server_id: str) -> str:
+    return template.replace("<server_id>", server_id)
+
+
+# -- runtimes -------------------------------------------------------------------
+
+RUNTIME_LLAMA_CPP = "llama.cpp"
+RUNTIME_VLLM = "vllm"
+RUNTIMES = (RUNTIME_LLAMA_CPP, RUNTIME_VLLM)
+CAPABILITY_SERVE = "serve"  # what a worker with at least one runtime offers
+
+# -- server states ----------------------------------------------------------------
+# ``pending``: made, not yet claimed by its node's agent; ``starting``: claimed, the
+# runtime is launching or not ready yet (or restarting after a crash); ``running``: the
+# agent saw it ready; ``stopping``: asked to stop, the agent has not said it stopped;
+# ``stopped``; ``failed`` with ``{code, message}``.
+
+SERVER_PENDING = "pending"
+SERVER_STARTING = "starting"
+SERVER_RUNNING = "running"
+SERVER_STOPPING = "stopping"
+SERVER_STOPPED = "stopped"
+SERVER_FAILED = "failed"
+SERVER_STATES = (
+    SERVER_PENDING,
+    SERVER_STARTING,
+    SERVER_RUNNING,
+    SERVER_STOPPING,
+    SERVER_STOPPED,
+    SERVER_FAILED,
+)
+SERVER_ACTIVE_STATES = (SERVER_PENDING, SERVER_STARTING, SERVER_RUNNING, SERVER_STOPPING)
+# What an agent may report in a renewal.
+SERVER_REPORTED_STATES = (SERVER_STARTING, SERVER_RUNNING, SERVER_STOPPED, SERVER_FAILED)
+# How a serve lease ended, as a 409 LEASE_LOST's ``lease_end`` says.
+LEASE_END_RESTARTED = "restarted"  # the admin restarted the deployment: claim again
+LEASE_END_REPLACED = "replaced"  # this node claimed the server again (an agent restart)
+LEASE_END_STOPPED = "stopped"
+LEASE_END_EXPIRED = "expired"
+
+# -- error codes (docs/deployments.md says what each means and what to do) -------------
+
+DEPLOYMENT_NOT_FOUND = "DEPLOYMENT_NOT_FOUND"
+DEPLOYMENT_EXISTS = "DEPLOYMENT_EXISTS"
+MODEL_MISSING = "MODEL_MISSING"  # a member has not reported the model present
+RUNTIME_UNSUPPORTED = "RUNTIME_UNSUPPORTED"  # a member's worker does not offer the runtime
+MODEL_FORMAT_UNSUPPORTED = "MODEL_FORMAT_UNSUPPORTED"  # e.g. llama.cpp and no .gguf file
+GPUS_UNAVAILABLE = "GPUS_UNAVAILABLE"  # a member has fewer free GPUs than asked
+SERVER_NOT_CLAIMABLE = "SERVER_NOT_CLAIMABLE"  # 409 on claim: not this node's, or ended
+# What a server's error can say (set by the control plane or reported by the agent).
+SERVER_LEASE_LOST = "SERVER_LEASE_LOST"  # the agent stopped renewing (node or agent down)
+NODE_OFFLINE = "NODE_OFFLINE"
+NODE_DECOMMISSIONED = "NODE_DECOMMISSIONED"
+RUNTIME_EXITED = "RUNTIME_EXITED"  # the runtime exited and its restarts are spent
+RUNTIME_NOT_READY = "RUNTIME_NOT_READY"  # never answered its readiness check in time
+RUNTIME_LAUNCH_FAILED = "RUNTIME_LAUNCH_FAILED"  # the worker could not start it
+MODEL_NOT_ON_NODE = "MODEL_NOT_ON_NODE"  # the agent does not hold the model's files
+
+# -- names and limits ---------------------------------------------------------------
+
+DEPLOYMENT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+ARGS_MAX = 64  # extra runtime arguments per deployment
+ARG_MAX_CHARS = 512
+CONTEXT_LENGTH_MAX = 1 << 22
+SERVE_LEASE_SECONDS = 30  # the default MODELFORGE_SERVE_LEASE_SECONDS
+
+# -- agent <-> runtime worker ----------------------------------------------------------
+# The worker owns the runtime processes (and containers), so an agent restart finds them
+# again: ``GET /v1/servers`` lists them, ``POST /v1/servers`` launches one (the same
+# server_id again answers the one running), ``POST /v1/servers/stop`` stops one.
+
+WORKER_PATH_SERVERS = "/v1/servers"
+WORKER_PATH_SERVER_STOP = "/v1/servers/stop"
