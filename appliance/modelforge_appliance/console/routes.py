@@ -34,6 +34,7 @@ SIGN_IN = SIGN_IN_PATH
 PAGE_HEADERS = {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"}
 SIGN_IN_FIELDS = {"password": Field(str, low=1, high=1024)}
 IMPORT_COMMAND = "modelforge models import NAME PATH"
+DEPLOY_COMMAND = "modelforge deploy NAME --model M --nodes A,B --runtime llama.cpp"
 EXPIRY_CHOICES = ((300, "5 minutes"), (900, "15 minutes"), (3600, "1 hour"), (86400, "24 hours"))
 
 
@@ -160,6 +161,10 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     @app.get("/console/models", auth=SESSION)
     def models_page(session: sessions.Session):
         return page("models", session=session, import_command=IMPORT_COMMAND)
+
+    @app.get("/console/deployments", auth=SESSION)
+    def deployments_page(session: sessions.Session):
+        return page("deployments", session=session, deploy_command=DEPLOY_COMMAND)
 
     @app.get("/console/work/<work_id>", auth=SESSION)
     def work_item_page(work_id: str, session: sessions.Session):

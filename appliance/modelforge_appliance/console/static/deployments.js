@@ -1,0 +1,253 @@
+// The Deployments page: each deployment with one row per server (one per member node).
+// While any server moves (pending, starting, stopping) the list is fetched again every
+// FAST_SECONDS, so a server's state follows its agent's reports; once none moves, only the
+// slow refresh remains. Everything goes through the same /api/v1/admin/deployments calls as
+// the CLI and automation; what a node reported (an error's message) is shown as text only.
+import { age, api, el, errorText, setText, when } from "./console.js";
+
+export const FAST_SECONDS = 1.5;
+export const SLOW_SECONDS = 15;
+const MOVING = new Set(["pending", "starting", "stopping"]);
+const $ = (id) => document.getElementById(id);
+const list = $("deployment-list");
+const cards = new Map(); // deployment name -> card
+let fastTimer = null;
+
+const deploymentPath = (name) => `/admin/deployments/${encodeURIComponent(name)}`;
+
+// A GPU by the start of its UUID (GPU-1a2b3c4d…), the whole UUID on hover.
+export function shortUuid(uuid) {
+  const text = String(uuid);
+  return text.length > 12 ? `${text.slice(0, 12)}…` : text;
+}
+
+// A destructive button asks for a second click instead of a browser dialog (as on a node page).
+function armed(button, label, call) {
+  const original = button.textContent;
+  let armedUntil = 0;
+  button.addEventListener("click", async () => {
+    if (performance.now() > armedUntil) {
+      armedUntil = performance.now() + 5000;
+      button.textContent = label;
+      button.setAttribute("data-armed", "");
+      window.setTimeout(() => {
+        button.textContent = original;
+        button.removeAttribute("data-armed");
+      }, 5000);
+      return;
+    }
+    armedUntil = 0;
+    button.textContent = original;
+    button.removeAttribute("data-armed");
+    await call();
+  });
+}
+
+function makeCard(deployment) {
+  const card = {
+    name: deployment.name,
+    deployment,
+    rows: new Map(), // server_id -> {tr, shown}
+    head: el("div", { class: "deployment-head" }),
+    body: el("tbody", { "data-testid": "server-rows" }),
+    error: el("p", { class: "error", role: "alert", "data-testid": "deployment-error" }),
+    stop: el("button", { type: "button", class: "danger", "data-testid": "deployment-stop", text: "Stop" }),
+    restart: el("button", { type: "button", "data-testid": "deployment-restart", text: "Restart" }),
+  };
+  armed(card.stop, "Click again to stop every server", () => act(card, "DELETE", deploymentPath(card.name)));
+  card.restart.addEventListener("click", () => act(card, "POST", `${deploymentPath(card.name)}/restart`));
+  card.root = el(
+    "section",
+    { class: "card deployment", "data-testid": "deployment-card", "data-deployment": deployment.name },
+    card.head,
+    el("div", { class: "actions" }, card.restart, card.stop),
+    card.error,
+    el(
+      "table",
+      { class: "small" },
+      el("thead", {}, el("tr", {}, ...["Node", "State", "Since", "GPUs", "Restarts", "Last error"].map((h) => el("th", { text: h })))),
+      card.body,
+    ),
+  );
+  return card;
+}
+
+function settingsText(deployment) {
+  const settings = deployment.settings || {};
+  const parts = [];
+  if (settings.context_length) parts.push(`context ${settings.context_length}`);
+  if (settings.args && settings.args.length) parts.push(`args ${settings.args.join(" ")}`);
+  if (settings.image_id) parts.push(`image ${shortUuid(settings.image_id)}`);
+  return parts.length ? ` · ${parts.join(" · ")}` : "";
+}
+
+// Unset, a server gets one GPU on a node that has any and none elsewhere (the rows say which).
+function gpuText(deployment) {
+  const count = deployment.gpu_count;
+  const shared = deployment.share_gpus ? " (shared)" : "";
+  if (count === null || count === undefined) return shared ? ` · GPUs${shared}` : "";
+  if (count === 0) return " · no GPUs";
+  return ` · ${count} GPU${count === 1 ? "" : "s"} per server${shared}`;
+}
+
+function showHead(card) {
+  const d = card.deployment;
+  card.root.setAttribute("data-state", d.state);
+  card.head.replaceChildren(
+    el("h2", {}, el("span", { "data-testid": "deployment-name", text: d.name }), " ", el("span", { class: `badge deployment-${d.state}`, "data-testid": "deployment-state", text: d.state })),
+    el(
+      "p",
+      { class: "facts-line" },
+      el("strong", { "data-testid": "deployment-model", title: d.digest || "", text: `${d.model}@${d.revision}` }),
+      " · ",
+      el("span", { "data-testid": "deployment-runtime", text: d.runtime }),
+      gpuText(d),
+      settingsText(d),
+      d.created_at ? ` · deployed ${when(d.created_at)}` : "",
+      d.created_by ? ` by ${d.created_by}` : "",
+    ),
+  );
+  // Stopping what is stopped asks nothing; a stopping deployment is on its way already.
+  const settled = d.state === "stopped" || d.state === "stopping";
+  card.stop.disabled = settled;
+  card.restart.disabled = d.state === "stopping";
+}
+
+function sinceText(server, now) {
+  return server.state_since ? age((now - Date.parse(server.state_since)) / 1000) : "—";
+}
+
+function sinceCell(server, now) {
+  if (!server.state_since) return el("td", { class: "muted", text: "—" });
+  return el("td", {}, el("span", { class: "since", "data-testid": "server-since", "data-since": server.state_since, title: when(server.state_since), text: sinceText(server, now) }));
+}
+
+function gpusCell(server) {
+  const gpus = server.gpus || [];
+  if (!gpus.length) return el("td", { class: "muted", "data-testid": "server-gpus", "data-gpus": "", text: "none" });
+  return el("td", { "data-testid": "server-gpus", "data-gpus": gpus.join(",") }, ...gpus.map((uuid) => el("code", { class: "gpu", title: uuid, text: shortUuid(uuid) })));
+}
+
+function errorCell(server) {
+  const error = server.error;
+  if (!error) return el("td", { text: "" });
+  return el("td", { "data-testid": "server-error", "data-code": error.code }, el("strong", { text: error.code }), ` ${error.message || ""}`);
+}
+
+function serverRow(server, now) {
+  const name = server.display_name || server.node_id;
+  return el(
+    "tr",
+    { "data-testid": "server-row", "data-server-id": server.server_id, "data-node-id": server.node_id, "data-state": server.state },
+    el("td", {}, el("a", { href: `/console/nodes/${encodeURIComponent(server.node_id)}`, "data-testid": "server-node", text: name })),
+    el("td", {}, el("span", { class: `badge server-${server.state}`, "data-testid": "server-state", text: server.state })),
+    sinceCell(server, now),
+    gpusCell(server),
+    el("td", { "data-testid": "server-restarts", text: String(server.restarts ?? 0) }),
+    errorCell(server),
+  );
+}
+
+// Rows are replaced only when what they show changed (the age among it).
+function showServers(card, now) {
+  const seen = new Set();
+  for (const server of card.deployment.servers) {
+    seen.add(server.server_id);
+    const shown = JSON.stringify([server.state, server.state_since, sinceText(server, now), server.display_name, server.gpus, server.restarts, server.error]);
+    const existing = card.rows.get(server.server_id);
+    if (existing && existing.shown === shown) continue;
+    const tr = serverRow(server, now);
+    if (existing) existing.tr.replaceWith(tr);
+    else card.body.append(tr);
+    card.rows.set(server.server_id, { tr, shown });
+  }
+  for (const [id, row] of card.rows) {
+    if (!seen.has(id)) {
+      row.tr.remove();
+      card.rows.delete(id);
+    }
+  }
+}
+
+async function act(card, method, path) {
+  setText(card.error, "");
+  card.stop.disabled = card.restart.disabled = true;
+  try {
+    const view = await api(method, path);
+    if (view && view.name === card.name) show([view], false);
+  } catch (error) {
+    setText(card.error, errorText(error));
+  }
+  await refresh();
+}
+
+function moving() {
+  return [...cards.values()].some((card) => card.deployment.servers.some((s) => MOVING.has(s.state)));
+}
+
+// Poll fast while a server moves, and stop as soon as none does.
+function schedule() {
+  const fast = moving();
+  list.setAttribute("data-polling", fast ? "fast" : "idle");
+  if (fast && fastTimer === null) {
+    fastTimer = window.setTimeout(() => {
+      fastTimer = null;
+      refresh();
+    }, FAST_SECONDS * 1000);
+  }
+}
+
+// ``whole``: the answer lists every deployment (cards missing from it go).
+function show(deployments, whole, now = Date.now()) {
+  const names = new Set(deployments.map((d) => d.name));
+  for (const deployment of deployments) {
+    let card = cards.get(deployment.name);
+    if (!card) {
+      card = makeCard(deployment);
+      cards.set(deployment.name, card);
+      list.append(card.root);
+    }
+    card.deployment = deployment;
+    showHead(card);
+    showServers(card, now);
+  }
+  if (!whole) return;
+  for (const [name, card] of cards) {
+    if (!names.has(name)) {
+      card.root.remove();
+      cards.delete(name);
+    }
+  }
+  $("deployments-empty").hidden = cards.size > 0;
+  const count = cards.size;
+  setText($("deployments-status"), count ? `${count} deployment${count === 1 ? "" : "s"} · refreshed every ${FAST_SECONDS} s while a server starts or stops` : "");
+}
+
+let busy = false;
+let again = false; // asked while a refresh was in flight: its answer may predate the change
+
+async function refresh() {
+  if (busy) {
+    again = true;
+    return;
+  }
+  busy = true;
+  try {
+    do {
+      again = false;
+      const answer = await api("GET", "/admin/deployments");
+      // Ages on the control plane's clock when it says what time it is.
+      const now = answer.server_time ? Date.parse(answer.server_time) : Date.now();
+      show(answer.deployments, true, now);
+    } while (again);
+    setText($("deployments-error"), "");
+  } catch (error) {
+    setText($("deployments-error"), `Could not load the deployments: ${errorText(error)}`);
+  } finally {
+    busy = false;
+    schedule();
+  }
+}
+
+refresh();
+window.setInterval(refresh, SLOW_SECONDS * 1000);
