@@ -104,6 +104,26 @@ ARGS_MAX = 64  # extra runtime arguments per deployment
 ARG_MAX_CHARS = 512
 CONTEXT_LENGTH_MAX = 1 << 22
 SERVE_LEASE_SECONDS = 30  # the default MODELFORGE_SERVE_LEASE_SECONDS
+# Arguments the worker sets itself: an extra argument may not move the address, the port,
+# the served name or the model (a runtime on 0.0.0.0 would bypass the control plane), nor
+# make the runtime fetch anything.
+RESERVED_ARGS = frozenset(
+    {
+        "--host", "--port", "--alias", "-a", "-m", "--model", "-mu", "--model-url", "-hf",
+        "--hf-repo", "-hfr", "--hf-file", "-hff", "--path", "--api-key", "--api-key-file",
+        "--ssl-key-file", "--ssl-cert-file", "--served-model-name", "--download-dir",
+    }
+)  # fmt: skip
+
+
+def reserved_arg(args: list[str] | tuple[str, ...]) -> str | None:
+    """The first argument the worker sets itself (``--port``, ``--host=…``), or None."""
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if name in RESERVED_ARGS:
+            return name
+    return None
+
 
 # -- agent <-> runtime worker ----------------------------------------------------------
 # The worker owns the runtime processes (and containers), so an agent restart finds them

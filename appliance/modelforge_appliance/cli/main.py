@@ -20,6 +20,7 @@ from .admin_password import admin_password
 from .admin_tokens import admin_token
 from .audit import audit_command
 from .completion import completion
+from .deployments import deploy_command, deployments_group, undeploy_command
 from .doctor import doctor
 from .enrollments import enroll, enrollments_group
 from .errors import report
@@ -94,6 +95,9 @@ for command in (
     completion,
     work_group,
     models_group,
+    deploy_command,
+    deployments_group,
+    undeploy_command,
 ):
     main.add_command(command)
 

@@ -31,6 +31,7 @@ from modelforge_contract.deployments import (
     SERVER_STARTING,
     SERVER_STOPPED,
     SERVER_STOPPING,
+    reserved_arg,
 )
 
 from ..core.clock import isoformat
@@ -217,6 +218,15 @@ def _settings_of(fields: dict[str, Any], model: Model) -> dict[str, Any]:
             "settings.image_id: must be sha256:<64 hex digits>",
             code=FIELD_FORMAT,
             next_step="Pin the image by its id: docker image inspect --format '{{.Id}}' IMAGE",
+        )
+    reserved = reserved_arg(given.get("args") or [])
+    if reserved is not None:
+        raise Invalid(
+            f"settings.args: {reserved} is set by the runtime worker itself (the address, port, "
+            "served name and model are the deployment's)",
+            code=FIELD_FORMAT,
+            next_step="Leave it out; the runtime listens on the node's loopback and serves the "
+            "deployment's name.",
         )
     return {
         "context_length": given.get("context_length"),
