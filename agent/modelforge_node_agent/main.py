@@ -45,6 +45,7 @@ from .models import ModelLoop, prepare_model_roots
 from .nvidia import PreflightFailure, PreflightResult, run_preflight
 from .publisher import DEFAULT_HEARTBEAT_INTERVAL, Publisher
 from .refusals import AgentExit
+from .serve import ServeLoop
 from .settings import TABLE, AgentSettings, ConfigError, load_settings
 from .signals import Stopping, install_signal_handlers
 from .status import RecordingClient, StatusRecorder, status_command
@@ -212,6 +213,11 @@ def run_agent(
             publisher.models_report = models.report
             publisher.models_generation = models.generation_seen
             models.start()
+            # Deployments (issue 25): the servers placed on this node, the same stop and
+            # refusal again. Their runtimes belong to the worker and outlive this loop.
+            serve = ServeLoop(settings, node_id, client, worker, run_stop, publisher.refuse)
+            publisher.servers_generation = serve.generation_seen
+            serve.start()
             outcome = publisher.run()
             if outcome is None:
                 return EXIT_OK

@@ -195,6 +195,8 @@ class Publisher:
         # a heartbeat answer's ``models_generation`` goes; unset, neither is sent or read.
         self.models_report: Callable[[], list[dict[str, Any]]] | None = None
         self.models_generation: Callable[[object], None] | None = None
+        # The same for deployments (issue 25): the answer's ``servers_generation``.
+        self.servers_generation: Callable[[object], None] | None = None
 
     # -- shared ------------------------------------------------------------------
 
@@ -246,6 +248,8 @@ class Publisher:
             self.republish.ask(answer.get("republish"), sent_at)
             if self.models_generation is not None:
                 self.models_generation(answer.get("models_generation"))
+            if self.servers_generation is not None:
+                self.servers_generation(answer.get("servers_generation"))
             self._take_interval(answer.get("heartbeat_interval_seconds"))
             if self.stop.wait(self.heartbeat_interval):
                 return

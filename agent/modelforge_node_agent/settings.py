@@ -142,6 +142,18 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "A model download that receives no byte for this long is stalled, and resumed after "
         "a backoff. Lower it only for tests.",
     ),
+    SettingSpec(
+        "MODELFORGE_AGENT_SERVE_MAX_RESTARTS",
+        "3",
+        "How many times a deployment's runtime that exits on its own is started again (after "
+        "1 s, 2 s, 4 s, … of backoff) before its server is reported failed (RUNTIME_EXITED).",
+    ),
+    SettingSpec(
+        "MODELFORGE_AGENT_SERVE_READY_SECONDS",
+        "600",
+        "How long a launched runtime has to answer its readiness check (llama.cpp /health, "
+        "vLLM /v1/models) before its server is reported failed (RUNTIME_NOT_READY).",
+    ),
     SettingSpec("MODELFORGE_AGENT_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
 )
 
@@ -180,6 +192,8 @@ class AgentSettings:
     artifact_root: Path | None = None
     quarantine_root: Path | None = None
     model_stall_seconds: float = 30.0
+    serve_max_restarts: int = 3
+    serve_ready_seconds: float = 600.0
     # Observed, not ours: the NVIDIA container toolkit sets it when GPUs are requested.
     nvidia_visible_devices: str | None = None
 
@@ -350,6 +364,8 @@ def load_settings(
         artifact_root=_path(env, "MODELFORGE_AGENT_ARTIFACT_ROOT"),
         quarantine_root=_path(env, "MODELFORGE_AGENT_QUARANTINE_ROOT"),
         model_stall_seconds=_float(env, "MODELFORGE_AGENT_MODEL_STALL_SECONDS", 0.1, 3600),
+        serve_max_restarts=int(_float(env, "MODELFORGE_AGENT_SERVE_MAX_RESTARTS", 0, 100)),
+        serve_ready_seconds=_float(env, "MODELFORGE_AGENT_SERVE_READY_SECONDS", 1, 86400),
     )
 
 

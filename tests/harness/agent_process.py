@@ -62,7 +62,7 @@ class AgentProcess:
     def __init__(
         self, env: dict[str, str], log_path: Path, command: list[str] | None = None
     ) -> None:
-        self.log_path = log_path
+        self.log_path, self.env, self.command = log_path, env, command
         self._log = log_path.open("ab")
         self.process = subprocess.Popen(
             command or AGENT_COMMAND, env=env, stdout=self._log, stderr=subprocess.STDOUT

@@ -71,6 +71,7 @@ def start_node(
     host: dict | None = None,
     fake_nvml_dir: Path | None = None,
     with_worker: bool = True,
+    worker_settings: dict[str, str] | None = None,
     **agent_settings: str,
 ) -> Node:
     """Enroll a fresh node: its worker first (when asked), then its agent."""
@@ -85,7 +86,8 @@ def start_node(
         if mode == "nvidia":
             config = write_nvml_config(host, work_dir / "worker-nvml.conf")
             worker_gpu = {"LD_LIBRARY_PATH": str(fake_nvml_dir), "FAKE_NVML_CONFIG": str(config)}
-        worker = WorkerProcess(worker_env(socket, mode, **worker_gpu), work_dir / "worker.log")
+        env = worker_env(socket, mode, **worker_gpu, **(worker_settings or {}))
+        worker = WorkerProcess(env, work_dir / "worker.log")
     state = work_dir / "state"
     env = agent_env(
         control_plane_url=cp.url,

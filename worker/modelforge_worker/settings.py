@@ -43,6 +43,12 @@ SETTINGS: tuple[SettingSpec, ...] = (
     SettingSpec(
         "MODELFORGE_WORKER_DEVICE_DIR", "/dev", "Where auto mode looks for nvidia* device nodes."
     ),
+    SettingSpec(
+        "MODELFORGE_WORKER_LLAMA_SERVER",
+        None,
+        "Path of llama.cpp's llama-server for the llama.cpp runtime (scripts/llama-server-build "
+        "makes one). Unset: llama-server on PATH; with neither, the worker offers no llama.cpp.",
+    ),
     SettingSpec("MODELFORGE_WORKER_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
 )
 _NO_VISIBLE_DEVICES = ("", "void", "none")
@@ -63,6 +69,7 @@ class WorkerSettings:
     socket_group: int | None
     accelerator_mode: str  # the effective mode: nvidia or cpu
     log_level: str
+    llama_server: str | None = None  # MODELFORGE_WORKER_LLAMA_SERVER
 
 
 _value = TABLE.value
@@ -111,4 +118,16 @@ def load_settings(env: Mapping[str, str] | None = None) -> WorkerSettings:
         socket_group=_group(_value(env, "MODELFORGE_WORKER_SOCKET_GROUP")),
         accelerator_mode=_mode(env),
         log_level=log_level,
+        llama_server=_llama_server(_value(env, "MODELFORGE_WORKER_LLAMA_SERVER")),
     )
+
+
+def _llama_server(raw: str | None) -> str | None:
+    if raw is None:
+        return None
+    path = Path(raw).expanduser()
+    if not path.is_absolute():
+        raise ConfigError(f"MODELFORGE_WORKER_LLAMA_SERVER={raw!r} must be an absolute path")
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise ConfigError(f"MODELFORGE_WORKER_LLAMA_SERVER={raw!r} is not an executable file")
+    return str(path)

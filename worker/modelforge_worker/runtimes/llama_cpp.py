@@ -1,0 +1,152 @@
+"""The ``llama.cpp`` runtime: llama.cpp's own ``llama-server`` as a child process.
+
+It loads one GGUF of the replicated model directory, listens on 127.0.0.1 only, serves the
+deployment's name (``--alias``), and sees exactly the lease's GPUs through
+``CUDA_VISIBLE_DEVICES`` (set to nothing on a server without GPUs, so a CUDA build never
+takes them all). The child dies with the worker (``PR_SET_PDEATHSIG``): nothing would track
+it otherwise, so ``find`` never adopts one.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from modelforge_contract.deployments import RUNTIME_LAUNCH_FAILED, reserved_arg
+
+from . import LaunchFailed, ServeSpec
+
+LOG_LINES = 200
+_PR_SET_PDEATHSIG = 1
+
+
+def find_binary(configured: str | None) -> Path | None:
+    """MODELFORGE_WORKER_LLAMA_SERVER, else ``llama-server`` on PATH."""
+    if configured:
+        path = Path(configured)
+        return path if path.is_file() and os.access(path, os.X_OK) else None
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+def unavailable(configured: str | None) -> str | None:
+    """Why this worker cannot run llama.cpp (None: it can)."""
+    if find_binary(configured) is not None:
+        return None
+    if configured:
+        return f"MODELFORGE_WORKER_LLAMA_SERVER={configured} is not an executable file"
+    return "no llama-server on PATH (set MODELFORGE_WORKER_LLAMA_SERVER)"
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def command(binary: Path, spec: ServeSpec) -> list[str]:
+    assert spec.model_file is not None
+    argv = [
+        str(binary),
+        "--model",
+        str(spec.model_dir / spec.model_file),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(spec.port),
+        "--alias",
+        spec.served_name,
+    ]
+    if spec.context_length:
+        argv += ["--ctx-size", str(spec.context_length)]
+    if spec.gpus and not any(a.split("=")[0] in ("-ngl", "--n-gpu-layers") for a in spec.args):
+        argv += ["--n-gpu-layers", "999"]  # every layer on the lease's GPUs
+    return [*argv, *spec.args]
+
+
+class LlamaServer:
+    """One running ``llama-server``."""
+
+    def __init__(self, spec: ServeSpec, process: subprocess.Popen[bytes]) -> None:
+        self.spec = spec
+        self.process = process
+        self.started_at = time.time()
+        self._lines: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
+        self._reader = threading.Thread(target=self._read, name=f"log-{spec.server_id}",
+                                        daemon=True)  # fmt: skip
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
+            self._lines.append(raw.decode("utf-8", "replace").rstrip("\n"))
+
+    def exit_reason(self) -> str | None:
+        code = self.process.poll()
+        if code is None:
+            return None
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = str(-code)
+            return f"was killed by signal {-code} ({name})"
+        return f"exited with status {code}"
+
+    def log_tail(self) -> str:
+        return "\n".join(self._lines)
+
+    def ident(self) -> dict[str, object]:
+        return {"pid": self.process.pid}
+
+    def stop(self, timeout: float) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(1.0)
+
+
+def launch(binary: Path, spec: ServeSpec) -> LlamaServer:
+    if spec.model_file is None:
+        raise LaunchFailed(RUNTIME_LAUNCH_FAILED, "llama.cpp needs the GGUF file to load")
+    reserved = reserved_arg(spec.args)
+    if reserved is not None:
+        raise LaunchFailed(
+            RUNTIME_LAUNCH_FAILED, f"the argument {reserved} is set by the worker itself"
+        )
+    model = spec.model_dir / spec.model_file
+    if not model.is_file():
+        raise LaunchFailed(RUNTIME_LAUNCH_FAILED, f"the model file {spec.model_file} is missing")
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("MODELFORGE_", "LLAMA_ARG_"))  # nothing of ours, no overrides
+    }
+    # Exactly the lease's GPUs; none at all for a server without any (never "all").
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
+    try:
+        process = subprocess.Popen(
+            command(binary, spec),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(spec.model_dir),
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, async-signal-safe
+            close_fds=True,
+        )
+    except OSError as exc:
+        raise LaunchFailed(
+            RUNTIME_LAUNCH_FAILED, f"llama-server could not start ({exc.strerror or exc})"
+        ) from None
+    return LlamaServer(spec, process)
