@@ -23,6 +23,7 @@ from modelforge_contract import (
 from .core import tokens
 from .core.clock import isoformat
 from .core.errors import Conflict, Invalid
+from .deployments import leases as serve_leases
 from .fleet.nodes import get_node
 from .identity import credentials
 from .store import audit
@@ -170,6 +171,13 @@ def execute_decommission(
             )
         credentials.revoke_active_credentials(store, node, actor, "decommissioned")
         leases.return_node_leases(store, node, actor, "decommissioned")
+        serve_leases.fail_node_servers(
+            store,
+            node_id,
+            actor,
+            NODE_DECOMMISSIONED,
+            "the node was decommissioned; deploy to another node",
+        )
         Node.update(decommissioned_at=now, cordoned=True).where(Node.node_id == node_id).execute()
         audit.record(
             store,

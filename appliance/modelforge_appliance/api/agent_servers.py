@@ -1,5 +1,7 @@
-"""Agent server routes: what to run, serve-lease claims and renewals (docs/architecture.md
-§11). Agents ask; the control plane never dials a node (invariant 1)."""
+"""Agent server routes: what to run, serve-lease claims and renewals.
+
+See docs/architecture.md §11. Agents ask; the control plane never dials a node (invariant 1).
+"""
 
 from __future__ import annotations
 

@@ -386,3 +386,37 @@ def expire_servers(store: Store, settings: Settings) -> list[str]:
     if done:
         log.info("%d serve lease(s) expired", len(done))
     return done
+
+
+def fail_node_servers(store: Store, node_id: str, actor: str, code: str, message: str) -> list[str]:
+    """Fail (or, when stopping, stop) every active server of a node taken out of service
+    (inside the caller's transaction); the node's agent can no longer renew."""
+    now = store.clock.now()
+    done = []
+    rows = list(
+        DeploymentServer.select()
+        .where(
+            (DeploymentServer.node == node_id)
+            & DeploymentServer.state.in_(_RUNNABLE + (SERVER_STOPPING,))
+        )
+        .order_by(DeploymentServer.server_id)
+    )
+    for server in rows:
+        stopping = server.state == SERVER_STOPPING
+        DeploymentServer.update(
+            state=SERVER_STOPPED if stopping else SERVER_FAILED,
+            state_since=now,
+            error=None if stopping else json.dumps({"code": code, "message": message}),
+            lease_id=None,
+            lease_expires_at=None,
+            lease_credential_id=None,
+            previous_lease_id=server.lease_id,
+            previous_lease_end=LEASE_END_STOPPED if stopping else SERVER_FAILED,
+        ).where(DeploymentServer.server_id == server.server_id).execute()
+        audit.record(
+            store, actor, "server.failed", node_id=node_id, server_id=server.server_id, code=code
+        )
+        if stopping:
+            reap(store, server.deployment_id, actor)
+        done.append(server.server_id)
+    return done

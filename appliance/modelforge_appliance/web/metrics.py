@@ -14,9 +14,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from modelforge_contract import LIVENESS_STATES
+from modelforge_contract.deployments import SERVER_STATES
 from modelforge_contract.models import REPLICA_STATES
 
 from ..core.settings import Settings
+from ..deployments import servers
 from ..fleet.nodes import liveness_of
 from ..models import replicas
 from ..store.database import Store
@@ -91,6 +93,29 @@ class _ReplicasByState(Collector):
         family = self._family()
         counts = replicas.replica_counts(self.store)
         for state in REPLICA_STATES:
+            family.add_metric([state], counts.get(state, 0))
+        yield family
+
+
+class _ServersByState(Collector):
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "modelforge_deployment_servers",
+            "Deployment servers by state (docs/deployments.md).",
+            labels=["state"],
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        counts = servers.server_counts(self.store)
+        for state in SERVER_STATES:
             family.add_metric([state], counts.get(state, 0))
         yield family
 
@@ -184,6 +209,7 @@ class Metrics:
         self.registry.register(_NodesByLiveness(store, settings))
         self.registry.register(_WorkByState(store))
         self.registry.register(_ReplicasByState(store))
+        self.registry.register(_ServersByState(store))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
