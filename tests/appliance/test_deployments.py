@@ -17,7 +17,7 @@ from modelforge_contract.deployments import (
     server_path,
 )
 from modelforge_contract.models import PATH_ADMIN_MODELS
-from tests.harness.control_plane import error_code, run_cli, store_env
+from tests.harness.control_plane import error_code, make_settings, run_cli, serve, store_env
 from tests.harness.scripted_node import WorkNode, gpu, worker_health
 
 from .test_models import import_model, make_model_dir
@@ -344,3 +344,22 @@ def test_the_cli_deploys_lists_shows_restarts_and_undeploys(control_plane, tmp_p
     assert gone.returncode == 0, gone.stderr
     assert "the deployment is gone" in gone.stdout
     assert counts(cp) == (0, 0)
+
+
+def test_after_a_restore_a_deploy_waits_for_the_node_to_report_the_model_again(tmp_path):
+    settings = make_settings(tmp_path / "state")
+    backup = tmp_path / "backup.sqlite3"
+    with serve(settings) as cp:
+        model = tiny_model(cp, tmp_path)
+        node = ServingNode(cp, "restored-a")
+        held(cp, model, node)
+        run_cli("backup", str(backup), env=store_env(settings), check=True)
+    run_cli("restore", str(backup), "--yes", env=store_env(settings), check=True)
+    with serve(settings) as cp:
+        node.cp = cp
+        node.heartbeat_answer()
+        node.inventory()  # measured again: the node's inventory, without the model yet
+        refused = deploy(cp, "after", [node])
+        assert (refused.status_code, error_code(refused)) == (409, "MODEL_MISSING")
+        node.report([model["digest"]])
+        assert deploy(cp, "after", [node]).status_code == 201

@@ -26,7 +26,8 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     def deploy(actor: str):
         fields = context.body(DEPLOY_FIELDS)
         settle()
-        return json_response(servers.deploy(store, settings, fields, actor), 201)
+        made = servers.deploy(store, settings, fields, actor, context.heartbeats.pending)
+        return json_response(made, 201)
 
     @app.get(PATH_ADMIN_DEPLOYMENTS, auth=ADMIN)
     def list_deployments():

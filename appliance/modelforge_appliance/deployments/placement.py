@@ -42,14 +42,23 @@ _WHY = {
 }
 
 
-def check_member(node: Node | None, node_id: str, runtime: str, now: float, settings: Settings):
-    """The node, eligible to run a server of ``runtime`` now; 404 or 409 otherwise."""
+def check_member(
+    node: Node | None,
+    node_id: str,
+    runtime: str,
+    now: float,
+    settings: Settings,
+    pending: tuple[float, str] | None = None,
+) -> Node:
+    """The node, eligible to run a server of ``runtime`` now; 404 or 409 otherwise.
+    ``pending`` is its newest heartbeat not yet in the store (time, health JSON)."""
     if node is None:
         raise NotFound(f"no node {node_id}")
-    reported = reported_by(node, None, None)
+    reported = reported_by(node, *(pending or (None, None)))
     reason = ineligibility(node, reported, now, settings)
     if reason is not None:
-        liveness = liveness_of(node, now, settings)
+        seen = Node(**{**node.__data__, "last_heartbeat_at": reported.last_heartbeat_at})
+        liveness = liveness_of(seen, now, settings)
         why = _WHY.get(reason, reason).format(liveness=liveness)
         raise Conflict(
             f"node {node.display_name} ({node.node_id}) {why}; it cannot run a server now",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import peewee as pw
@@ -236,8 +237,15 @@ def _settings_of(fields: dict[str, Any], model: Model) -> dict[str, Any]:
     }
 
 
-def deploy(store: Store, settings: Settings, fields: dict[str, Any], actor: str) -> dict[str, Any]:
-    """Make the deployment and its servers (all or nothing); see the module."""
+def deploy(
+    store: Store,
+    settings: Settings,
+    fields: dict[str, Any],
+    actor: str,
+    pending: Callable[[str], tuple[float, str] | None] = lambda node_id: None,
+) -> dict[str, Any]:
+    """Make the deployment and its servers (all or nothing); see the module. ``pending``
+    gives a node's newest heartbeat not yet in the store (the server's buffer)."""
     name = check_name(fields["name"])
     model = catalog.get_revision(store, fields["model"], fields.get("revision"))
     runtime = fields["runtime"]
@@ -247,7 +255,8 @@ def deploy(store: Store, settings: Settings, fields: dict[str, Any], actor: str)
     with store.connection():
         found = {n.node_id: n for n in Node.select().where(Node.node_id.in_(node_ids))}
         members = [
-            placement.check_member(found.get(i), i, runtime, now, settings) for i in node_ids
+            placement.check_member(found.get(i), i, runtime, now, settings, pending(i))
+            for i in node_ids
         ]
         if Deployment.select().where(Deployment.name == name).exists():
             raise _exists(name)
