@@ -15,6 +15,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import socketserver
@@ -65,6 +66,23 @@ _CALLER_NEXT_STEPS = {
     "UNKNOWN": f"Send {HEADER_WORKER_PROTOCOL} with an integer worker protocol version; the "
     "node agent does so.",
 }
+
+
+GPUS_MAX = 64
+_GPU_UUID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}")  # GPU-…, MIG-…; no comma
+
+
+def gpu_uuids(value: object) -> tuple[str, ...] | None:
+    """A run's ``gpus``: distinct GPU UUIDs (none when absent), or None when malformed."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > GPUS_MAX:
+        return None
+    if not all(isinstance(uuid, str) and _GPU_UUID.fullmatch(uuid) for uuid in value):
+        return None
+    if len(set(value)) != len(value):
+        return None
+    return tuple(value)
 
 
 class SocketInUse(Exception):
@@ -238,8 +256,8 @@ class Handler(BaseHTTPRequestHandler):
         request = self._parse_run(raw)
         if request is None:
             return
-        capability, given, timeout, work_id = request
-        context = RunContext(work_id, timeout, self.server.settings.accelerator_mode)
+        capability, given, timeout, work_id, gpus = request
+        context = RunContext(work_id, timeout, self.server.settings.accelerator_mode, gpus)
         with self.server.lock:
             self.server.running += 1
             if work_id:
@@ -295,7 +313,9 @@ class Handler(BaseHTTPRequestHandler):
             return None
         return self.rfile.read(length)
 
-    def _parse_run(self, raw: bytes | None) -> tuple[str, dict[str, Any], float, str | None] | None:
+    def _parse_run(
+        self, raw: bytes | None
+    ) -> tuple[str, dict[str, Any], float, str | None, tuple[str, ...]] | None:
         if raw is None:
             self._error(400, WORK_INPUT_INVALID, "a JSON body is required", "Send {capability,…}.")
             return None
@@ -312,15 +332,24 @@ class Handler(BaseHTTPRequestHandler):
             or not isinstance(timeout, int | float)
             or not 0 < timeout <= WORK_TIMEOUT_MAX_SECONDS
             or not isinstance(body.get("work_id", ""), str | type(None))
+            or gpu_uuids(body.get("gpus")) is None
         ):
             self._error(
                 400,
                 WORK_INPUT_INVALID,
-                "the body must be {capability, input, timeout_seconds[, work_id]}",
-                "Send the lease's capability, input and timeout as the agent does.",
+                "the body must be {capability, input, timeout_seconds[, work_id][, gpus: "
+                "[GPU UUID, …]]}",
+                "Send the lease's capability, input, timeout and GPUs as the agent does.",
             )
             return None
-        return body["capability"], body.get("input") or {}, float(timeout), body.get("work_id")
+        gpus = gpu_uuids(body.get("gpus")) or ()
+        return (
+            body["capability"],
+            body.get("input") or {},
+            float(timeout),
+            body.get("work_id"),
+            gpus,
+        )
 
 
 class WorkerCommand(click.Command):
