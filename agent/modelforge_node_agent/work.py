@@ -15,6 +15,7 @@ import http.client
 import json
 import logging
 import math
+import re
 import socket
 import threading
 import time
@@ -124,6 +125,8 @@ class WorkerClient:
             "input": lease["input"],
             "timeout_seconds": lease["timeout_seconds"],
             "work_id": lease["work_id"],
+            # The GPUs the lease holds, by UUID: the worker gives the run exactly these.
+            "gpus": list(lease.get("gpus") or []),
         }
         timeout = lease["timeout_seconds"] + RUN_GRACE_SECONDS
         status, answer = self._request("POST", WORKER_PATH_RUN, body, timeout)
@@ -139,6 +142,10 @@ class WorkerClient:
         if status != 200 or isinstance(stopped, bool) or not isinstance(stopped, int):
             raise WorkerUnavailable(f"HTTP {status} on POST {WORKER_PATH_CANCEL}")
         return stopped
+
+
+LEASE_GPUS_MAX = 64
+_GPU_UUID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}")  # GPU-…, MIG-…; no comma
 
 
 def _number_in(value: object, low: float, high: float) -> float | None:
@@ -181,6 +188,14 @@ def checked_lease(lease: dict[str, Any], offered: tuple[str, ...]) -> tuple[dict
     attempt = lease.get("attempt")
     if attempt is not None and (isinstance(attempt, bool) or not isinstance(attempt, int)):
         problems.append("attempt is not a whole number")
+    gpus = lease.get("gpus") or []
+    if (
+        not isinstance(gpus, list)
+        or len(gpus) > LEASE_GPUS_MAX
+        or not all(isinstance(g, str) and _GPU_UUID.fullmatch(g) for g in gpus)
+        or len(set(gpus)) != len(gpus)
+    ):
+        problems.append("gpus is not a list of distinct GPU UUIDs")
     if problems:
         return None, "; ".join(problems)
     checked = {
@@ -189,6 +204,7 @@ def checked_lease(lease: dict[str, Any], offered: tuple[str, ...]) -> tuple[dict
         "lease_id": lease_id,
         "timeout_seconds": timeout,
         "lease_seconds": lease_seconds,
+        "gpus": gpus,
     }
     return checked, ""
 

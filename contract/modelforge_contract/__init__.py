@@ -181,6 +181,7 @@ IMAGE_ID_MISMATCH = "IMAGE_ID_MISMATCH"
 WORK_TIMED_OUT = "WORK_TIMED_OUT"
 SMOKE_FAILED = "SMOKE_FAILED"
 CONTAINER_FAILED = "CONTAINER_FAILED"
+GPUS_ON_CPU_NODE = "GPUS_ON_CPU_NODE"  # an item asking GPUs reached a CPU-mode worker
 LEASE_EXPIRED = "LEASE_EXPIRED"
 # Sealed work secrets (docs/work.md): a submission's env cannot be sealed (503, nothing
 # queued), or an item's sealed env does not open for the node leasing it (the item fails).

@@ -11,6 +11,7 @@ import pytest
 
 from modelforge_contract import (
     CONTAINER_FAILED,
+    GPUS_ON_CPU_NODE,
     IMAGE_ID_MISMATCH,
     IMAGE_NOT_FOUND,
     RUN_CANCELLED,
@@ -18,6 +19,7 @@ from modelforge_contract import (
     WORK_TIMED_OUT,
 )
 from modelforge_contract import containers as fence
+from modelforge_contract.deployments import GPUS_UNAVAILABLE
 from modelforge_node_agent.work import WorkerUnavailable
 from modelforge_worker.capabilities import RunContext, run_capability
 from modelforge_worker.capabilities.container import LABEL_WORK_ID
@@ -362,3 +364,99 @@ def _ignore_unavailable(worker: WorkerProcess, given: dict, work: str) -> None:
     body = {"capability": "container", "input": given, "timeout_seconds": 300, "work_id": work}
     with contextlib.suppress(WorkerUnavailable):
         worker.client.run(body)
+
+
+# -- GPUs by UUID (issue 25) ------------------------------------------------------------------
+# Before: on an NVIDIA node every container without "gpus" got DeviceRequest(count=-1), every
+# GPU of the node whatever else ran there, and on a CPU node "gpus": 2 was dropped and the
+# item succeeded without them.
+
+LEASED = ("GPU-00000003-0000-0000-0000-000000000080", "GPU-00000005-0000-0000-0000-000000000080")
+
+
+@pytest.fixture
+def docker_watch(docker_client, monkeypatch):
+    """The worker's dockerd, through a watch that inspects each container it starts."""
+    from tests.harness.docker_watch import DockerStartWatch
+
+    watch = DockerStartWatch(docker_client)
+    monkeypatch.setenv("DOCKER_HOST", watch.url)
+    yield watch
+    watch.close()
+
+
+def run_leased(test_image, command, mode, leased, *, work=None, **extra):
+    given = {"image": test_image.tag, "image_id": test_image.id, "command": command, **extra}
+    context = RunContext(work or work_id(), 60, mode, tuple(leased))
+    return run_capability("container", given, context).view()
+
+
+@pytest.mark.parametrize(
+    ("extra", "leased"), [({"gpus": 2}, ()), ({}, LEASED), ({"gpus": 1}, LEASED)],
+    ids=["count", "lease", "both"],
+)  # fmt: skip
+def test_an_item_asking_gpus_on_a_cpu_worker_is_refused_not_dropped(
+    docker_client, test_image, docker_watch, extra, leased
+):
+    work = work_id()
+    answer = run_leased(test_image, ["echo", "must not run"], "cpu", leased, work=work, **extra)
+    assert (answer["outcome"], answer["error"]["code"]) == ("failed", GPUS_ON_CPU_NODE)
+    assert "cpu mode" in answer["error"]["message"]
+    assert docker_watch.started == {} and leftovers(docker_client, work) == []
+
+
+def test_a_count_without_uuids_fails_closed_on_an_nvidia_worker(
+    docker_client, test_image, docker_watch
+):
+    """An older control plane sends input.gpus and no UUIDs: never "all GPUs" instead."""
+    work = work_id()
+    answer = run_leased(test_image, ["echo", "must not run"], "nvidia", (), work=work, gpus=2)
+    assert (answer["outcome"], answer["error"]["code"]) == ("failed", GPUS_UNAVAILABLE)
+    assert "names 0 by UUID" in answer["error"]["message"]
+    assert docker_watch.started == {} and leftovers(docker_client, work) == []
+
+
+def test_the_container_gets_exactly_the_leased_uuids(docker_client, test_image, docker_watch):
+    """dockerd holds exactly the lease's UUIDs for the container when it is asked to start it
+    (read from dockerd, between create and start). This host has no NVIDIA container runtime,
+    so dockerd then refuses to start it: the item fails CONTAINER_FAILED with dockerd's
+    reason, and nothing is left."""
+    work = work_id()
+    answer = run_leased(test_image, ["echo", "on the GPUs"], "nvidia", LEASED, work=work)
+    assert docker_watch.device_requests() == [
+        [{"Driver": "", "Count": 0, "DeviceIDs": list(LEASED), "Capabilities": [["gpu"]],
+          "Options": {}}]
+    ]  # fmt: skip
+    assert answer["result"]["gpus"] == list(LEASED) and answer["result"]["gpus_requested"]
+    if "nvidia" not in docker_client.info().get("Runtimes", {}):
+        assert (answer["outcome"], answer["error"]["code"]) == ("failed", CONTAINER_FAILED)
+        assert answer["error"]["message"].startswith("dockerd could not start the container: ")
+        assert "device driver" in answer["error"]["message"]
+    assert leftovers(docker_client, work) == []
+    # A count takes the first of the leased UUIDs, and 0 none at all.
+    run_leased(test_image, ["echo", "one"], "nvidia", LEASED, gpus=1)
+    assert docker_watch.device_requests()[-1][0]["DeviceIDs"] == [LEASED[0]]
+
+
+@pytest.mark.parametrize("extra", [{}, {"gpus": 0}], ids=["no-lease-gpus", "zero"])
+def test_a_container_without_leased_gpus_gets_no_device_on_an_nvidia_worker(
+    docker_client, test_image, docker_watch, extra
+):
+    leased = LEASED if extra else ()
+    answer = run_leased(test_image, ["echo", "no GPU"], "nvidia", leased, **extra)
+    assert (answer["outcome"], answer["error"]) == ("succeeded", None)
+    assert docker_watch.device_requests() == [[]]  # not count=-1: nothing at all
+    assert (answer["result"]["gpus"], answer["result"]["gpus_requested"]) == ([], False)
+
+
+def test_the_worker_takes_the_runs_gpus_and_refuses_malformed_ones(
+    test_image, socket_dir, tmp_path
+):
+    given = {"image": test_image.tag, "image_id": test_image.id, "command": ["echo", "x"]}
+    body = {"capability": "container", "input": given, "timeout_seconds": 60, "gpus": [LEASED[0]]}
+    with WorkerProcess(worker_env(socket_dir / "w.sock"), tmp_path / "w.log") as worker:
+        answer = worker.client.run({**body, "work_id": work_id()})
+        assert answer["error"]["code"] == GPUS_ON_CPU_NODE  # the cpu worker saw the UUID
+        for bad in ("GPU-1", ["GPU-1", "GPU-1"], ["GPU-1,GPU-2"], [7], ["x" * 200]):
+            status, refused = worker.client._request("POST", "/v1/run", {**body, "gpus": bad}, 30)
+            assert (status, refused["error"]["code"]) == (400, WORK_INPUT_INVALID), bad

@@ -77,6 +77,10 @@ def submission_from(fields: dict[str, Any], settings: Settings) -> Submission:
     if capability == "container":
         checked = _check_container_input(checked, settings)
     constraints = normalise_constraints(fields.get("constraints") or {})
+    asked = checked.get("gpus") if capability == "container" else None
+    if isinstance(asked, int) and asked > constraints["gpu_count"]:
+        # A container asking N GPUs is placed where N are free and leased N by UUID.
+        constraints = {**constraints, "gpu_count": asked}
     return Submission(
         capability=capability,
         input=checked,
@@ -200,6 +204,7 @@ def work_view(row: WorkItem) -> dict[str, Any]:
         "completed_by_credential_id": row.completed_by_credential_id,
         "lease_id": row.lease_id if row.state == WORK_LEASED else None,
         "lease_expires_at": isoformat(row.lease_expires_at) if row.state == WORK_LEASED else None,
+        "gpus": _load(row.gpu_uuids) or [],  # the UUIDs its (last) lease held
         # Secret values (env) are never answered after submission, not even this once.
         "input": masked_input(row.capability, _load(row.input)),
         "constraints": _load(row.constraints),

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 from modelforge_contract import (
@@ -39,8 +40,10 @@ from .items import dump
 from .placement import (
     Candidate,
     fits,
+    gpus_in_use_by_work,
     ineligibility,
     node_gpus,
+    pick_gpus,
     reported_by,
     scan_candidates,
     work_slots,
@@ -67,6 +70,7 @@ class Lease:
     capability: str
     input: dict[str, Any]
     timeout_seconds: int
+    gpus: tuple[str, ...] = field(default=())  # the UUIDs this lease holds, picked at claim
 
     def view(self) -> dict[str, Any]:
         return {
@@ -78,6 +82,7 @@ class Lease:
             "capability": self.capability,
             "input": self.input,
             "timeout_seconds": self.timeout_seconds,
+            "gpus": list(self.gpus),
         }
 
 
@@ -88,12 +93,17 @@ def claim_work(
     capabilities: list[str],
     pending: tuple[float, str] | None = None,
     reported_slots: int = 1,
+    held_elsewhere: Callable[[str], Collection[str]] | None = None,
 ) -> Lease | str:
     """Lease the oldest queued item this node fits, or say (as a claim reason) why none.
 
     ``pending`` is the node's newest heartbeat (time, health JSON) not yet in the store.
     ``reported_slots`` is the work slots the agent says it runs (1 when it does not say);
     the node never holds more leases than that or its administrator's maximum.
+    ``held_elsewhere(node_id)`` names GPU UUIDs of the node held by something other than
+    work items (a deployment's servers); it is called inside the claim's connection and
+    again inside its write transaction. An item asking N GPUs is leased exactly N of the
+    node's measured GPUs that neither another leased item nor ``held_elsewhere`` holds.
     """
     now = store.clock.now()
     with store.connection():
@@ -109,17 +119,25 @@ def claim_work(
         return "no_fitting_item"
     gpus = node_gpus(node)
     slots = work_slots(node, reported_slots, settings)
+
+    def held_now() -> set[str]:
+        held = gpus_in_use_by_work(store, node.node_id)
+        if held_elsewhere is not None:
+            held.update(held_elsewhere(node.node_id))
+        return held
+
     # Look before locking: most claims of an idle fleet find nothing, and must not queue
     # behind (or hold up) the writers. What is found is only a hint; the conditional
     # update inside the write transaction decides.
     with store.connection():
         if held_leases(store, node.node_id) >= slots:
             return "slots_full"
+        held = held_now()
         hint = next(
             (
                 c
-                for c in scan_candidates(store, node.node_id, wanted, gpus)
-                if fits(c, node.node_id, gpus)
+                for c in scan_candidates(store, node.node_id, wanted, gpus, held)
+                if fits(c, node.node_id, gpus, held)
             ),
             None,
         )
@@ -133,14 +151,19 @@ def claim_work(
             _execute(store, _LOCK_NODE_SQL_PG, (node.node_id,))
         if held_leases(store, node.node_id) >= slots:
             return "slots_full"
-        lease = _lease(store, settings, caller, hint, now)
-        if lease is not None:
-            return lease
-        for item in scan_candidates(
-            store, node.node_id, wanted, gpus
-        ):  # another node took the hint
-            if fits(item, node.node_id, gpus):
-                lease = _lease(store, settings, caller, item, now)
+        # Read again where it decides: the GPUs are this node's, and its claims (and a
+        # deployment placing servers on it) commit one at a time.
+        held = held_now()
+        uuids = pick_gpus(hint, node.node_id, gpus, held)
+        if uuids is not None:
+            lease = _lease(store, settings, caller, hint, now, uuids)
+            if lease is not None:
+                return lease
+        # Another node took the hint, or its GPUs were taken in between.
+        for item in scan_candidates(store, node.node_id, wanted, gpus, held):
+            uuids = pick_gpus(item, node.node_id, gpus, held)
+            if uuids is not None:
+                lease = _lease(store, settings, caller, item, now, uuids)
                 if lease is not None:
                     return lease
     return "no_fitting_item"
@@ -160,7 +183,7 @@ def held_leases(store: Store, node_id: str) -> int:
 
 _LEASE_SQL = (
     "UPDATE work_item SET state = 'leased', node_id = ?, lease_credential_id = ?, "
-    "lease_id = ?, lease_expires_at = ?, attempts = attempts + 1, "
+    "lease_id = ?, lease_expires_at = ?, gpu_uuids = ?, attempts = attempts + 1, "
     "started_at = COALESCE(started_at, ?) WHERE work_id = ? AND state = 'queued'"
 )
 # PostgreSQL: a claim never waits for a row another transaction holds (it tries the next
@@ -184,14 +207,20 @@ def _execute(store: Store, sql: str, params: tuple) -> Any:
 
 
 def _lease(
-    store: Store, settings: Settings, caller: Caller, item: Candidate, now: float
+    store: Store,
+    settings: Settings,
+    caller: Caller,
+    item: Candidate,
+    now: float,
+    gpus: list[str],
 ) -> Lease | None:
     node_id, credential_id = caller.node_id, caller.credential_id
     lease_id = uuid.uuid4().hex
     expires_at = now + settings.work_lease_seconds
     # The conditional update whose row count picks the one winner.
     sql = _LEASE_SQL if store.is_sqlite else _LEASE_SQL_PG
-    held = (node_id, credential_id, lease_id, expires_at, now, item.work_id)
+    uuids = dump(gpus) if gpus else None
+    held = (node_id, credential_id, lease_id, expires_at, uuids, now, item.work_id)
     if _execute(store, sql, held).rowcount != 1:
         return None
     capability, given, timeout_seconds, attempt = _execute(
@@ -220,6 +249,7 @@ def _lease(
         lease_id=lease_id,
         attempt=attempt,
         expires_at=isoformat(expires_at),
+        gpus=gpus,
     )
     return Lease(
         work_id=item.work_id,
@@ -230,6 +260,7 @@ def _lease(
         capability=capability,
         input=opened,
         timeout_seconds=timeout_seconds,
+        gpus=tuple(gpus),
     )
 
 
@@ -443,7 +474,12 @@ def expire_leases(store: Store) -> list[dict[str, Any]]:
                     "error": dump({"code": LEASE_EXPIRED, "message": message}),
                 }
             else:
-                values = {"state": WORK_QUEUED, "node": None, "lease_credential_id": None}
+                values = {
+                    "state": WORK_QUEUED,
+                    "node": None,
+                    "lease_credential_id": None,
+                    "gpu_uuids": None,
+                }
             changed = (
                 WorkItem.update(lease_expires_at=None, **values)
                 .where(
@@ -500,6 +536,7 @@ def return_node_leases(store: Store, node: Node, actor: str, reason: str) -> lis
                 node=None,
                 lease_credential_id=None,
                 lease_expires_at=None,
+                gpu_uuids=None,
                 attempts=WorkItem.attempts - 1,
             )
             .where(

@@ -5,13 +5,15 @@ a compatible runtime worker and healthy agent, and holds an inventory measured s
 enrollment (never a restored snapshot) within MODELFORGE_INVENTORY_MAX_AGE_SECONDS
 (docs/architecture.md §5; invariant 7 and invariant 8), has no hardware change waiting for an
 administrator, and holds fewer leases than its work slots allow. Items fit its accepted
-accelerators. Reading only: the claim itself is in leases.py.
+accelerators that no other leased item of the node (nor anything the caller names, such as
+a deployment's servers) holds: an item asking N GPUs is given N UUIDs, never "all GPUs".
+Reading only: the claim itself is in leases.py.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,13 +102,9 @@ class Candidate:
     attempts: int
 
 
-def fits(item: Candidate | WorkItem, node_id: str, gpus: list[dict[str, Any]]) -> bool:
-    """Whether the node's measured GPUs meet every constraint of the item."""
-    if item.node_ids and node_id not in json.loads(item.node_ids):
-        return False
-    if item.gpu_count == 0:
-        return True
-    fitting = [
+def fitting_gpus(item: Candidate | WorkItem, gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The node's measured GPUs that meet the item's memory and name constraints."""
+    return [
         gpu
         for gpu in gpus
         if (
@@ -115,7 +113,56 @@ def fits(item: Candidate | WorkItem, node_id: str, gpus: list[dict[str, Any]]) -
         )
         and (item.gpu_name is None or item.gpu_name.lower() in str(gpu.get("name", "")).lower())
     ]
-    return len(fitting) >= item.gpu_count
+
+
+def pick_gpus(
+    item: Candidate | WorkItem,
+    node_id: str,
+    gpus: list[dict[str, Any]],
+    held: Collection[str] = (),
+) -> list[str] | None:
+    """The UUIDs of exactly ``item.gpu_count`` of the node's measured GPUs that meet every
+    constraint of the item and that nothing in ``held`` holds (lowest index first), or None
+    when the item does not fit the node now. An item asking no GPU gets ``[]``."""
+    if item.node_ids and node_id not in json.loads(item.node_ids):
+        return None
+    if item.gpu_count == 0:
+        return []
+    free = [
+        gpu
+        for gpu in fitting_gpus(item, gpus)
+        if isinstance(gpu.get("uuid"), str) and gpu["uuid"] not in held
+    ]
+    if len(free) < item.gpu_count:
+        return None
+    free.sort(key=lambda gpu: (gpu.get("index", 0), gpu["uuid"]))
+    return [gpu["uuid"] for gpu in free[: item.gpu_count]]
+
+
+def fits(
+    item: Candidate | WorkItem,
+    node_id: str,
+    gpus: list[dict[str, Any]],
+    held: Collection[str] = (),
+) -> bool:
+    """Whether the node's measured GPUs, less those in ``held``, meet every constraint."""
+    return pick_gpus(item, node_id, gpus, held) is not None
+
+
+_HELD_BY_WORK_SQL = (
+    "SELECT gpu_uuids FROM work_item WHERE node_id = ? AND state = 'leased' "
+    "AND gpu_uuids IS NOT NULL"
+)
+
+
+def gpus_in_use_by_work(store: Store, node_id: str) -> set[str]:
+    """The UUIDs of the GPUs the node's leased work items hold, inside the caller's
+    connection or transaction (the claim reads it in the write transaction that leases)."""
+    sql = _HELD_BY_WORK_SQL.replace("?", store.db.param)
+    held: set[str] = set()
+    for (uuids,) in store.db.execute_sql(sql, (node_id,)).fetchall():
+        held.update(uuid for uuid in json.loads(uuids) if isinstance(uuid, str))
+    return held
 
 
 _CANDIDATES_SQL = (
@@ -128,10 +175,16 @@ _CANDIDATES_SQL = (
 
 
 def scan_candidates(
-    store: Store, node_id: str, capabilities: list[str], gpus: list[dict[str, Any]]
+    store: Store,
+    node_id: str,
+    capabilities: list[str],
+    gpus: list[dict[str, Any]],
+    held: Collection[str] = (),
 ) -> Iterator[Candidate]:
-    """Queued items the node might fit, oldest first, in growing batches (the first one
-    usually fits, and a long queue is never read whole); ``fits`` makes the exact decision."""
+    """Queued items the node might fit with its GPUs that ``held`` leaves free, oldest
+    first, in growing batches (the first one usually fits, and a long queue is never read
+    whole); ``pick_gpus`` makes the exact decision."""
+    gpus = [gpu for gpu in gpus if gpu.get("uuid") not in held]
     largest = max((gpu.get("memory_total_bytes", 0) for gpu in gpus), default=0)
     quoted = json.dumps(node_id).replace("!", "!!").replace("%", "!%").replace("_", "!_")
     sql = _CANDIDATES_SQL.format(capabilities=", ".join("?" * len(capabilities)))

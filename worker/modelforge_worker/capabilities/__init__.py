@@ -45,6 +45,7 @@ class RunContext:
     work_id: str | None
     timeout_seconds: float
     accelerator_mode: str
+    gpus: tuple[str, ...] = ()  # the UUIDs the item's lease holds (none: it holds no GPU)
     started: float = field(default_factory=time.monotonic)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
     _stoppers: list[Callable[[], None]] = field(default_factory=list, repr=False)

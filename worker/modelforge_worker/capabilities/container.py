@@ -6,8 +6,11 @@ created from that id, so a tag moved in between cannot swap what runs. Fenced by
 item asks for it, a memory limit (swap only as asked), a CPU quota, a pids limit, a read-only
 root with a small tmpfs on /tmp, a capped json-file log, a non-root user, every capability
 dropped but the ones the item names, no-new-privileges. The item's timeout and a cancel are
-enforced by a kill; GPUs are requested on NVIDIA nodes; its output is kept as the log tail,
-and the container is removed afterwards whatever happened.
+enforced by a kill; GPUs by UUID, never "all": the container gets exactly the devices its
+lease names (``DeviceRequest(device_ids=[…])``), an item asking GPUs on a CPU-mode worker
+fails ``GPUS_ON_CPU_NODE``, and a count without UUIDs (an older control plane) fails closed;
+its output is kept as the log tail, and the container is removed afterwards whatever
+happened.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from typing import Any
 
 from modelforge_contract import (
     CONTAINER_FAILED,
+    GPUS_ON_CPU_NODE,
     IMAGE_ID_MISMATCH,
     IMAGE_NOT_FOUND,
     WORK_INPUT_INVALID,
     WORK_TIMED_OUT,
 )
 from modelforge_contract import containers as fence
+from modelforge_contract.deployments import GPUS_UNAVAILABLE
 
 from . import CapabilityFailure, Outcome, RunContext, cancelled_failure, clean_log, succeeded
 
@@ -160,15 +165,49 @@ def _pinned_image(client: Any, tag: str, image_id: str) -> Any:
     return image
 
 
-def _device_requests(context: RunContext, gpus: int | None) -> list[Any]:
-    if context.accelerator_mode != "nvidia" or gpus == 0:
+def gpu_devices(asked: int | None, context: RunContext) -> list[str]:
+    """The GPU UUIDs the container gets: those its lease names (the first ``asked`` of them
+    when the item names a count; none for 0), never "all GPUs"."""
+    leased = list(context.gpus)
+    if context.accelerator_mode != "nvidia":
+        if (asked or 0) > 0 or (asked is None and leased):
+            wanted = asked if asked else len(leased)
+            raise CapabilityFailure(
+                GPUS_ON_CPU_NODE,
+                f"the item asks {wanted} GPU(s) but this runtime worker runs in cpu mode; "
+                "it was not run without them (submit it without gpus, or place it on an "
+                "NVIDIA node with a gpu_count constraint)",
+            )
+        return []
+    if asked == 0:
+        return []
+    if asked is None:
+        return leased
+    if len(leased) < asked:
+        raise CapabilityFailure(
+            GPUS_UNAVAILABLE,
+            f"the item asks {asked} GPU(s) but its lease names {len(leased)} by UUID (a "
+            "control plane from before GPUs by UUID?); refusing rather than requesting every "
+            "GPU: upgrade the control plane",
+        )
+    return leased[:asked]
+
+
+def _device_requests(device_ids: list[str]) -> list[Any]:
+    if not device_ids:
         return []
     from docker.types import DeviceRequest
 
-    return [DeviceRequest(count=-1 if gpus is None else gpus, capabilities=[["gpu"]])]
+    return [DeviceRequest(device_ids=list(device_ids), capabilities=[["gpu"]])]
 
 
-def _host_config(spec: dict[str, Any], context: RunContext, host_cpus: int) -> dict[str, Any]:
+def granted_gpus(attrs: dict[str, Any]) -> list[str]:
+    """The GPU UUIDs dockerd holds for a container, from its inspection."""
+    requests = (attrs.get("HostConfig") or {}).get("DeviceRequests") or []
+    return [uuid for request in requests for uuid in request.get("DeviceIDs") or []]
+
+
+def _host_config(spec: dict[str, Any], host_cpus: int) -> dict[str, Any]:
     """The fence as docker's create arguments (docs/work.md, "Limits")."""
     from docker.types import LogConfig
 
@@ -195,7 +234,7 @@ def _host_config(spec: dict[str, Any], context: RunContext, host_cpus: int) -> d
         "security_opt": ["no-new-privileges:true"],
         "privileged": False,
         "ipc_mode": "private",
-        "device_requests": _device_requests(context, spec.get("gpus")),
+        "device_requests": _device_requests(spec["gpu_devices"]),
     }
 
 
@@ -208,12 +247,13 @@ def _container_name(work_id: str | None) -> str:
 
 def run(given: dict[str, Any], context: RunContext) -> Outcome:
     spec = _checked_input(given)
+    spec["gpu_devices"] = gpu_devices(spec.get("gpus"), context)  # before dockerd is asked
     client = _client()
     try:
         image = _pinned_image(client, spec["image"], spec["image_id"])
         if context.cancelled:
             raise cancelled_failure()
-        host = _host_config(spec, context, int(client.info().get("NCPU") or 1))
+        host = _host_config(spec, int(client.info().get("NCPU") or 1))
         container = client.containers.create(
             image.id,
             command=spec.get("command"),
@@ -224,6 +264,7 @@ def run(given: dict[str, Any], context: RunContext) -> Outcome:
             **host,
         )
         spec["cpus_applied"] = host["nano_cpus"] / 1e9
+        spec["gpus_granted"] = granted_gpus(container.attrs)  # dockerd's record of it
         try:
             return _run_to_end(container, spec, context)
         finally:
@@ -267,13 +308,16 @@ def _run_to_end(container: Any, spec: dict[str, Any], context: RunContext) -> Ou
     context.on_cancel(lambda: _kill(container.id))
     timed_out = False
     exit_code = None
+    refused = None
     if not context.cancelled:
         try:
             container.start()
-        except APIError:
+        except APIError as exc:
             if not context.cancelled:
-                raise
-    if not context.cancelled:
+                # e.g. 'could not select device driver "" with capabilities: [[gpu]]' on a
+                # node without the NVIDIA container runtime.
+                refused = str(exc.explanation or exc)[:500]
+    if not context.cancelled and refused is None:
         try:
             exit_code = container.wait(timeout=max(1.0, context.remaining()))["StatusCode"]
         except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
@@ -297,11 +341,19 @@ def _run_to_end(container: Any, spec: dict[str, Any], context: RunContext) -> Ou
         "log_bytes": spec["log_bytes"],
         "user": "root" if spec["run_as_root"] else fence.NON_ROOT_USER,
         "capabilities": spec["capabilities"],
-        "gpus_requested": bool(_device_requests(context, spec.get("gpus"))),
+        "gpus_requested": bool(spec["gpus_granted"]),
+        "gpus": spec["gpus_granted"],
         "seconds": round(time.monotonic() - began, 3),
     }
     if context.cancelled:
         raise cancelled_failure(result=result, log=log_tail)
+    if refused is not None:
+        raise CapabilityFailure(
+            CONTAINER_FAILED,
+            f"dockerd could not start the container: {refused}",
+            result=result,
+            log=log_tail,
+        )
     if timed_out:
         raise CapabilityFailure(
             WORK_TIMED_OUT,
