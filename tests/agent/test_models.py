@@ -27,6 +27,8 @@ from tests.harness.control_plane import make_settings, serve
 from tests.harness.work_node import fast_agent_settings, short_dir, start_node
 
 MODELS = PATH_ADMIN_MODELS
+# Real agents pulling real files: the heavy part of the suite, once, on its own (scripts/test).
+SLOW = pytest.mark.slow
 
 
 def sha(data: bytes) -> str:
@@ -170,6 +172,7 @@ FILES = {
 }
 
 
+@SLOW
 def test_replicated_to_two_agents_present_identical_hard_linked_then_removed(cp, tmp_path, sockets):
     model = import_model(cp, "tiny", FILES, tmp_path)
     digest_hex = model["digest"].removeprefix("sha256:")
@@ -205,6 +208,7 @@ def test_replicated_to_two_agents_present_identical_hard_linked_then_removed(cp,
         b.close()
 
 
+@SLOW
 def test_a_tampered_cache_blob_fails_digest_mismatch_into_quarantine(cp, tmp_path, sockets):
     model = import_model(cp, "tampered", FILES, tmp_path)
     weights = sha(FILES["weights/model.safetensors"])
@@ -248,6 +252,7 @@ def mount_tmpfs(path, size: str) -> bool:
     return done.returncode == 0
 
 
+@SLOW
 def test_preflight_insufficient_space_on_a_small_artifact_root(cp, tmp_path, sockets):
     mount = tmp_path / "small"
     mount.mkdir()
@@ -362,6 +367,7 @@ def size_of(path) -> int:
         return 0
 
 
+@SLOW
 def test_killed_mid_pull_and_restarted_resumes_fetching_at_most_one_chunk_again(
     cp, tmp_path, sockets
 ):
@@ -401,6 +407,7 @@ def test_killed_mid_pull_and_restarted_resumes_fetching_at_most_one_chunk_again(
         proxy.close()
 
 
+@SLOW
 def test_a_stalled_download_is_detected_and_resumed(cp, tmp_path, sockets):
     import_model(cp, "stall", BIG, tmp_path)
     proxy = HoldingProxy(int(cp.url.rsplit(":", 1)[1]), hold_after=int(1.5 * MIB))
@@ -417,6 +424,7 @@ def test_a_stalled_download_is_detected_and_resumed(cp, tmp_path, sockets):
         proxy.close()
 
 
+@SLOW
 def test_the_control_plane_restarted_mid_pull_and_the_pull_finishes(
     restartable_control_plane, tmp_path, sockets
 ):
@@ -443,6 +451,7 @@ def test_the_control_plane_restarted_mid_pull_and_the_pull_finishes(
         proxy.close()
 
 
+@SLOW
 def test_a_disk_filling_part_way_fails_disk_full_and_keeps_the_partial(cp, tmp_path, sockets):
     import shutil
 
@@ -495,6 +504,7 @@ def test_an_unusable_artifact_root_stops_the_agent_with_exit_2(tmp_path):
     assert "artifact root" in done.stderr and "MODELFORGE_AGENT_ARTIFACT_ROOT" in done.stderr
 
 
+@SLOW
 def test_two_models_sharing_a_blob_fetch_it_once(cp, tmp_path, sockets):
     import_model(cp, "one", BIG, tmp_path)
     import_model(cp, "two", {"weights.bin": BIG["weights.bin"], "other.json": b"[]"}, tmp_path)
