@@ -76,3 +76,19 @@ def chromium_executable() -> str:
     if not os.access(path, os.X_OK):
         unavailable(f"no Chromium at {path}: scripts/test installs Debian's chromium as root")
     return path
+
+
+@pytest.fixture(scope="session")
+def llama_server_binary():
+    """llama.cpp's static llama-server that scripts/test builds (MF_TEST_LLAMA_SERVER)."""
+    from tests.harness.llama import llama_server_path
+
+    return llama_server_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """A 0.5 MB llama GGUF with seeded random weights (tests/harness/tiny_gguf.py)."""
+    from tests.harness.tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
