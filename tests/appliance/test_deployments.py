@@ -18,7 +18,7 @@ from modelforge_contract.deployments import (
 )
 from modelforge_contract.models import PATH_ADMIN_MODELS
 from tests.harness.control_plane import error_code, make_settings, run_cli, serve, store_env
-from tests.harness.scripted_node import WorkNode, gpu, worker_health
+from tests.harness.scripted_node import WorkNode, gpu, submit, worker_health
 
 from .test_models import import_model, make_model_dir
 
@@ -363,3 +363,19 @@ def test_after_a_restore_a_deploy_waits_for_the_node_to_report_the_model_again(t
         assert (refused.status_code, error_code(refused)) == (409, "MODEL_MISSING")
         node.report([model["digest"]])
         assert deploy(cp, "after", [node]).status_code == 201
+
+
+def test_servers_and_work_items_never_share_a_gpu(control_plane, tmp_path):
+    cp = control_plane
+    model = tiny_model(cp, tmp_path)
+    node = ServingNode(cp, "mixed-a", gpus=[gpu(i) for i in range(4)])
+    held(cp, model, node)
+    served = deploy(cp, "mixed", [node], gpu_count=2).json()["servers"][0]["gpus"]
+    submit(cp, "smoke", constraints={"gpu_count": 2})
+    claimed = node.claim(capabilities=("smoke",))
+    assert claimed.status_code == 200, claimed.text
+    leased = claimed.json()["lease"]["gpus"]
+    assert len(leased) == 2 and not set(leased) & set(served)
+    # Every GPU is held now: another deploy asking one is refused, naming the node.
+    full = deploy(cp, "more", [node])
+    assert (full.status_code, error_code(full)) == (409, "GPUS_UNAVAILABLE")

@@ -24,6 +24,7 @@ from ..core.clock import isoformat
 from ..core.errors import TooManyRequests
 from ..core.rates import TokenBuckets
 from ..core.validation import CLAIM_FIELDS, COMPLETE_FIELDS, RENEW_FIELDS
+from ..deployments import placement as serve_placement
 from ..web.auth import AGENT, AgentCall, Body
 from ..web.http import ApiContext, json_response
 from ..work import leases
@@ -66,6 +67,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             fields["capabilities"],
             context.heartbeats.pending(caller.node_id),
             fields.get("work_slots", 1),
+            held_elsewhere=serve_placement.gpus_held,  # a deployment's servers keep theirs
         )
         if isinstance(lease, str):
             metrics.work_claims.labels(lease).inc()

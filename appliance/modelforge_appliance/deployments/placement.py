@@ -28,7 +28,7 @@ from ..fleet.nodes import liveness_of
 from ..models.replicas import shown_state
 from ..store.database import Store
 from ..store.tables import DeploymentServer, Model, ModelReplica, Node
-from ..work.placement import ineligibility, node_gpus, reported_by
+from ..work.placement import gpus_in_use_by_work, ineligibility, node_gpus, reported_by
 
 # What each claim reason (work/placement.py) means for a deployment's member.
 _WHY = {
@@ -150,6 +150,6 @@ def node_is_online(node: Node, now: float, settings: Settings) -> bool:
     return liveness_of(node, now, settings) == ONLINE
 
 
-def gpus_of_work(node_id: str) -> set[str]:
+def gpus_of_work(store: Store, node_id: str) -> set[str]:
     """GPU UUIDs the node's leased work items hold (inside the caller's transaction)."""
-    return set()  # PLACEHOLDER until work items carry their GPUs (helper-gpus)
+    return gpus_in_use_by_work(store, node_id)

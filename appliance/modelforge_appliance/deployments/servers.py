@@ -283,7 +283,7 @@ def deploy(
                 node,
                 fields.get("gpu_count"),
                 bool(fields.get("share_gpus")),
-                placement.gpus_held(node.node_id) | placement.gpus_of_work(node.node_id),
+                placement.gpus_held(node.node_id) | placement.gpus_of_work(store, node.node_id),
             )
             for node in members
         }
