@@ -7,11 +7,13 @@
 FROM scratch
 ADD build/images/layers/python.tar /
 ADD build/images/layers/worker.tar /
+ADD build/images/layers/llama-server.tar /
 ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     LANG=C.UTF-8 \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    MODELFORGE_WORKER_LLAMA_SERVER=/usr/local/bin/llama-server
 LABEL org.opencontainers.image.title="modelforge-runtime-worker-cpu" \
-      org.opencontainers.image.description="ModelForge Runtime Worker for CPU-only nodes" \
+      org.opencontainers.image.description="ModelForge Runtime Worker for CPU-only nodes, with llama-server (llama.cpp)" \
       org.opencontainers.image.version="local" \
       org.opencontainers.image.licenses="Apache-2.0" \
       io.modelforge.agent-protocol="1"

@@ -7,7 +7,7 @@ Layers (shared layers are stored once, in dockerd and in the bundle):
 
     modelforge-control-plane       python, control-plane
     modelforge-node-agent          python, node-agent
-    modelforge-runtime-worker-cpu  python, worker
+    modelforge-runtime-worker-cpu  python, worker, llama-server
     modelforge-runtime-worker      python, worker, cuda
 """
 
@@ -94,9 +94,10 @@ IMAGES = (
     ),
     ImageSpec(
         RUNTIME_WORKER_CPU_IMAGE,
-        "ModelForge Runtime Worker for CPU-only nodes",
-        ("python", "worker"),
+        "ModelForge Runtime Worker for CPU-only nodes, with llama-server (llama.cpp)",
+        ("python", "worker", "llama-server"),
         ("python3", "-m", "modelforge_worker"),
+        env=(("MODELFORGE_WORKER_LLAMA_SERVER", "/usr/local/bin/llama-server"),),
     ),
 )
 SPECS = {spec.name: spec for spec in IMAGES}

@@ -5,6 +5,7 @@ control-plane  modelforge.pyz, unpacked for a read-only start, and env (for its 
 node-agent     modelforge_node_agent with its locked wheels
 worker         modelforge_worker with its locked wheels
 cuda           the CUDA runtime from the nvidia-cuda-runtime-cu12 wheel
+llama-server   llama.cpp's static llama-server (scripts/llama-server-build), for the -cpu worker
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .images import (
     BuildError,
     glibc_version,
 )
+from .llama_server import llama_server_layer
 from .names import AGENT_PYZ, CONTROL_PLANE_PYZ, WORKER_PYZ, control_plane_archive
 from .python_packages import ensure_pip, install_locked
 from .rootfs import Tree
@@ -170,6 +172,7 @@ LAYER_BUILDERS: dict[str, Callable[[BuildContext, Tree], None]] = {
     "node-agent": node_agent_layer,
     "worker": worker_layer,
     "cuda": cuda_layer,
+    "llama-server": llama_server_layer,
 }
 LAYER_DESCRIPTIONS = {
     "python": "Debian bookworm Python 3.11 runtime, chiselled from pinned packages",
@@ -177,6 +180,7 @@ LAYER_DESCRIPTIONS = {
     "node-agent": "modelforge_node_agent with its locked wheels",
     "worker": "modelforge_worker with its locked wheels",
     "cuda": "CUDA runtime from the nvidia-cuda-runtime-cu12 wheel",
+    "llama-server": "llama.cpp's static llama-server, built from the pinned llama-cpp-python sdist",
 }
 
 

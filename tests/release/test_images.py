@@ -52,7 +52,7 @@ def test_images_are_built_with_progress_and_described_as_json(built_images, rele
         assert image["tag"] == f"{name}:{release_version}"
         assert image["image_id"].startswith("sha256:")
     # Progress on the long steps: every layer, the load, each image.
-    assert re.search(r"\[1/5\] layer python: \d+ files", built_images["stderr"])
+    assert re.search(r"\[1/6\] layer python: \d+ files", built_images["stderr"])
     assert "loading 4 images into dockerd" in built_images["stderr"]
 
 
@@ -224,6 +224,56 @@ def test_the_runtime_worker_images_hold_the_worker_and_only_the_gpu_one_the_cuda
     for name in ("modelforge-runtime-worker", "modelforge-runtime-worker-cpu"):
         cmd = docker_client.api.inspect_image(built_images["images"][name]["tag"])["Config"]["Cmd"]
         assert cmd == ["python3", "-m", "modelforge_worker"]
+
+
+# Run inside the -cpu worker image (no shell, no curl): llama-server on the tiny GGUF, bound
+# to the container's loopback, /health, then a greedy completion; prints the text.
+LLAMA_PROBE = """
+import json, os, subprocess, time, urllib.request
+server = subprocess.Popen([os.environ["MODELFORGE_WORKER_LLAMA_SERVER"], "-m", "/model/tiny.gguf",
+    "--host", "127.0.0.1", "--port", "8181", "--alias", "tiny", "-c", "256", "--threads", "2"],
+    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+deadline = time.monotonic() + 60
+while True:
+    try:
+        if urllib.request.urlopen("http://127.0.0.1:8181/health", timeout=2).status == 200:
+            break
+    except OSError:
+        assert server.poll() is None and time.monotonic() < deadline, "llama-server did not start"
+        time.sleep(0.05)
+body = {"prompt": "the model", "max_tokens": 16, "temperature": 0, "top_k": 1, "seed": 42}
+request = urllib.request.Request("http://127.0.0.1:8181/v1/completions",
+    data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+print(json.loads(urllib.request.urlopen(request, timeout=60).read())["choices"][0]["text"])
+server.terminate()
+server.wait()
+"""
+
+
+def test_the_cpu_worker_image_runs_its_static_llama_server_on_the_tiny_gguf(
+    docker_client, built_images, tiny_gguf
+):
+    """llama-server from scripts/llama-server-build, in the image built from an empty root,
+    named by the worker's setting; the same greedy text as on the host."""
+    from tests.worker.test_llama_server_binary import GOLDEN
+
+    tag = built_images["images"]["modelforge-runtime-worker-cpu"]["tag"]
+    env = docker_client.api.inspect_image(tag)["Config"]["Env"]
+    assert "MODELFORGE_WORKER_LLAMA_SERVER=/usr/local/bin/llama-server" in env
+    files = files_of(docker_client, tag)
+    assert files["usr/local/bin/llama-server"].isfile()
+    assert files["usr/local/bin/llama-server"].mode & 0o111
+    assert "usr/local/bin/llama-server" not in files_of(
+        docker_client, built_images["images"]["modelforge-runtime-worker"]["tag"]
+    )
+    output = docker_client.containers.run(
+        tag,
+        ["python3", "-c", LLAMA_PROBE],
+        remove=True,
+        network_mode="none",
+        volumes={str(tiny_gguf): {"bind": "/model/tiny.gguf", "mode": "ro"}},
+    )
+    assert output.decode() == GOLDEN + "\n"
 
 
 def test_the_control_plane_image_starts_read_only_as_unraid_runs_it(
