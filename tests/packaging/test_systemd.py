@@ -97,17 +97,20 @@ def test_node_units_keep_nvidia_devices_and_nvml(unit):
     assert "ProcSubset" not in found
 
 
-def test_worker_unit_has_no_network_and_a_socket_only_the_agents_user_reaches():
+def test_worker_unit_has_loopback_only_and_a_socket_only_the_agents_user_reaches():
     """The worker talks to nothing but the agent, over the socket the agent looks for by
-    default; its runtime directory is the worker's, entered by its group alone."""
+    default, and the runtimes it starts listen on 127.0.0.1 of the namespace it shares with
+    the agent (docs/deployments.md); its runtime directory is the worker's, entered by its
+    group alone."""
     from modelforge_node_agent.settings import DEFAULT_WORKER_SOCKET
     from modelforge_worker.server import SOCKET_MODE
     from modelforge_worker.settings import DEFAULT_SOCKET
 
     found = unit_directives("modelforge-runtime-worker.service")
-    assert found["PrivateNetwork"] == ["yes"]
-    assert found["RestrictAddressFamilies"] == ["AF_UNIX"]
-    assert found["IPAddressDeny"] == ["any"] and "IPAddressAllow" not in found
+    # The agent's namespace (the host's), where it polls a runtime's readiness on loopback.
+    assert "PrivateNetwork" not in found and "JoinsNamespaceOf" not in found
+    assert found["RestrictAddressFamilies"] == ["AF_UNIX AF_INET AF_INET6"]
+    assert found["IPAddressDeny"] == ["any"] and found["IPAddressAllow"] == ["localhost"]
     (runtime,) = found["RuntimeDirectory"]
     socket = next(
         value.partition("=")[2]
