@@ -219,6 +219,7 @@ class WorkerState:
     capabilities: tuple[str, ...] = ()
     accelerator_mode: str | None = None
     problem: str | None = None  # why it is not usable; None when it is
+    runtimes: tuple[str, ...] = ()  # what its serve capability can launch (issue 25)
 
     @property
     def compatibility(self) -> str:
@@ -235,6 +236,7 @@ class WorkerState:
             "protocol": self.protocol,
             "version": self.version,
             "capabilities": list(self.capabilities),
+            "runtimes": list(self.runtimes),
             "accelerator_mode": self.accelerator_mode,
             "message": self.problem,
         }
@@ -248,12 +250,14 @@ def state_from_info(info: dict[str, Any], expected_mode: str) -> WorkerState:
     )[:32]
     version = info.get("worker_version")
     mode = info.get("accelerator_mode")
+    runtimes = tuple(str(r)[:32] for r in (info.get("runtimes") or []) if isinstance(r, str))[:16]
     state = WorkerState(
         True,
         protocol,
         version[:64] if isinstance(version, str) else None,
         capabilities,
         mode[:16] if isinstance(mode, str) else None,
+        runtimes=runtimes,
     )
     answer = state.compatibility
     problem = None

@@ -44,10 +44,17 @@ from modelforge_contract import (
     WORKER_PROTOCOL_VERSION,
     worker_compatibility_of,
 )
+from modelforge_contract.deployments import (
+    CAPABILITY_SERVE,
+    WORKER_PATH_SERVER_STOP,
+    WORKER_PATH_SERVERS,
+)
 from modelforge_contract.logs import configure_logging
 
 from . import __version__
 from .capabilities import CapabilityFailure, RunContext, failed, run_capability
+from .runtimes import LaunchFailed
+from .serving import BadRequest, Servers
 from .settings import TABLE, ConfigError, WorkerSettings, load_settings
 
 log = logging.getLogger("modelforge_worker")
@@ -122,6 +129,7 @@ class WorkerServer(socketserver.ThreadingUnixStreamServer):
         self.docker_cache: dict[str, Any] = {}
         self.running = 0
         self.runs: dict[str, list[RunContext]] = {}  # by work id, while they run
+        self.servers = Servers(settings.accelerator_mode, settings.llama_server)
         self.lock = threading.Lock()
         prepare_socket_path(settings.socket_path)
         # Created 0660 from the start: no moment where others could connect.
@@ -135,10 +143,13 @@ class WorkerServer(socketserver.ThreadingUnixStreamServer):
             os.chown(settings.socket_path, -1, settings.socket_group)
 
     def info(self) -> dict[str, Any]:
+        runtimes = self.servers.runtimes()
+        capabilities = capabilities_offered(self.docker_cache)
         return {
             "worker_version": __version__,
             "protocol": WORKER_PROTOCOL_VERSION,
-            "capabilities": capabilities_offered(self.docker_cache),
+            "capabilities": [*capabilities, CAPABILITY_SERVE] if runtimes else capabilities,
+            "runtimes": runtimes,
             "accelerator_mode": self.settings.accelerator_mode,
             "running": self.running,
         }
@@ -237,6 +248,11 @@ class Handler(BaseHTTPRequestHandler):
         return False
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == WORKER_PATH_SERVERS:
+            if self._compatible():
+                servers = self.server.servers.listing()
+                self._answer(200, {"servers": servers, "compatibility": COMPATIBLE})
+            return
         if self.path != WORKER_PATH_INFO:
             self._error(404, "NOT_FOUND", "no such path", f"Use {WORKER_PATH_INFO}.")
             return
@@ -245,10 +261,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         raw = self._read_body()  # read before any answer, so a refusal never resets the client
-        if self.path not in (WORKER_PATH_RUN, WORKER_PATH_CANCEL):
+        paths = (WORKER_PATH_RUN, WORKER_PATH_CANCEL, WORKER_PATH_SERVERS, WORKER_PATH_SERVER_STOP)
+        if self.path not in paths:
             self._error(404, "NOT_FOUND", "no such path", f"Use {WORKER_PATH_RUN}.")
             return
         if not self._compatible():
+            return
+        if self.path in (WORKER_PATH_SERVERS, WORKER_PATH_SERVER_STOP):
+            self._serve(raw)
             return
         if self.path == WORKER_PATH_CANCEL:
             self._cancel(raw)
@@ -284,6 +304,32 @@ class Handler(BaseHTTPRequestHandler):
             f" ({outcome.error['code']})" if outcome.error else "",
         )
         self._answer(200, {**outcome.view(), "compatibility": COMPATIBLE})
+
+    def _serve(self, raw: bytes | None) -> None:
+        """Launch (``/v1/servers``) or stop (``/v1/servers/stop``) one model server."""
+        try:
+            body = json.loads(raw) if raw is not None else None
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            self._error(
+                400, WORK_INPUT_INVALID, "a JSON object is required", "Send {server_id, …}."
+            )
+            return
+        if self.path == WORKER_PATH_SERVER_STOP:
+            stopped = self.server.servers.stop(str(body.get("server_id")))
+            log.info("POST %s -> 200 (%s)", self.path, "stopped" if stopped else "not running")
+            self._answer(200, {"stopped": stopped, "compatibility": COMPATIBLE})
+            return
+        try:
+            server = self.server.servers.launch(body)
+        except BadRequest as bad:
+            self._error(400, WORK_INPUT_INVALID, str(bad), "Send the server as the agent does.")
+            return
+        except LaunchFailed as failure:
+            self._error(409, failure.code, failure.message, "See docs/deployments.md.")
+            return
+        self._answer(200, {"server": server, "compatibility": COMPATIBLE})
 
     def _cancel(self, raw: bytes | None) -> None:
         try:
@@ -385,6 +431,10 @@ def serve(settings: WorkerSettings, stop: threading.Event) -> None:
         stopped = server.stop_runs(STOP_RUNS_SECONDS)
         if stopped:
             log.info("stopped %d run(s) on the way out", stopped)
+        # No runtime outlives its worker either: nothing would watch it or free its GPUs.
+        stopped = server.servers.stop_all()
+        if stopped:
+            log.info("stopped %d model server(s) on the way out", stopped)
         server.server_close()
         log.info("stopped")
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from modelforge_contract.deployments import RUNTIME_LAUNCH_FAILED, reserved_arg
 
@@ -48,6 +50,43 @@ def unavailable(configured: str | None) -> str | None:
 def _die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class _Spawner:
+    """Starts every runtime from one thread that lives as long as the worker: the kernel's
+    "parent death" is the death of the *thread* that forked, and a request's thread ends
+    as soon as it has answered."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[list[str], dict[str, Any], list[Any], threading.Event]]
+        self._jobs = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _run(self) -> None:
+        while True:
+            argv, options, box, done = self._jobs.get()
+            try:
+                box.append(subprocess.Popen(argv, **options))
+            except OSError as exc:
+                box.append(exc)
+            done.set()
+
+    def popen(self, argv: list[str], **options: Any) -> subprocess.Popen[bytes]:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="spawner", daemon=True)
+                self._thread.start()
+        box: list[Any] = []
+        done = threading.Event()
+        self._jobs.put((argv, options, box, done))
+        done.wait()
+        if isinstance(box[0], OSError):
+            raise box[0]
+        return box[0]
+
+
+_SPAWNER = _Spawner()
 
 
 def command(binary: Path, spec: ServeSpec) -> list[str]:
@@ -135,7 +174,7 @@ def launch(binary: Path, spec: ServeSpec) -> LlamaServer:
     # Exactly the lease's GPUs; none at all for a server without any (never "all").
     env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
     try:
-        process = subprocess.Popen(
+        process = _SPAWNER.popen(
             command(binary, spec),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
