@@ -231,8 +231,9 @@ def test_servers_follow_their_agents_a_failure_shows_as_text_restart_and_stop_co
     expect(row[beta.node_id].get_by_test_id("server-restarts")).to_have_text("0")
     expect(row[beta.node_id].get_by_test_id("server-error")).to_have_count(0)
     assert set(server_states(cp, "tiny-chat").values()) == {"pending"}
+    csrf = page.locator('meta[name="csrf-token"]').get_attribute("content")
     restarts = [r for r in requests_made if r[0] == "POST" and r[1].endswith("/restart")]
-    assert len(restarts) == 1 and restarts[0][2]  # sent with the page's CSRF token
+    assert len(restarts) == 1 and restarts[0][2] == csrf  # the page's CSRF token
     expect(page.get_by_test_id("deployment-list")).to_have_attribute("data-polling", "fast")
     leases = {}
     for node in (alpha, beta):
@@ -252,7 +253,7 @@ def test_servers_follow_their_agents_a_failure_shows_as_text_restart_and_stop_co
     expect(stop).to_be_disabled()
     deletes = [r for r in requests_made if r[0] == "DELETE"]
     assert len(deletes) == 1 and deletes[0][1].endswith(f"{DEPLOYMENTS}/tiny-chat")
-    assert deletes[0][2]
+    assert deletes[0][2] == csrf
     expect(page.get_by_test_id("deployment-list")).to_have_attribute("data-polling", "fast")
     assert alpha.renew_server(leases[alpha.node_id], "stopped")["state"] == "stopped"
     expect(row[alpha.node_id]).to_have_attribute("data-state", "stopped", timeout=MOVED)
