@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from modelforge_contract import EXIT_CHECK_FAILED, EXIT_NOT_FOUND, EXIT_USAGE
+from modelforge_contract import EXIT_CHECK_FAILED, EXIT_USAGE
 from modelforge_contract.deployments import (
     RUNTIMES,
     SERVER_FAILED,
@@ -21,7 +21,7 @@ from ..core.errors import ApiError, NotFound
 from ..deployments import leases, servers
 from ..store import audit
 from .completion import complete_nodes
-from .errors import CliError
+from .errors import CliError, refused
 from .nodes import find_node
 from .support import JSON_OPTION, Context, emit
 
@@ -37,13 +37,6 @@ _NEXT_STEPS = {
     "MODEL_NOT_ON_NODE": "replicate the model to the node again, then restart",
     "GPUS_ON_CPU_NODE": "deploy with --gpus 0 to a CPU node",
 }
-
-
-def _refused(exc: ApiError) -> CliError:
-    if isinstance(exc, NotFound):
-        return CliError(f"{exc.message} ({exc.code})", exc.next_step, EXIT_NOT_FOUND)
-    code = EXIT_CHECK_FAILED if exc.status in (409, 500) else EXIT_USAGE
-    return CliError(f"{exc.message} ({exc.code})", exc.next_step, code)
 
 
 def _server_line(s: dict[str, Any]) -> str:
@@ -133,7 +126,7 @@ def deploy_command(
         }
         view = servers.deploy(store, obj.settings, fields, audit.CLI_ACTOR)
     except ApiError as exc:
-        raise _refused(exc) from None
+        raise refused(exc) from None
     if not wait:
         emit(
             as_json,
@@ -229,7 +222,7 @@ def show_command(obj: Context, name: str, as_json: bool) -> None:
     try:
         view = servers.get_deployment(store, name)
     except ApiError as exc:
-        raise _refused(exc) from None
+        raise refused(exc) from None
     settings = view["settings"]
     extra = [
         f"  digest:   {view['digest']}",
@@ -259,7 +252,7 @@ def restart_command(obj: Context, name: str, wait: bool, timeout: float, as_json
     try:
         view = servers.restart(obj.store(), name, audit.CLI_ACTOR)
     except ApiError as exc:
-        raise _refused(exc) from None
+        raise refused(exc) from None
     if not wait:
         emit(as_json, view, "\n".join(["Restarting:", *_lines(view)]))
         return
@@ -277,7 +270,7 @@ def undeploy_command(obj: Context, name: str, wait: bool, timeout: float, as_jso
     try:
         view = servers.undeploy(obj.store(), name, audit.CLI_ACTOR)
     except ApiError as exc:
-        raise _refused(exc) from None
+        raise refused(exc) from None
     if wait and view["state"] != SERVER_STOPPED:
         left = _follow(obj, name, timeout, as_json, until=(SERVER_STOPPED,))
         if left is not None:

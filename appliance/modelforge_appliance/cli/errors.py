@@ -20,6 +20,7 @@ import click
 import peewee as pw
 
 from modelforge_contract import (
+    EXIT_CHECK_FAILED,
     EXIT_INTERNAL,
     EXIT_NOT_FOUND,
     EXIT_STORE_UNREACHABLE,
@@ -70,6 +71,15 @@ class CliError(Exception):
         self.message = message
         self.next_step = next_step
         self.exit_code = exit_code
+
+
+def refused(exc: ApiError) -> CliError:
+    """A service's refusal as the CLI's one line: exit 7 for something unknown, 1 for a
+    conflict or a check that failed (the answer is no), 2 for anything else."""
+    if isinstance(exc, NotFound):
+        return CliError(f"{exc.message} ({exc.code})", exc.next_step, EXIT_NOT_FOUND)
+    code = EXIT_CHECK_FAILED if exc.status in (409, 500) else EXIT_USAGE
+    return CliError(f"{exc.message} ({exc.code})", exc.next_step, code)
 
 
 def only_match(

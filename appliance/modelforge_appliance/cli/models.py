@@ -9,18 +9,18 @@ from typing import Any
 
 import click
 
-from modelforge_contract import EXIT_CHECK_FAILED, EXIT_NOT_FOUND, EXIT_USAGE
+from modelforge_contract import EXIT_CHECK_FAILED
 from modelforge_contract.models import (
     MODEL_CACHE_INVALID,
     REPLICA_FAILED,
     REPLICA_PRESENT,
 )
 
-from ..core.errors import ApiError, NotFound
+from ..core.errors import ApiError
 from ..models import cache, catalog, replicas
 from ..store import audit
 from .completion import complete_nodes
-from .errors import CliError
+from .errors import CliError, refused
 from .nodes import find_node
 from .support import JSON_OPTION, Context, emit
 
@@ -45,13 +45,6 @@ def _size(count: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{count} B"
-
-
-def _refused(exc: ApiError) -> CliError:
-    if isinstance(exc, NotFound):
-        return CliError(f"{exc.message} ({exc.code})", exc.next_step, EXIT_NOT_FOUND)
-    code = EXIT_CHECK_FAILED if exc.status in (409, 500) else EXIT_USAGE
-    return CliError(f"{exc.message} ({exc.code})", exc.next_step, code)
 
 
 @click.group("models")
@@ -84,7 +77,7 @@ def import_command(obj: Context, name: str, path: str, revision: str | None, as_
                 store, obj.settings.state_dir, name, path, audit.CLI_ACTOR, revision
             )
     except ApiError as exc:
-        raise _refused(exc) from None
+        raise refused(exc) from None
     view = catalog.model_view(imported.model)
     note = "Imported" if imported.created else "Already imported as"
     emit(
@@ -137,7 +130,7 @@ def show_command(obj: Context, name: str, revision: str | None, as_json: bool) -
         model = catalog.get_revision(store, name, revision)
         revisions = catalog.revisions_of(store, name)
     except ApiError as exc:
-        raise _refused(exc) from None
+        raise refused(exc) from None
     view = catalog.model_view(model)
     view["revisions"] = [catalog.revision_summary(m) for m in revisions]
     view["replicas"] = replicas.list_replicas(store, [model])
@@ -178,7 +171,7 @@ def replicate_command(
         node_ids = [find_node(obj, node).node_id for node in nodes]
         made = replicas.replicate(store, obj.settings, name, node_ids, audit.CLI_ACTOR, revision)
     except ApiError as exc:
-        raise _refused(exc) from None
+        raise refused(exc) from None
     if not wait:
         emit(
             as_json,
@@ -263,7 +256,7 @@ def replicas_command(obj: Context, name: str, revision: str | None, as_json: boo
             else catalog.revisions_of(store, name)
         )
     except ApiError as exc:
-        raise _refused(exc) from None
+        raise refused(exc) from None
     rows = replicas.list_replicas(store, models)
     emit(as_json, {"replicas": rows}, "\n".join(_replica_lines(rows)) or f"{name}: no replicas")
 
@@ -293,7 +286,7 @@ def remove_command(
             store, obj.settings.state_dir, name, audit.CLI_ACTOR, revision
         )
     except ApiError as exc:
-        raise _refused(exc) from None
+        raise refused(exc) from None
     emit(
         as_json,
         {"name": name, "deleted": deleted},
@@ -312,7 +305,7 @@ def verify_command(obj: Context, name: str, revision: str | None, as_json: bool)
     try:
         problems = catalog.verify_model(store, obj.settings.state_dir, name, revision)
     except ApiError as exc:
-        raise _refused(exc) from None
+        raise refused(exc) from None
     if problems:
         for problem in problems:
             click.echo(f"modelforge: {MODEL_CACHE_INVALID}: {problem}", err=True)

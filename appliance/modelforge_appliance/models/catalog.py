@@ -240,7 +240,7 @@ def revision_summary(model: Model) -> dict[str, Any]:
     }
 
 
-def _refuse_in_use(name: str, deployments: Any) -> None:
+def refuse_in_use(name: str, deployments: Any) -> None:
     """409 MODEL_IN_USE while a deployment (even one still stopping) runs the model."""
     using = sorted(d.name for d in deployments)
     if using:
@@ -260,7 +260,7 @@ def delete_model(
     targets = [get_revision(store, name, revision)] if revision else revisions_of(store, name)
     ids = [m.model_id for m in targets]
     with store.write():
-        _refuse_in_use(name, Deployment.select().where(Deployment.model.in_(ids)))
+        refuse_in_use(name, Deployment.select().where(Deployment.model.in_(ids)))
         replicated = list(
             ModelReplica.select(ModelReplica, Node)
             .join(Node)

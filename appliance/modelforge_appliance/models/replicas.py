@@ -14,7 +14,6 @@ from typing import Any
 
 from modelforge_contract import ONLINE
 from modelforge_contract.models import (
-    MODEL_IN_USE,
     NODE_NOT_ELIGIBLE,
     REPLICA_DOWNLOADING,
     REPLICA_FAILED,
@@ -170,24 +169,16 @@ def remove_replica(
                 code=REPLICA_NOT_FOUND,
                 next_step=f"See its replicas with `modelforge models replicas {name}`.",
             )
-        in_use = sorted(
-            {
-                d.name
-                for d in Deployment.select(Deployment.name)
-                .join(DeploymentServer)
-                .where(
-                    Deployment.model.in_([r.model.model_id for r in rows])
-                    & (DeploymentServer.node == node_id)
-                )
-            }
-        )
-        if in_use:
-            raise Conflict(
-                f"model {name} on node {node_id} is used by deployment(s) {', '.join(in_use)}",
-                code=MODEL_IN_USE,
-                next_step=f"Undeploy them first: modelforge undeploy {in_use[0]} --wait.",
-                extra={"deployments": in_use},
+        in_use = list(
+            Deployment.select(Deployment.name)
+            .join(DeploymentServer)
+            .where(
+                Deployment.model.in_([r.model.model_id for r in rows])
+                & (DeploymentServer.node == node_id)
             )
+            .distinct()
+        )
+        catalog.refuse_in_use(f"{name} on node {node_id}", in_use)
         ids = [r.id for r in rows]
         ModelReplica.update(state=REPLICA_REMOVING, updated_at=now).where(
             ModelReplica.id.in_(ids)
