@@ -83,6 +83,7 @@ LEASE_END_EXPIRED = "expired"
 
 DEPLOYMENT_NOT_FOUND = "DEPLOYMENT_NOT_FOUND"
 DEPLOYMENT_EXISTS = "DEPLOYMENT_EXISTS"
+DEPLOYMENT_STOPPING = "DEPLOYMENT_STOPPING"  # 409: restart refused while it is undeployed
 MODEL_MISSING = "MODEL_MISSING"  # a member has not reported the model present
 RUNTIME_UNSUPPORTED = "RUNTIME_UNSUPPORTED"  # a member's worker does not offer the runtime
 MODEL_FORMAT_UNSUPPORTED = "MODEL_FORMAT_UNSUPPORTED"  # e.g. llama.cpp and no .gguf file

@@ -379,3 +379,33 @@ def test_servers_and_work_items_never_share_a_gpu(control_plane, tmp_path):
     # Every GPU is held now: another deploy asking one is refused, naming the node.
     full = deploy(cp, "more", [node])
     assert (full.status_code, error_code(full)) == (409, "GPUS_UNAVAILABLE")
+
+
+def test_a_restart_picks_gpus_again_and_never_shares_one_taken_meanwhile(control_plane, tmp_path):
+    cp = control_plane
+    model = tiny_model(cp, tmp_path)
+    node = ServingNode(cp, "restart-g", gpus=[gpu(0)])
+    held(cp, model, node)
+    assert deploy(cp, "first", [node]).json()["servers"][0]["gpus"] == [gpu(0)["uuid"]]
+    [entry] = node.servers()
+    lease = node.claim_server(entry["server_id"]).json()["lease"]
+    crash = {"code": "RUNTIME_EXITED", "message": "the runtime exited with status 1"}
+    node.renew_server(entry["server_id"], lease["lease_id"], "failed", error=crash)
+    # Failed, it holds no GPU: another deployment may take it.
+    assert deploy(cp, "second", [node]).json()["servers"][0]["gpus"] == [gpu(0)["uuid"]]
+    refused = cp.admin("POST", f"{DEPLOYMENTS}/first/restart")
+    assert (refused.status_code, error_code(refused)) == (409, "GPUS_UNAVAILABLE")
+    assert cp.admin("GET", f"{DEPLOYMENTS}/first").json()["servers"][0]["state"] == "failed"
+    assert cp.admin("DELETE", f"{DEPLOYMENTS}/second").json()["state"] == "stopped"
+    again = cp.admin("POST", f"{DEPLOYMENTS}/first/restart")
+    assert again.status_code == 200, again.text
+    assert again.json()["servers"][0]["gpus"] == [gpu(0)["uuid"]]
+    # A deployment being stopped cannot be restarted.
+    [entry] = node.servers()
+    lease = node.claim_server(entry["server_id"]).json()["lease"]
+    node.renew_server(entry["server_id"], lease["lease_id"], "running")
+    assert cp.admin("DELETE", f"{DEPLOYMENTS}/first").json()["state"] == "stopping"
+    late = cp.admin("POST", f"{DEPLOYMENTS}/first/restart")
+    assert (late.status_code, error_code(late)) == (409, "DEPLOYMENT_STOPPING")
+    listed = cp.admin("GET", DEPLOYMENTS).json()
+    assert listed["server_time"].endswith("Z")

@@ -10,6 +10,7 @@ from modelforge_contract.deployments import (
     PATH_ADMIN_DEPLOYMENTS,
 )
 
+from ..core.clock import isoformat
 from ..core.validation import DEPLOY_FIELDS
 from ..deployments import leases, servers
 from ..web.auth import ADMIN
@@ -32,7 +33,9 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     @app.get(PATH_ADMIN_DEPLOYMENTS, auth=ADMIN)
     def list_deployments():
         settle()
-        return json_response({"deployments": servers.list_deployments(store)})
+        listed = servers.list_deployments(store)
+        # The control plane's time, so a page can age "since" stamps without the browser's.
+        return json_response({"deployments": listed, "server_time": isoformat(store.clock.now())})
 
     @app.get(PATH_ADMIN_DEPLOYMENT, auth=ADMIN)
     def show(name: str):

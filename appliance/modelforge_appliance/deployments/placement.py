@@ -105,8 +105,8 @@ def refuse_missing(model: Model, missing: list[Node]) -> None:
         f"model {model.name} revision {model.revision} is not present on {shown}; nothing "
         "was started",
         code=MODEL_MISSING,
-        next_step=f"Replicate it first (modelforge models replicate {model.name} --nodes …), "
-        "or deploy with --replicate to replicate and then start.",
+        next_step=f"Replicate it first (modelforge models replicate {model.name} NODE…), or "
+        "deploy with --replicate to replicate and then start.",
         extra={"node_ids": [n.node_id for n in missing]},
     )
 

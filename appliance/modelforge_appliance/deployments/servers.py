@@ -21,11 +21,13 @@ from modelforge_contract.deployments import (
     DEPLOYMENT_EXISTS,
     DEPLOYMENT_NAME_RE,
     DEPLOYMENT_NOT_FOUND,
+    DEPLOYMENT_STOPPING,
     LEASE_END_RESTARTED,
     LEASE_END_STOPPED,
     MODEL_FORMAT_UNSUPPORTED,
     RUNTIME_LLAMA_CPP,
     RUNTIME_VLLM,
+    SERVER_ACTIVE_STATES,
     SERVER_FAILED,
     SERVER_PENDING,
     SERVER_RUNNING,
@@ -261,6 +263,14 @@ def deploy(
         if Deployment.select().where(Deployment.name == name).exists():
             raise _exists(name)
         missing = placement.missing_on(store, model, members)
+        # Checked before anything is replicated (and again where it decides, below).
+        for node in members:
+            placement.pick_gpus(
+                node,
+                fields.get("gpu_count"),
+                bool(fields.get("share_gpus")),
+                placement.gpus_held(node.node_id) | placement.gpus_of_work(store, node.node_id),
+            )
     if missing and not fields.get("replicate"):
         placement.refuse_missing(model, missing)
     if missing:  # replicate first; each server starts once its node reports the model
@@ -425,25 +435,36 @@ def _end_lease(server: DeploymentServer, how: str) -> dict[str, Any]:
 
 def restart(store: Store, name: str, actor: str) -> dict[str, Any]:
     """Every server back to ``pending`` (a running one's agent stops it at its next renewal
-    and claims it again); a failed one gets its restarts back."""
+    and claims it again); a failed one gets its restarts back, and GPUs picked again (its
+    old ones may have gone to another server meanwhile): 409 GPUS_UNAVAILABLE, with nothing
+    restarted, when too few are free."""
     now = store.clock.now()
     with store.write():
         deployment = _get(name)
         if deployment.stopping:
             raise Conflict(
                 f"deployment {name} is being stopped",
-                code=DEPLOYMENT_NOT_FOUND,
+                code=DEPLOYMENT_STOPPING,
                 next_step=f"Wait for it to go (modelforge undeploy {name} --wait), then deploy "
                 "it again.",
             )
         servers = _servers_of([deployment.deployment_id])[deployment.deployment_id]
-        for server, _node in servers:
+        for server, node in servers:
+            changes: dict[str, Any] = {}
+            if server.state not in SERVER_ACTIVE_STATES:  # it holds no GPU now
+                wanted = len(_load(server.gpus) or [])
+                held = placement.gpus_held(node.node_id) | placement.gpus_of_work(
+                    store, node.node_id
+                )
+                gpus = placement.pick_gpus(node, wanted, deployment.share_gpus, held)
+                changes["gpus"] = _dump(gpus)
             DeploymentServer.update(
                 state=SERVER_PENDING,
                 state_since=now,
                 error=None,
                 restarts=0,
                 started_at=None,
+                **changes,
                 **_end_lease(server, LEASE_END_RESTARTED),
             ).where(DeploymentServer.server_id == server.server_id).execute()
         _bump([n.node_id for _, n in servers])
