@@ -212,3 +212,55 @@ def test_a_missing_image_a_reserved_argument_and_gpus_on_cpu_are_refused(
         assert failed.value.code == code and says in failed.value.message, failed.value.message
     assert containers_of(docker_client, server_id) == []
     assert docker_client.images.list(name="vllm/vllm-openai") == []
+
+
+def test_through_the_worker_a_killed_worker_s_successor_adopts_the_container(
+    docker_client, stand_in, model_dir, server_id, socket_dir, tmp_path
+):
+    """A container outlives a worker that dies without stopping it (SIGKILL): the next
+    worker lists it again and answers a launch of the same server with it, never a second
+    container; its stop removes it."""
+    from modelforge_contract.deployments import WORKER_PATH_SERVER_STOP, WORKER_PATH_SERVERS
+    from tests.harness.worker_process import WorkerProcess, worker_env
+
+    body = {
+        "server_id": server_id,
+        "runtime": RUNTIME_VLLM,
+        "served_name": "tiny-chat",
+        "model_dir": str(model_dir),
+        "model_file": None,
+        "gpus": [],
+        "context_length": None,
+        "args": [],
+        "image_id": stand_in.id,
+    }
+    env = worker_env(socket_dir / "w.sock")
+    first = WorkerProcess(env, tmp_path / "w1.log")
+    try:
+        assert "vllm" in first.client.info()["runtimes"]
+        status, answer = first.client._request("POST", WORKER_PATH_SERVERS, body, 60)
+        assert status == 200, answer
+        launched = answer["server"]
+        listed = wait_until(lambda: models_listed(launched["port"]), timeout=60, what="models")
+        assert [m["id"] for m in listed["data"]] == ["tiny-chat"]
+        first.process.kill()
+        first.process.wait(10)
+    finally:
+        first.close()
+    second = WorkerProcess(env, tmp_path / "w2.log")
+    try:
+        status, answer = second.client._request("GET", WORKER_PATH_SERVERS, None, 60)
+        assert status == 200, answer
+        [adopted] = [s for s in answer["servers"] if s["server_id"] == server_id]
+        assert adopted["ident"] == launched["ident"] and adopted["port"] == launched["port"]
+        assert adopted["exit"] is None
+        status, again = second.client._request("POST", WORKER_PATH_SERVERS, body, 60)
+        assert status == 200 and again["server"]["ident"] == launched["ident"], again
+        assert len(containers_of(docker_client, server_id)) == 1
+        status, stopped = second.client._request(
+            "POST", WORKER_PATH_SERVER_STOP, {"server_id": server_id}, 60
+        )
+        assert (status, stopped["stopped"]) == (200, True), stopped
+    finally:
+        second.close()
+    assert containers_of(docker_client, server_id) == []
