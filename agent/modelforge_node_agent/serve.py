@@ -140,6 +140,7 @@ class Held:
     error: dict[str, str] | None = None
     renewed_at: float = field(default_factory=time.monotonic)
     dirty: bool = True  # a state change to report at once
+    stopped: threading.Event | None = None  # set once the worker stopped it (asked to stop)
 
 
 class ServeLoop:
@@ -165,6 +166,7 @@ class ServeLoop:
         self._fetch = threading.Event()
         self._seen_generation: object = None
         self._fetched_generation: object = None
+        self._stops: dict[str, threading.Event] = {}  # stops in flight, by server
 
     def generation_seen(self, value: object) -> None:
         """A heartbeat answer's ``servers_generation``: fetch again when it moved."""
@@ -206,6 +208,26 @@ class ServeLoop:
             busy = any(h.state == SERVER_STARTING for h in self.held.values())
             self._fetch.wait(TICK_SECONDS if busy else IDLE_TICK_SECONDS)
 
+    def stop_runtime(self, server_id: str) -> threading.Event:
+        """Have the worker stop the server's runtime in the background: a runtime slow to
+        stop (SIGTERM, up to 20 s, then SIGKILL) must not hold up the other servers'
+        renewals. The event is set once it has stopped (or the worker could not say)."""
+        done = threading.Event()
+        self._stops[server_id] = done
+
+        def stop() -> None:
+            try:
+                self.worker.stop_server(server_id)
+            except WorkerUnavailable as unavailable:
+                log.warning("server %s: the runtime worker could not stop it (%s)", server_id,
+                            unavailable)  # fmt: skip
+            finally:
+                done.set()
+                self._fetch.set()  # wakes the loop to report it
+
+        threading.Thread(target=stop, name=f"stop-{server_id}", daemon=True).start()
+        return done
+
     # -- control-plane calls -----------------------------------------------------------
 
     def _call(self, method: str, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
@@ -245,7 +267,7 @@ class ServeLoop:
         # Not listed and not held: left from before (stopped, failed or removed meanwhile).
         for server_id in sorted(set(running) - set(wanted) - set(self.held)):
             log.info("server %s is not asked of this node any more; stopping it", server_id)
-            self.worker.stop_server(server_id)
+            self.stop_runtime(server_id)
         # Held but no longer listed: the next renewal says how it ended.
         for held in self.held.values():
             if held.server_id not in wanted:
@@ -256,6 +278,12 @@ class ServeLoop:
 
     def take(self, server_id: str, entry: dict[str, Any], running: dict | None) -> None:
         """Claim the server; adopt the runtime the worker still runs, or launch it."""
+        stopping = self._stops.pop(server_id, None)
+        if stopping is not None and not stopping.wait(120):  # a stop of it still in flight
+            self._fetch.set()
+            return
+        if stopping is not None:
+            running = self.worker.servers().get(server_id)
         if entry.get("state") == SERVER_PENDING and running is not None:
             # Restarted by an administrator (or placed here again): a fresh start.
             self.worker.stop_server(server_id)
@@ -266,7 +294,7 @@ class ServeLoop:
         except Refused as refusal:
             log.warning("%s: server %s not claimed", refusal.describe(), server_id)
             if running is not None:
-                self.worker.stop_server(server_id)
+                self.stop_runtime(server_id)
             return
         lease = (answer or {}).get("lease")
         if not isinstance(lease, dict) or checked_node_id(lease.get("lease_id")) is None:
@@ -334,6 +362,14 @@ class ServeLoop:
             problem = f"the runtime worker does not answer ({unavailable})"
         now = time.monotonic()
         for held in list(self.held.values()):
+            if held.stopped is not None:
+                if held.stopped.is_set():  # the worker stopped it: say so, and let it go
+                    held.state = SERVER_STOPPED
+                    self.renew(held)
+                    self.held.pop(held.server_id, None)
+                else:
+                    self.renew_if_due(held, now)  # the lease stays held while it stops
+                continue
             if held.relaunch_at is not None:
                 if now >= held.relaunch_at and running is not None:
                     self.launch(held)
@@ -360,7 +396,7 @@ class ServeLoop:
             return
         assert held.launched_at is not None
         if now - held.launched_at > self.settings.serve_ready_seconds:
-            self.worker.stop_server(held.server_id)
+            self.stop_runtime(held.server_id)
             self.fail(
                 held,
                 RUNTIME_NOT_READY,
@@ -425,13 +461,9 @@ class ServeLoop:
         held.dirty = False
         if held.state in (SERVER_FAILED, SERVER_STOPPED):
             return
-        if answer.get("desired") == "stop":
+        if answer.get("desired") == "stop" and held.stopped is None:
             log.info("server %s: the control plane asks it stopped", held.server_id)
-            self.worker.stop_server(held.server_id)
-            held.state = SERVER_STOPPED
-            held.dirty = True
-            self.renew(held)
-            self.held.pop(held.server_id, None)
+            held.stopped = self.stop_runtime(held.server_id)
 
     def lost(self, held: Held, refusal: Refused) -> None:
         """The lease is not ours any more: stop the runtime, and fetch again."""
@@ -440,7 +472,7 @@ class ServeLoop:
         if refusal.code != LEASE_LOST or held.state in (SERVER_FAILED, SERVER_STOPPED):
             if held.state not in (SERVER_FAILED, SERVER_STOPPED):
                 log.warning("%s: server %s dropped", refusal.describe(), held.server_id)
-                self.worker.stop_server(held.server_id)
+                self.stop_runtime(held.server_id)
             return
         ended = refusal.details.get("lease_end")
         if ended is None:
@@ -451,7 +483,7 @@ class ServeLoop:
             return
         how = "restarted" if ended == LEASE_END_RESTARTED else printable(ended)
         log.info("server %s: its lease ended (%s); stopping its runtime", held.server_id, how)
-        self.worker.stop_server(held.server_id)
+        self.stop_runtime(held.server_id)
 
 
 class _Terminal(Exception):
