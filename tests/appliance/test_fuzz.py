@@ -57,6 +57,12 @@ ROUTES = [
     "/api/v1/admin/models/{name}/replicas/{node}",
     "/api/v1/agent/models",
     "/api/v1/agent/blobs/{digest}",
+    "/api/v1/admin/deployments",
+    "/api/v1/admin/deployments/{name}",
+    "/api/v1/admin/deployments/{name}/restart",
+    "/api/v1/agent/servers",
+    "/api/v1/agent/servers/{server}/claim",
+    "/api/v1/agent/servers/{server}/renew",
 ]
 HEADER_TEXT = st.text(alphabet=string.printable.strip() + " ", max_size=120)
 JSON_LEAVES = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
@@ -101,6 +107,8 @@ def bodies(node: dict, minted: dict):
         {"node_id": node["node_id"], "lease_id": "0" * 32, "outcome": "failed", "log_tail": "x"},
         {"work_slots_max": 4},
         {"digest": "0123456789abcdef"},
+        {"name": "d", "model": "m", "runtime": "llama.cpp", "node_ids": [node["node_id"]]},
+        {"node_id": node["node_id"], "lease_id": "0" * 32, "state": "running", "restarts": 1},
     ]
     mutated = st.tuples(st.sampled_from(shaped), st.text(max_size=20), JSON_VALUES).map(
         lambda t: json.dumps({**t[0], t[1]: t[2]}).encode()
@@ -127,6 +135,7 @@ def requests_(draw, node: dict, minted: dict):
         work=draw(filler),
         name=draw(filler),
         digest=draw(digests),
+        server=draw(filler),
     )
     if draw(st.booleans()):
         path += "?" + draw(st.text(alphabet=string.ascii_letters + "=&%0123456789-", max_size=40))
@@ -208,6 +217,7 @@ def raw_requests(draw, node: dict, minted: dict, cp) -> bytes:
         work="no-such-work",
         name="no-such-model",
         digest="sha256:" + "0" * 64,
+        server="no-such-server",
     ).encode()
     method = draw(st.sampled_from([b"GET", b"POST", b"PUT", b"DELETE"]))
     swap = {b"ADMIN": cp.admin_token.encode(), b"CRED": node["credential"].encode()}
@@ -272,6 +282,7 @@ def test_every_api_route_is_fuzzed(tmp_path):
         "work_id": "work",
         "name": "name",
         "digest": "digest",
+        "server_id": "server",
     }
     served = {
         re.sub(r"<(\w+)(?::[^>]*)?>", lambda m: "{" + names[m.group(1)] + "}", route.rule)
