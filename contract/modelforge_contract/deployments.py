@@ -112,7 +112,8 @@ RESERVED_ARGS = frozenset(
     {
         "--host", "--port", "--alias", "-a", "-m", "--model", "-mu", "--model-url", "-hf",
         "--hf-repo", "-hfr", "--hf-file", "-hff", "--path", "--api-key", "--api-key-file",
-        "--ssl-key-file", "--ssl-cert-file", "--served-model-name", "--download-dir",
+        "--ssl-key-file", "--ssl-cert-file", "--served-model-name", "--download-dir", "--uds",
+        "--ssl-keyfile", "--ssl-certfile",
     }
 )  # fmt: skip
 
