@@ -7,8 +7,12 @@ Layout under the artifact root::
     models/<digest hex>/    the model directory a runtime opens: hard links into blobs/
     manifests/<digest hex>.json   the manifest of each laid-out model (written atomically)
 
-A blob that does not hash goes to ``<quarantine root>/<hex>.<timestamp>``. Nothing here
-reads a whole blob into memory: hashing and copying go in CHUNK-sized pieces.
+The runtime worker opens a model directory at the same path, possibly as another user in the
+agent's group (systemd nodes, docs/install-systemd.md): the root, blobs/, models/ (and every
+directory in a model) and manifests/ are 0750 (SHARED_DIR_MODE), chmod-ed explicitly so the
+umask (0077 under the unit) does not decide; partial/ and the quarantine root stay 0700
+(PRIVATE_DIR_MODE). A blob that does not hash goes to ``<quarantine root>/<hex>.<timestamp>``.
+Nothing here reads a whole blob into memory: hashing and copying go in CHUNK-sized pieces.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from modelforge_contract.files import fsync_directory, write_atomically
 from modelforge_contract.models import HEX_RE, check_relative_path
 
 CHUNK = 1024 * 1024  # the largest piece read, hashed or written at once
+SHARED_DIR_MODE = 0o750  # what the runtime worker reads: the agent's group may enter and list
+PRIVATE_DIR_MODE = 0o700  # downloads in progress and quarantined bytes: the agent alone
 
 
 class DigestMismatch(Exception):
@@ -37,12 +43,33 @@ class DigestMismatch(Exception):
         self.quarantined = quarantined
 
 
-def prepare_root(path: Path) -> None:
-    """Create ``path`` 0700 when missing; OSError when it cannot be used (not a directory,
-    not writable)."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+def prepare_root(path: Path, mode: int = PRIVATE_DIR_MODE) -> None:
+    """Create ``path`` when missing and give it ``mode`` when this process owns it (a root
+    someone else owns keeps the mode they gave it); OSError when it cannot be used (not a
+    directory, not writable)."""
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
     if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
         raise PermissionError(f"{path} is not a writable directory")
+    _set_mode(path, mode)
+
+
+def _set_mode(path: Path, mode: int) -> None:
+    """chmod ``path`` to ``mode`` if it differs and this process owns it."""
+    info = path.stat()
+    if info.st_uid == os.geteuid() and info.st_mode & 0o7777 != mode:
+        os.chmod(path, mode)
+
+
+def _make_dir(path: Path, mode: int) -> None:
+    """mkdir -p ``path``, every directory it creates given ``mode`` whatever the umask."""
+    missing = []
+    current = path
+    while not current.exists():
+        missing.append(current)
+        current = current.parent
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    for created in missing:
+        os.chmod(created, mode)
 
 
 def _check_hex(hex_digest: str) -> str:
@@ -62,10 +89,17 @@ class BlobStore:
         self.manifests = self.root / "manifests"
 
     def prepare(self) -> None:
-        prepare_root(self.root)
-        prepare_root(self.quarantine_root)
-        for path in (self.blobs, self.partial, self.models, self.manifests):
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        prepare_root(self.root, SHARED_DIR_MODE)
+        prepare_root(self.quarantine_root, PRIVATE_DIR_MODE)
+        for path, mode in (
+            (self.blobs.parent, SHARED_DIR_MODE),
+            (self.blobs, SHARED_DIR_MODE),
+            (self.models, SHARED_DIR_MODE),
+            (self.manifests, SHARED_DIR_MODE),
+            (self.partial, PRIVATE_DIR_MODE),
+        ):
+            path.mkdir(mode=mode, exist_ok=True)
+            _set_mode(path, mode)
 
     # -- blobs ------------------------------------------------------------------------
 
@@ -167,11 +201,12 @@ class BlobStore:
         target = self.model_dir(digest_hex)
         temp = self.models / f".{digest_hex}.{os.getpid()}.tmp"
         shutil.rmtree(temp, ignore_errors=True)
-        temp.mkdir(mode=0o755)
+        temp.mkdir(mode=SHARED_DIR_MODE)
+        os.chmod(temp, SHARED_DIR_MODE)
         for entry in manifest["files"]:
             relative = check_relative_path(entry["path"])
             link = temp.joinpath(*relative.split("/"))
-            link.parent.mkdir(parents=True, exist_ok=True)
+            _make_dir(link.parent, SHARED_DIR_MODE)
             os.link(self.blob_path(entry["sha256"]), link)
         if target.exists():
             shutil.rmtree(target)
@@ -224,4 +259,11 @@ class BlobStore:
         return removed
 
 
-__all__ = ["CHUNK", "BlobStore", "DigestMismatch", "prepare_root"]
+__all__ = [
+    "CHUNK",
+    "PRIVATE_DIR_MODE",
+    "SHARED_DIR_MODE",
+    "BlobStore",
+    "DigestMismatch",
+    "prepare_root",
+]

@@ -56,8 +56,9 @@ _NETWORK_ERRORS = (
 
 
 def prepare_model_roots(settings: AgentSettings) -> None:
-    """Create the artifact and quarantine roots (0700) when missing; ConfigError (exit 2)
-    when either cannot be used, as for the state volume."""
+    """Create the artifact root (0750: the runtime worker reads it) and the quarantine root
+    (0700) when missing; ConfigError (exit 2) when either cannot be used, as for the state
+    volume."""
     store = BlobStore(settings.artifacts_dir, settings.quarantine_dir)
     try:
         store.prepare()

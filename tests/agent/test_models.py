@@ -97,6 +97,44 @@ def test_models_are_hard_links_and_removal_keeps_shared_blobs(tmp_path):
     assert list(store.blobs.iterdir()) == []
 
 
+def mode(path) -> int:
+    return path.stat().st_mode & 0o7777
+
+
+def test_what_the_worker_opens_is_group_readable_whatever_the_umask(tmp_path):
+    """The runtime worker (another user in the agent's group on a systemd node) opens
+    models/<hex>/ at the same path: the root, blobs, models and manifests are 0750 and the
+    blobs 0444, while partial downloads and quarantine stay the agent's (0700), even under
+    the unit's UMask=0077."""
+    previous = os.umask(0o077)
+    try:
+        # systemd's StateDirectoryMode=0700 made the root before the agent started.
+        (tmp_path / "artifacts").mkdir(mode=0o700)
+        store = store_in(tmp_path)
+        weights, config = b"weights", b"{}"
+        for data in (weights, config):
+            store.write_blob(sha(data), [data])
+        model = store.link_model(
+            "c" * 64, manifest_of({"deep/er/w.gguf": weights, "config.json": config})
+        )
+    finally:
+        os.umask(previous)
+    root = tmp_path / "artifacts"
+    shared = [root, root / "blobs", store.blobs, store.models, store.manifests, model]
+    shared += [model / "deep", model / "deep" / "er"]
+    assert {str(p): oct(mode(p)) for p in shared} == {str(p): "0o750" for p in shared}
+    assert mode(model / "deep" / "er" / "w.gguf") == 0o444  # a hard link to the blob
+    assert mode(store.manifests / f"{'c' * 64}.json") == 0o644
+    for private in (store.partial, tmp_path / "quarantine"):
+        assert mode(private) == 0o700, private
+    # A root the agent owns is opened to the group again at every start (systemd may have
+    # set it back to its StateDirectoryMode); partial/ is narrowed back to the agent.
+    os.chmod(root, 0o700)
+    os.chmod(store.partial, 0o750)  # noqa: S103 - what prepare must narrow again
+    store.prepare()
+    assert mode(root) == 0o750 and mode(store.partial) == 0o700
+
+
 def test_missing_bytes_counts_partials_and_each_blob_once(tmp_path):
     store = store_in(tmp_path)
     data = b"x" * 5000

@@ -208,4 +208,5 @@ def test_join_commands_name_what_the_unit_runs():
     (exec_start,) = unit_directives()["ExecStart"]
     assert exec_start == f"{AGENT_PYZ_INTERPRETER} {AGENT_PYZ_PATH}"
     assert unit_directives()["EnvironmentFile"] == [AGENT_ENV_FILE]
-    assert unit_directives()["StateDirectory"] == [Path(AGENT_STATE_DIR).name]
+    # The identity's directory first (the artifact root is the second, test_systemd.py).
+    assert unit_directives()["StateDirectory"][0] == Path(AGENT_STATE_DIR).name

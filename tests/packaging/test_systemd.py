@@ -23,6 +23,8 @@ EXPOSURE_LIMITS = {
 }
 # The worker keeps nothing between starts; the others keep their store or identity.
 STATELESS = {"modelforge-runtime-worker.service"}
+# The agent's second state directory: its artifact root, which the worker reads.
+ARTIFACT_ROOT = "modelforge-artifacts"
 
 
 def systemd_analyze() -> str:
@@ -66,7 +68,8 @@ def test_unit_security_exposure_within_limit(unit, limit):
 def test_unit_keeps_state_and_cache_where_the_service_owns_them(unit):
     found = unit_directives(unit)
     name = unit.removesuffix(".service")
-    assert found.get("StateDirectory") == (None if unit in STATELESS else [name])
+    extra = [ARTIFACT_ROOT] if unit == "modelforge-node-agent.service" else []
+    assert found.get("StateDirectory") == (None if unit in STATELESS else [name, *extra])
     assert found["CacheDirectory"] == [name]
     assert f"SHIV_ROOT=%C/{name}" in " ".join(found["Environment"])
     assert found["EnvironmentFile"] == [f"/etc/modelforge/{name}.env"]
@@ -123,6 +126,28 @@ def test_worker_unit_has_loopback_only_and_a_socket_only_the_agents_user_reaches
     assert found["RuntimeDirectoryMode"] == ["0750"] and SOCKET_MODE == 0o660
     assert found["User"] == found["Group"] == ["modelforge-worker"]
     assert "2" in found["RestartPreventExitStatus"][0].split()
+
+
+def test_the_agents_artifact_root_is_readable_by_the_worker_and_its_identity_is_not():
+    """The worker opens models/<hex>/ under the agent's artifact root at the same path, as its
+    own user: the agent runs with the worker's group (the one the socket already shares) and
+    its artifact root is a state directory of its own, beside the identity's, which stays
+    0700; the agent opens the root to that group itself (0750), whatever the umask."""
+    from modelforge_node_agent.blobs import PRIVATE_DIR_MODE, SHARED_DIR_MODE
+
+    agent = unit_directives("modelforge-node-agent.service")
+    worker = unit_directives("modelforge-runtime-worker.service")
+    assert agent["User"] == ["modelforge-agent"]
+    assert agent["Group"] == worker["Group"] == ["modelforge-worker"]
+    identity, artifacts = agent["StateDirectory"]
+    assert agent["StateDirectoryMode"] == ["0700"] and agent["UMask"] == ["0077"]
+    assert f"MODELFORGE_AGENT_STATE_VOLUME=%S/{identity}" in agent["Environment"]
+    assert f"MODELFORGE_AGENT_ARTIFACT_ROOT=%S/{artifacts}" in agent["Environment"]
+    assert not artifacts.startswith(identity + "/")  # not under the 0700 identity directory
+    assert (SHARED_DIR_MODE, PRIVATE_DIR_MODE) == (0o750, 0o700)
+    # The worker sees it read-only, and nothing hides /var/lib from it.
+    assert worker["ProtectSystem"] == ["strict"]
+    assert not any(k in worker for k in ("InaccessiblePaths", "TemporaryFileSystem"))
 
 
 def test_control_plane_unit_has_no_devices():

@@ -303,6 +303,29 @@ def test_the_systemd_install_of_a_node_ends_ready(
         assert checked.stdout.startswith(f"node {node_id}: READY"), checked.stdout
         assert re.search(r"^\s+ok\s+worker\s", checked.stdout, re.M), checked.stdout
         assert "offers smoke" in host.log(AGENT_UNIT)
+
+        # A runtime the worker starts opens models/<hex>/ under the agent's artifact root, at
+        # the same path, as the worker's user: the agent opened that tree to its group
+        # whatever its umask, while its identity stays its own.
+        artifacts = Path(
+            host.expand(
+                next(
+                    value.partition("=")[2]
+                    for value in agent_unit["Environment"]
+                    if value.startswith("MODELFORGE_AGENT_ARTIFACT_ROOT=")
+                )
+            )
+        )
+        assert artifacts.stat().st_mode & 0o777 == 0o750
+        assert (artifacts / "partial").stat().st_mode & 0o777 == 0o700
+        assert grp.getgrgid(artifacts.stat().st_gid).gr_name == worker_unit["Group"][0]
+        assert (
+            as_the_worker(
+                worker_unit, "import os, sys; os.listdir(sys.argv[1])", artifacts / "models"
+            )
+            == 0
+        )
+        assert as_the_worker(worker_unit, "open(__import__('sys').argv[1])", state) == errno.EACCES
     finally:
         if agent is not None:
             stop(agent)
@@ -310,6 +333,22 @@ def test_the_systemd_install_of_a_node_ends_ready(
     # The worker removes its socket on the way out (the unit then removes the directory).
     assert worker.returncode == 0, host.log(WORKER_UNIT)
     assert not Path(socket_path).exists()
+
+
+def as_the_worker(worker_unit: dict[str, list[str]], code: str, path: Path) -> int:
+    """Run ``code`` (sys.argv[1] = PATH) as the worker's unit would: its exit status, or the
+    errno of the OSError it raised."""
+    probe = f"import sys\ntry:\n    {code}\nexcept OSError as e:\n    sys.exit(e.errno)\n"
+    (user,), (group,) = worker_unit["User"], worker_unit["Group"]
+    result = subprocess.run(
+        ["setpriv", f"--reuid={user}", f"--regid={group}", "--init-groups",
+         AGENT_PYZ_INTERPRETER, "-I", "-S", "-c", probe, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )  # fmt: skip
+    return result.returncode
 
 
 def refused_to(user: str, socket: Path) -> int:
