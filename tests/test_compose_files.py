@@ -252,7 +252,6 @@ def test_the_runtime_worker_shares_a_socket_volume_with_the_agent_and_no_gpus(tm
         MODELFORGE_WORKER_ACCELERATOR_MODE="cpu",
     )
     worker, agent = model["services"]["runtime-worker"], model["services"]["node-agent"]
-    assert worker["network_mode"] == "none"  # the socket is the only way in
     for service in (worker, agent):
         assert any(
             v["source"] == "worker-socket" and v["target"] == "/run/modelforge-worker"
@@ -265,6 +264,65 @@ def test_the_runtime_worker_shares_a_socket_volume_with_the_agent_and_no_gpus(tm
     assert worker["environment"]["MODELFORGE_WORKER_ACCELERATOR_MODE"] == "cpu"
     # The worker starts first, so the volume takes its image's socket directory (its user's).
     assert "runtime-worker" in agent["depends_on"]
+    assert worker["read_only"] is True and worker["cap_drop"] == ["ALL"]
+    assert worker["security_opt"] == ["no-new-privileges:true"]
+
+
+ARTIFACT_ROOT = "/var/lib/modelforge-artifacts"
+
+
+def test_the_agent_polls_runtimes_in_the_workers_namespace_and_the_worker_reads_its_models(
+    tmp_path,
+):
+    """A model runtime the worker starts listens on 127.0.0.1 of the worker's namespace, where
+    the agent polls its readiness, and opens the model directory the agent names at the same
+    path: the agent joins the worker's network namespace (as in the recovery compose file),
+    the node's host name moves to the worker (Docker refuses one on a container in another's
+    namespace, which takes that one's), and the artifact root is its own volume, apart from
+    the identity, mounted read-only in the worker."""
+    files = ("docker-compose.yml", "docker-compose.node-agent.yml")
+    alone = compose_model(tmp_path, *files, MODELFORGE_NODE_AGENT_HOSTNAME="gpu-7")
+    agent = alone["services"]["node-agent"]
+    assert agent["environment"]["MODELFORGE_AGENT_ARTIFACT_ROOT"] == ARTIFACT_ROOT
+    (artifacts,) = [v for v in _volumes(agent) if v["target"] == ARTIFACT_ROOT]
+    assert artifacts["source"] == "node-agent-artifacts" and not artifacts["read_only"]
+    assert "node-agent-artifacts" in alone["volumes"]  # named: `down` keeps the models
+    assert agent["hostname"] == "gpu-7" and "network_mode" not in agent  # no worker yet
+
+    model = compose_model(
+        tmp_path,
+        *files,
+        "docker-compose.runtime-worker.yml",
+        MODELFORGE_NODE_AGENT_HOSTNAME="gpu-7",
+    )
+    worker, agent = model["services"]["runtime-worker"], model["services"]["node-agent"]
+    assert agent["network_mode"] == "service:runtime-worker"
+    assert "network_mode" not in worker  # the node's network, which the agent dials out on
+    assert worker["hostname"] == "gpu-7" and not agent.get("hostname")
+    (shared,) = [v for v in _volumes(worker) if v["target"] == ARTIFACT_ROOT]
+    assert shared["source"] == "node-agent-artifacts" and shared["read_only"]
+    assert not [v for v in _volumes(worker) if v["target"] == "/var/lib/modelforge-node-agent"]
+    assert not worker.get("ports") and not agent.get("ports")  # nothing is published
+    # On Unraid the models go to appdata, the same directory in both.
+    bound = compose_model(
+        tmp_path,
+        *files,
+        "docker-compose.runtime-worker.yml",
+        MODELFORGE_NODE_AGENT_ARTIFACTS="/mnt/user/appdata/modelforge/artifacts",
+    )["services"]
+    for name, read_only in (("node-agent", False), ("runtime-worker", True)):
+        (mount,) = [v for v in _volumes(bound[name]) if v["target"] == ARTIFACT_ROOT]
+        assert mount["source"] == "/mnt/user/appdata/modelforge/artifacts", name
+        assert mount["type"] == "bind" and mount["read_only"] is read_only, name
+
+
+def test_every_node_compose_file_puts_the_agent_in_the_workers_namespace():
+    """One way across the compose files: the agent joins the worker's namespace."""
+    for name in ("docker-compose.runtime-worker.yml", "docker-compose.node-recovery.yml"):
+        text = (ROOT / name).read_text()
+        assert re.search(r'network_mode: "service:runtime-worker[\w-]*"', text), name
+        assert "network_mode: none" not in text and "network_mode: host" not in text, name
+        assert f":{ARTIFACT_ROOT}:ro" in text, name
 
 
 def test_the_gpu_file_gives_the_agent_and_the_worker_the_nvidia_gpus(tmp_path):

@@ -139,6 +139,9 @@ def node_agent_layer(ctx: BuildContext, tree: Tree) -> None:
         "usr/local/bin/modelforge-node-agent", launcher("modelforge_node_agent.main"), True
     )
     tree.add_dir("var/lib/modelforge-node-agent", mode=0o700, uid=SERVICE_UID, gid=SERVICE_UID)
+    # The artifact root the compose files mount a volume on (the worker mounts it read-only):
+    # Docker copies this ownership into the empty volume, so the agent may write it.
+    tree.add_dir("var/lib/modelforge-artifacts", mode=0o750, uid=SERVICE_UID, gid=SERVICE_UID)
 
 
 def worker_layer(ctx: BuildContext, tree: Tree) -> None:

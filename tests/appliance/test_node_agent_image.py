@@ -247,10 +247,21 @@ def test_the_minted_mode_decides_the_worker_image_and_the_gpus(
     assert runtime["image"] == f"{worker}:{RELEASE}"
     expected = [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}] if gpus else []
     assert gpu_reservation(agent) == gpu_reservation(runtime) == expected
-    # The worker as docker-compose.runtime-worker.yml runs it: no network, read-only, no
-    # capabilities; its socket in a volume the agent mounts at the same place.
-    assert runtime["network_mode"] == "none"
+    # The worker as docker-compose.runtime-worker.yml runs it: read-only, no capabilities;
+    # its socket in a volume the agent mounts at the same place; the agent in its network
+    # namespace (a runtime it starts listens on 127.0.0.1 there, where the agent polls it),
+    # so the node's host name is set on it (Docker refuses one on the agent); the agent's
+    # artifact root mounted read-only at the same path, apart from the identity.
+    assert "network_mode" not in runtime
+    assert agent["network_mode"] == "service:runtime-worker"
+    assert runtime["hostname"] == "gpu-07" and not agent.get("hostname")
     assert runtime["read_only"] is True and runtime["cap_drop"] == ["ALL"]
+    root = "/var/lib/modelforge-artifacts"
+    assert agent["environment"]["MODELFORGE_AGENT_ARTIFACT_ROOT"] == root
+    assert f"modelforge-node-agent-artifacts:{root}:rw" in agent["volumes"]
+    assert f"modelforge-node-agent-artifacts:{root}:ro" in runtime["volumes"]
+    assert not [v for v in runtime["volumes"] if "/var/lib/modelforge-node-agent" in v]
+    assert "modelforge-node-agent-artifacts" in model["volumes"]  # named: `down` keeps it
     assert runtime["environment"] == {
         "MODELFORGE_WORKER_SOCKET": "/run/modelforge-worker/worker.sock",
         "MODELFORGE_WORKER_ACCELERATOR_MODE": mode,
@@ -261,7 +272,6 @@ def test_the_minted_mode_decides_the_worker_image_and_the_gpus(
         "/run/modelforge-worker/worker.sock"
     )
     assert "runtime-worker" in agent["depends_on"]  # created first: its volume ownership
-    assert agent["hostname"] == "gpu-07"
     assert agent["read_only"] is True and agent["cap_drop"] == ["ALL"]
     assert "modelforge-node-agent-state:/var/lib/modelforge-node-agent:rw" in agent["volumes"]
     assert "MODELFORGE_AGENT_ENROLLMENT_TOKEN" not in agent["environment"]

@@ -39,10 +39,11 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 SERVICE_USER = "65532:65532"
 STATE_DIRS = {
-    "modelforge-control-plane": "var/lib/modelforge",
-    "modelforge-node-agent": "var/lib/modelforge-node-agent",
-    "modelforge-runtime-worker": "run/modelforge-worker",
-    "modelforge-runtime-worker-cpu": "run/modelforge-worker",
+    "modelforge-control-plane": {"var/lib/modelforge"},
+    # The identity, and the artifact root the compose files mount a volume on.
+    "modelforge-node-agent": {"var/lib/modelforge-node-agent", "var/lib/modelforge-artifacts"},
+    "modelforge-runtime-worker": {"run/modelforge-worker"},
+    "modelforge-runtime-worker-cpu": {"run/modelforge-worker"},
 }
 
 
@@ -78,7 +79,7 @@ def test_no_image_holds_a_shell_a_package_manager_or_a_driver_library(
     assert not [path for path, info in files.items() if info.isfile() and info.mode & 0o6000]
     # Package files belong to root; only the service's state directory is the service user's.
     owned = {path for path, info in files.items() if info.uid or info.gid}
-    assert owned == {STATE_DIRS[name], "home/nonroot"}
+    assert owned == {*STATE_DIRS[name], "home/nonroot"}
     # What scanners read instead of dpkg's database: one control stanza per package.
     assert "var/lib/dpkg/status.d/libc6" in files
 

@@ -19,6 +19,10 @@ pinned by ``@sha256:`` digest, which Docker itself verifies on pull.
 Beside the agent the files run the release's Runtime Worker (``modelforge-runtime-worker``
 for ``nvidia``, ``modelforge-runtime-worker-cpu`` otherwise), loaded from the same bundle,
 sharing the worker's socket through a volume: without it a node is online but never ready.
+The agent joins the worker's network namespace (a model runtime the worker starts listens on
+127.0.0.1 there, where the agent polls its readiness), so the host name is set on the worker,
+and the worker mounts the agent's artifact root read-only at the same path, to open the
+model directories the agent names.
 GPUs are reserved only for the ``nvidia`` accelerator mode the enrollment was minted with.
 The script runs whichever Compose the host has: ``docker compose`` (v2) or
 ``docker-compose`` (v1, Debian 12's).
@@ -78,6 +82,11 @@ WORKER_SOCKET_VOLUME = "modelforge-worker-socket"
 # (the agent's container is created after it), and both images run as that user.
 WORKER_SOCKET_DIR = "/run/modelforge-worker"
 WORKER_SOCKET = f"{WORKER_SOCKET_DIR}/worker.sock"
+# The agent's replicated models, apart from its identity: the worker mounts them read-only at
+# the same path. The agent image makes the directory its user's (layers.py), which Docker
+# copies into the empty volume, as for the socket's.
+ARTIFACTS_VOLUME = "modelforge-node-agent-artifacts"
+ARTIFACT_ROOT = "/var/lib/modelforge-artifacts"
 # The host's name, which the start script sets from `hostname`: a container's own name is
 # its id, new at every recreate, so without it every recreate would report a new hostname.
 HOSTNAME_VARIABLE = "MODELFORGE_NODE_AGENT_HOSTNAME"
@@ -86,7 +95,7 @@ TOKEN_FILE_VARIABLE = "MODELFORGE_NODE_AGENT_TOKEN_FILE"
 # After the token was used: recreate both containers without it, keeping the named state
 # volume with the identity. The script finds the host's Compose and sets the host name.
 RECREATE_COMMAND = f"bash {START_SCRIPT} --recreate"
-CLEANUP_COMMAND = f"bash {START_SCRIPT} --down   # keeps the state volume"
+CLEANUP_COMMAND = f"bash {START_SCRIPT} --down   # keeps the state and model volumes"
 
 
 def release_version(settings: Settings) -> str:
@@ -240,7 +249,7 @@ def _answer(
             },
             {
                 "name": "cleanup",
-                "title": "To stop and remove the containers (the state volume stays)",
+                "title": "To stop and remove the containers (the state and model volumes stay)",
                 "text": CLEANUP_COMMAND,
             },
         ],
@@ -290,31 +299,35 @@ def compose_file(image: str, worker: str, accelerator_mode: str) -> str:
         f"    image: {worker}\n"
         "    pull_policy: never\n"
         "    restart: unless-stopped\n"
-        "    network_mode: none\n"
+        "    # The node's network namespace, the agent's too: its host name is the one the\n"
+        "    # node reports (a container in another's namespace takes that one's).\n"
+        f"    hostname: ${{{HOSTNAME_VARIABLE}:?set {HOSTNAME_VARIABLE} to this host's name "
+        f"(bash {START_SCRIPT} does)}}\n"
         "    environment:\n"
         f"      MODELFORGE_WORKER_SOCKET: {WORKER_SOCKET}\n"
         f"      MODELFORGE_WORKER_ACCELERATOR_MODE: {accelerator_mode}\n"
         "    volumes:\n"
         f"      - {WORKER_SOCKET_VOLUME}:{WORKER_SOCKET_DIR}\n"
-        + _HARDENED
-        + gpus
-        + f"  {SERVICE}:\n"
+        f"      - {ARTIFACTS_VOLUME}:{ARTIFACT_ROOT}:ro\n" + _HARDENED + gpus + f"  {SERVICE}:\n"
         f"    image: {image}\n"
         "    pull_policy: never\n"
         "    restart: unless-stopped\n"
-        f"    hostname: ${{{HOSTNAME_VARIABLE}:?set {HOSTNAME_VARIABLE} to this host's name "
-        f"(bash {START_SCRIPT} does)}}\n"
         f"    depends_on: [{WORKER_SERVICE}]\n"
+        "    # The worker's namespace: the runtimes it starts listen on 127.0.0.1 there.\n"
+        f'    network_mode: "service:{WORKER_SERVICE}"\n'
         "    env_file:\n"
         f"      - {ENV_FILE}\n"
         f'      - "${{{TOKEN_FILE_VARIABLE}:-./{ENV_FILE}}}"\n'
         "    environment:\n"
         f"      MODELFORGE_AGENT_WORKER_SOCKET: {WORKER_SOCKET}\n"
+        f"      MODELFORGE_AGENT_ARTIFACT_ROOT: {ARTIFACT_ROOT}\n"
         "    volumes:\n"
         f"      - {STATE_VOLUME}:/var/lib/modelforge-node-agent\n"
-        f"      - {WORKER_SOCKET_VOLUME}:{WORKER_SOCKET_DIR}\n" + _HARDENED + gpus + "volumes:\n"
+        f"      - {WORKER_SOCKET_VOLUME}:{WORKER_SOCKET_DIR}\n"
+        f"      - {ARTIFACTS_VOLUME}:{ARTIFACT_ROOT}\n" + _HARDENED + gpus + "volumes:\n"
         f"  {STATE_VOLUME}: {{}}\n"
         f"  {WORKER_SOCKET_VOLUME}: {{}}\n"
+        f"  {ARTIFACTS_VOLUME}: {{}}\n"
     )
 
 
@@ -417,7 +430,8 @@ def start_script(image: str, entry: dict[str, Any] | None, worker: str) -> str:
         "#   bash THIS_FILE --recreate     (re)creates both containers without the token: after",
         "#                                 the token was used, after --down, after an upgrade",
         "#   bash THIS_FILE --down         stops and removes both containers; the state volume",
-        "#                                 (the node's identity and credential) stays",
+        "#                                 (the node's identity and credential) and the models",
+        "#                                 volume stay",
         "# Compose v2 (docker compose) when the host has it, else v1 (docker-compose).",
         "set +x",
         "set -euo pipefail",
@@ -452,7 +466,7 @@ def start_script(image: str, entry: dict[str, Any] | None, worker: str) -> str:
         'if [ "$action" = --down ]; then',
         "    find_compose",
         '    "${compose[@]}" down',
-        "    echo 'stopped the node agent and its worker; the state volume stays'",
+        "    echo 'stopped the node agent and its worker; the state and model volumes stay'",
         "    exit 0",
         "fi",
         'expect() { [ "$3" = "$2" ] || fail "the image does not match: $1 is \'$3\', expected \'$2\'"; }',
