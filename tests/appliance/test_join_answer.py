@@ -104,10 +104,14 @@ def test_the_heartbeat_answer_asks_for_what_the_control_plane_lacks(sqlite_contr
 def test_the_container_join_prepares_the_state_directory_for_the_image_user():
     """The images run as SERVICE_UID: the host directory the container writes must be its, and
     the agent reads its own env file (mode 0600, that user's) inside the container. The
-    runtime worker starts first, with no network, on the socket volume the agent mounts too
-    (without it the node is online but never ready)."""
+    runtime worker starts first, on the socket volume the agent mounts too (without it the
+    node is online but never ready); the agent joins its network namespace (a runtime the
+    worker starts listens on 127.0.0.1 there, where the agent polls it), so the host's name is
+    set on the worker; the artifact root, apart from the identity, is read-only in the
+    worker at the same path."""
     from modelforge_appliance.identity.join_commands import (
         AGENT_IMAGE_UID,
+        CONTAINER_ARTIFACT_ROOT,
         CONTAINER_WORKER_SOCKET,
         WORKER_SOCKET_VOLUME,
         join_commands,
@@ -115,14 +119,20 @@ def test_the_container_join_prepares_the_state_directory_for_the_image_user():
     from modelforge_release.images import SERVICE_UID
 
     assert AGENT_IMAGE_UID == SERVICE_UID
-    prepare, worker, joining, running = join_commands("http://cp.lan:8000", "nvidia")[
-        "container"
-    ].split(" && ")
+    prepare, prepare_models, worker, joining, running = join_commands(
+        "http://cp.lan:8000", "nvidia"
+    )["container"].split(" && ")
     assert prepare == (
         f"sudo install -d -m 0700 -o {SERVICE_UID} -g {SERVICE_UID} /var/lib/modelforge-node-agent"
     )
+    assert prepare_models == (
+        f"sudo install -d -m 0750 -o {SERVICE_UID} -g {SERVICE_UID} {CONTAINER_ARTIFACT_ROOT}"
+    )
+    models = f"{CONTAINER_ARTIFACT_ROOT}:{CONTAINER_ARTIFACT_ROOT}"
     words = shlex.split(worker)
-    assert {"--network", "none", "--read-only", "--gpus"} <= set(words)
+    assert {"--read-only", "--gpus"} <= set(words) and "--network" not in words
+    assert words[words.index("--hostname") + 1] == "$(hostname)"  # the shell fills it in
+    assert f"{models}:ro" in words
     assert f"MODELFORGE_WORKER_SOCKET={CONTAINER_WORKER_SOCKET}" in words
     assert "MODELFORGE_WORKER_ACCELERATOR_MODE=nvidia" in words
     assert words[-1].startswith("modelforge-runtime-worker:")
@@ -131,10 +141,13 @@ def test_the_container_join_prepares_the_state_directory_for_the_image_user():
     words = shlex.split(running)
     assert "--env-file" not in words[: words.index("python3")]  # not read on the host
     assert words[-2:] == ["--env-file", "/var/lib/modelforge-node-agent/modelforge-node-agent.env"]
-    assert {"--read-only", "--gpus"} <= set(words)
+    assert {"--read-only", "--gpus"} <= set(words) and "--hostname" not in words
+    assert words[words.index("--network") + 1] == "container:modelforge-runtime-worker"
+    assert f"MODELFORGE_AGENT_ARTIFACT_ROOT={CONTAINER_ARTIFACT_ROOT}" in words
+    assert models in words
     for command in (worker, running):
         assert f"{WORKER_SOCKET_VOLUME}:/run/modelforge-worker" in shlex.split(command)
-    cpu_worker = join_commands("http://cp.lan:8000", "cpu")["container"].split(" && ")[1]
+    cpu_worker = join_commands("http://cp.lan:8000", "cpu")["container"].split(" && ")[2]
     assert shlex.split(cpu_worker)[-1].startswith("modelforge-runtime-worker-cpu:")
     assert "--gpus" not in cpu_worker
 

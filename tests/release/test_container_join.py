@@ -4,9 +4,10 @@ The control plane runs from the release image on Docker's default bridge, publis
 127.0.0.1 only; the token is minted for its bridge address, which the node's containers
 (also on the default bridge) reach. The printed command runs under real bash on a pty, the
 token typed at the join's no-echo prompt. Only what is global to the host is made the test's
-own: the host state directory, the container and volume names, the image tags (this run's
-version) and ``sudo`` (the test is root). Its runtime worker (the -cpu image, no network)
-starts first; the agent must find it on the shared socket volume and the node be READY.
+own: the host state and artifact directories, the container and volume names, the image
+tags (this run's version) and ``sudo`` (the test is root). Its runtime worker (the -cpu
+image) starts first; the agent, in the worker's network namespace, must find it on the
+shared socket volume and the node be READY.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import requests
 
 from modelforge_appliance.identity.join_commands import (
     AGENT_IMAGE_UID,
+    CONTAINER_ARTIFACT_ROOT,
     WORKER_SOCKET_VOLUME,
 )
 from modelforge_contract import (
@@ -82,7 +84,7 @@ def test_the_printed_container_join_ends_in_a_ready_node(
         AGENT_SERVICE: unique("mfjoin-agent"),
         WORKER_SOCKET_VOLUME: unique("mfjoin-socket"),
     }
-    state = tmp_path / "state"
+    state, artifacts = tmp_path / "state", tmp_path / "artifacts"
     with contextlib.ExitStack() as cleanup:
         plane, url, admin_token = cleanup.enter_context(
             control_plane_container(docker_client, release_version, "mfjoin-cp")
@@ -105,19 +107,27 @@ def test_the_printed_container_join_ends_in_a_ready_node(
         here = command.replace("sudo ", "")
         here = here.replace(f" {AGENT_STATE_DIR} && ", f" {state} && ", 1)
         here = here.replace(f"-v {AGENT_STATE_DIR}:", f"-v {state}:")
+        here = here.replace(f" {CONTAINER_ARTIFACT_ROOT} && ", f" {artifacts} && ", 1)
+        here = here.replace(f"-v {CONTAINER_ARTIFACT_ROOT}:", f"-v {artifacts}:")
         for global_name, own in names.items():
             here = here.replace(f"--name {global_name} ", f"--name {own} ")
             here = here.replace(f"-v {global_name}:", f"-v {own}:")
+            here = here.replace(
+                f"--network container:{global_name} ", f"--network container:{own} "
+            )
         here = here.replace(f":{__version__} ", f":{release_version} ")
         assert f"-v {AGENT_STATE_DIR}:" not in here  # the host side is the test's
+        assert f"-v {CONTAINER_ARTIFACT_ROOT}:" not in here
         status, shown = run_on_a_pty(here, minted["token"])
         assert status == 0, shown
         assert minted["token"] not in shown  # typed at a no-echo prompt
-        assert state.stat().st_uid == AGENT_IMAGE_UID
+        assert state.stat().st_uid == AGENT_IMAGE_UID == artifacts.stat().st_uid
 
         agent = docker_client.containers.get(names[AGENT_SERVICE])
         worker = docker_client.containers.get(names[WORKER_SERVICE])
-        assert worker.attrs["HostConfig"]["NetworkMode"] == "none"
+        # The agent polls a runtime's 127.0.0.1 port in the worker's namespace.
+        assert worker.attrs["HostConfig"]["NetworkMode"] != "none"
+        assert agent.attrs["HostConfig"]["NetworkMode"].startswith("container:")
 
         def logs() -> str:
             return agent.logs().decode()[-3000:] + worker.logs().decode()[-3000:]

@@ -38,6 +38,9 @@ CHECKOUT_WORKER_SOCKET = f"{CHECKOUT_STATE_DIR}/worker.sock"
 # worker image owns the directory, and Docker gives an empty volume its ownership).
 WORKER_SOCKET_VOLUME = "modelforge-worker-socket"
 CONTAINER_WORKER_SOCKET = "/run/modelforge-worker/worker.sock"
+# The agent's replicated models, a host directory of the image user's apart from the
+# identity: the worker mounts it read-only at the same path, to open what the agent names.
+CONTAINER_ARTIFACT_ROOT = "/var/lib/modelforge-artifacts"
 
 INSTALL_TYPES = {
     "systemd": "the agent pyz under systemd (docs/install-systemd.md)",
@@ -52,6 +55,7 @@ def join_commands(api_origin: str, accelerator_mode: str) -> dict[str, str]:
     volume = f"{AGENT_STATE_DIR}:{AGENT_STATE_DIR}"
     container_env = f"{AGENT_STATE_DIR}/modelforge-node-agent.env"
     socket_volume = f"{WORKER_SOCKET_VOLUME}:{CONTAINER_WORKER_SOCKET.rsplit('/', 1)[0]}"
+    artifacts = f"{CONTAINER_ARTIFACT_ROOT}:{CONTAINER_ARTIFACT_ROOT}"
     gpus = " --gpus all" if accelerator_mode == "nvidia" else ""
     return {
         "systemd": (
@@ -63,24 +67,32 @@ def join_commands(api_origin: str, accelerator_mode: str) -> dict[str, str]:
             f"--env-file {CHECKOUT_ENV_FILE} --worker-socket {CHECKOUT_WORKER_SOCKET} && "
             f".venv/bin/modelforge-node-agent --env-file {CHECKOUT_ENV_FILE}"
         ),
-        # The worker first, on its own socket volume and with no network; then the join, in a
-        # throw-away agent container; then the agent. The state directory is the image
-        # user's; the agent reads its env file itself (mode 0600, that user's), so nothing on
-        # the host needs to read it.
+        # The worker first, on its own socket volume, with the host's name; then the join, in
+        # a throw-away agent container; then the agent, in the worker's network namespace (a
+        # runtime the worker starts listens on 127.0.0.1 there, where the agent polls it;
+        # such a container takes the worker's host name and may not set one). The state and
+        # artifact directories are the image user's; the worker mounts the artifact root
+        # read-only at the same path. The agent reads its env file itself (mode 0600, that
+        # user's), so nothing on the host needs to read it.
         "container": (
             f"sudo install -d -m 0700 -o {AGENT_IMAGE_UID} -g {AGENT_IMAGE_UID} "
             f"{AGENT_STATE_DIR} && "
-            f"docker run -d --name {WORKER_SERVICE} --restart unless-stopped --network none"
+            f"sudo install -d -m 0750 -o {AGENT_IMAGE_UID} -g {AGENT_IMAGE_UID} "
+            f"{CONTAINER_ARTIFACT_ROOT} && "
+            f"docker run -d --name {WORKER_SERVICE} --restart unless-stopped "
+            f'--hostname "$(hostname)"'
             f"{gpus} --read-only --tmpfs /tmp --cap-drop ALL --security-opt no-new-privileges "
             f"-e MODELFORGE_WORKER_SOCKET={CONTAINER_WORKER_SOCKET} "
             f"-e MODELFORGE_WORKER_ACCELERATOR_MODE={accelerator_mode} -v {socket_volume} "
-            f"{worker_image(accelerator_mode)} && "
+            f"-v {artifacts}:ro {worker_image(accelerator_mode)} && "
             f"docker run --rm -it{gpus} -v {volume} {AGENT_IMAGE} "
             f"python3 -m modelforge_node_agent.main {join} --env-file {container_env} "
             f"--worker-socket {CONTAINER_WORKER_SOCKET} && "
-            f'docker run -d --name {AGENT_SERVICE} --restart unless-stopped --hostname "$(hostname)"'
+            f"docker run -d --name {AGENT_SERVICE} --restart unless-stopped "
+            f"--network container:{WORKER_SERVICE}"
             f"{gpus} --read-only --tmpfs /tmp --cap-drop ALL --security-opt no-new-privileges "
-            f"-v {volume} -v {socket_volume} "
+            f"-e MODELFORGE_AGENT_ARTIFACT_ROOT={CONTAINER_ARTIFACT_ROOT} "
+            f"-v {volume} -v {socket_volume} -v {artifacts} "
             f"{AGENT_IMAGE} python3 -m modelforge_node_agent.main --env-file {container_env}"
         ),
     }
