@@ -333,9 +333,12 @@ def test_a_cpu_node_becomes_ready_against_the_unraid_templates_control_plane(
             MODELFORGE_AGENT_ENROLLMENT_TOKEN=minted["token"],
         )
         # The node reaches the control plane by the name its origin gives, on its network
-        # (on Unraid: the server's address); the agent retries until it answers.
+        # (on Unraid: the server's address); the agent retries until it answers. The agent is
+        # in the worker's network namespace, so the network is the worker's.
         agent = deployment.container(docker_client, "node-agent")
-        (network,) = agent.attrs["NetworkSettings"]["Networks"]
+        worker = deployment.container(docker_client, "runtime-worker")
+        assert agent.attrs["HostConfig"]["NetworkMode"].startswith("container:")
+        (network,) = worker.attrs["NetworkSettings"]["Networks"]
         docker_client.networks.get(network).connect(control_plane, aliases=["control-plane"])
 
         def logs() -> str:

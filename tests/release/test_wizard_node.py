@@ -190,7 +190,9 @@ def test_the_wizards_files_bring_a_cpu_node_to_ready_and_the_recreate_drops_the_
     agent = compose_service(docker_client, project, "node-agent")
     assert f"{TOKEN_VARIABLE}={token}" in agent.attrs["Config"]["Env"]  # the first start's
     worker = compose_service(docker_client, project, "runtime-worker")
-    assert worker.attrs["HostConfig"]["NetworkMode"] == "none"
+    # The agent polls a deployment's runtime on 127.0.0.1 of the worker's namespace.
+    assert worker.attrs["HostConfig"]["NetworkMode"] != "none"
+    assert agent.attrs["HostConfig"]["NetworkMode"] == f"container:{worker.id}"
     assert worker.attrs["Config"]["User"] == agent.attrs["Config"]["User"] == "65532:65532"
     assert not any(e.startswith(TOKEN_VARIABLE) for e in worker.attrs["Config"]["Env"])
 
