@@ -41,6 +41,9 @@ COMMANDS = {
     "restore-finality": ["restore-finality", "{record}"],
     "work": ["work", "show", "0123456789abcdef"],
     "models": ["models", "show", "tiny"],
+    "deploy": ["deploy", "tiny-chat", "--model", "tiny", "--nodes", "gpu-1"],
+    "deployments": ["deployments", "show", "tiny-chat"],
+    "undeploy": ["undeploy", "tiny-chat"],
     "doctor": ["doctor", "--listen", "{busy}"],
     "completion": ["completion", "bash"],
 }
