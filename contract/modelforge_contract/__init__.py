@@ -78,6 +78,9 @@ PATH_ADMIN_NODE_WORK_SLOTS = f"{PATH_ADMIN_NODE}/work-slots"
 PATH_ADMIN_NODE_ACCEPT_HARDWARE = f"{PATH_ADMIN_NODE}/accept-hardware"
 PATH_ADMIN_ALERTS = f"{API_PREFIX}/admin/alerts"
 PATH_ADMIN_AUDIT = f"{API_PREFIX}/admin/audit-events"
+# Client API keys (mfk_…): minted, listed and revoked by an administrator.
+PATH_ADMIN_API_KEYS = f"{API_PREFIX}/admin/api-keys"
+PATH_ADMIN_API_KEY = f"{API_PREFIX}/admin/api-keys/<key_id>"
 PATH_AGENT_ENROLL = f"{API_PREFIX}/agent/enroll"
 PATH_AGENT_HEARTBEAT = f"{API_PREFIX}/agent/heartbeat"
 PATH_AGENT_INVENTORY = f"{API_PREFIX}/agent/inventory"
@@ -136,6 +139,11 @@ NODE_DECOMMISSIONED = "NODE_DECOMMISSIONED"
 PROTOCOL_INCOMPATIBLE = "PROTOCOL_INCOMPATIBLE"
 ADMIN_TOKEN_REQUIRED = "ADMIN_TOKEN_REQUIRED"
 ADMIN_TOKEN_INVALID = "ADMIN_TOKEN_INVALID"
+# A client call (/v1/…) without "Authorization: Bearer mfk_…", with a key that is malformed,
+# unknown or whose secret does not match, or with a revoked key (401 each).
+API_KEY_MISSING = "API_KEY_MISSING"
+API_KEY_INVALID = "API_KEY_INVALID"
+API_KEY_REVOKED = "API_KEY_REVOKED"
 NOT_FOUND = "NOT_FOUND"
 METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"
 BODY_TOO_LARGE = "BODY_TOO_LARGE"
@@ -342,10 +350,11 @@ KIND_ADMIN = "mfa"
 KIND_IDENTITY = "mfi"
 KIND_DECOMMISSION = "mfd"
 KIND_SESSION = "mfs"  # a console session (cookie)
+KIND_API_KEY = "mfk"  # a client's API key (Authorization: Bearer mfk_…)
 
 # No word boundary on the left: a secret glued to other text (``Bearer%20mfc_…``,
 # ``tok_mfc_…``) is masked too; masking too much is harmless.
-_SECRET_RE = re.compile(r"(mf[ecaids])_([0-9a-f]{8,32})_([A-Za-z0-9_-]{20,})")
+_SECRET_RE = re.compile(r"(mf[ecaidsk])_([0-9a-f]{8,32})_([A-Za-z0-9_-]{20,})")
 
 
 def split_secret(value: str, kind: str) -> tuple[str, str] | None:

@@ -168,6 +168,7 @@ def test_restore_brings_back_what_existed_and_keeps_later_revocations(tmp_path):
         "decommissioned_nodes": 1,
         # Previewed and used after the backup: the backup has no row for it.
         "decommission_confirmations": 0,
+        "api_keys": 0,
     }
 
     with host.serving():

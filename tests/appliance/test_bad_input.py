@@ -10,6 +10,7 @@ import requests
 
 from modelforge_appliance.store.tables import (
     AdminToken,
+    ApiKey,
     Credential,
     EnrollmentToken,
     Node,
@@ -43,7 +44,15 @@ def snapshot(store) -> dict:
                 repr({k: v for k, v in row.items() if k != "last_used_at"})
                 for row in model.select().dicts()
             )
-            for model in (AdminToken, Node, EnrollmentToken, Credential, WorkItem, WorkLease)
+            for model in (
+                AdminToken,
+                Node,
+                EnrollmentToken,
+                Credential,
+                WorkItem,
+                WorkLease,
+                ApiKey,
+            )
         }
 
 
@@ -107,6 +116,7 @@ def endpoints(cp, node, token):
             {"node_id": node["node_id"], "samples": [sample]},
         ),
         ("POST", "/api/v1/admin/work", admin, {"capability": "smoke"}),
+        ("POST", "/api/v1/admin/api-keys", admin, {"name": "client"}),
         (
             "POST",
             "/api/v1/agent/work/claim",

@@ -63,6 +63,8 @@ ROUTES = [
     "/api/v1/agent/servers",
     "/api/v1/agent/servers/{server}/claim",
     "/api/v1/agent/servers/{server}/renew",
+    "/api/v1/admin/api-keys",
+    "/api/v1/admin/api-keys/{key}",
 ]
 HEADER_TEXT = st.text(alphabet=string.printable.strip() + " ", max_size=120)
 JSON_LEAVES = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
@@ -109,6 +111,7 @@ def bodies(node: dict, minted: dict):
         {"digest": "0123456789abcdef"},
         {"name": "d", "model": "m", "runtime": "llama.cpp", "node_ids": [node["node_id"]]},
         {"node_id": node["node_id"], "lease_id": "0" * 32, "state": "running", "restarts": 1},
+        {"name": "client"},
     ]
     mutated = st.tuples(st.sampled_from(shaped), st.text(max_size=20), JSON_VALUES).map(
         lambda t: json.dumps({**t[0], t[1]: t[2]}).encode()
@@ -136,6 +139,7 @@ def requests_(draw, node: dict, minted: dict):
         name=draw(filler),
         digest=draw(digests),
         server=draw(filler),
+        key=draw(filler),
     )
     if draw(st.booleans()):
         path += "?" + draw(st.text(alphabet=string.ascii_letters + "=&%0123456789-", max_size=40))
@@ -218,6 +222,7 @@ def raw_requests(draw, node: dict, minted: dict, cp) -> bytes:
         name="no-such-model",
         digest="sha256:" + "0" * 64,
         server="no-such-server",
+        key="0123456789abcdef",
     ).encode()
     method = draw(st.sampled_from([b"GET", b"POST", b"PUT", b"DELETE"]))
     swap = {b"ADMIN": cp.admin_token.encode(), b"CRED": node["credential"].encode()}
@@ -283,6 +288,7 @@ def test_every_api_route_is_fuzzed(tmp_path):
         "name": "name",
         "digest": "digest",
         "server_id": "server",
+        "key_id": "key",
     }
     served = {
         re.sub(r"<(\w+)(?::[^>]*)?>", lambda m: "{" + names[m.group(1)] + "}", route.rule)

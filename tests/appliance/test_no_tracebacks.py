@@ -30,6 +30,7 @@ COMMANDS = {
     "serve": ["serve", "--listen", "{busy}"],
     "admin-token": ["admin-token", "create", "--name", "ci"],
     "admin-password": ["admin-password", "set"],
+    "api-keys": ["api-keys", "create", "--name", "chat"],
     "enroll": ["enroll", "--name", "gpu", "--origin", "http://cp.lan:8000"],
     "enrollments": ["enrollments", "revoke", "0123456789abcdef"],
     "nodes": ["nodes", "show", "gpu-1"],

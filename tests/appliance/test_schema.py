@@ -24,6 +24,7 @@ MODELS = [
     tables.TelemetryFlood,
     tables.WorkItem,
     tables.WorkLease,
+    tables.ApiKey,
 ]
 
 

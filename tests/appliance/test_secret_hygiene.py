@@ -79,6 +79,20 @@ def run_scenario(url: str, admin_token: str) -> tuple[list[str], list[str]]:
     assert submitted.status_code == 201, submitted.text
     work_id = submitted.json()["work_id"]
 
+    # Client API keys: shown once at creation, then never again; one revoked.
+    keys = []
+    for name in ("chat frontend", "batch"):
+        made = requests.post(
+            f"{url}/api/v1/admin/api-keys", json={"name": name}, headers=admin, timeout=10
+        )
+        assert made.status_code == 201, made.text
+        secrets.append(made.json()["secret"])
+        keys.append(made.json())
+    revoked_key = requests.delete(
+        f"{url}/api/v1/admin/api-keys/{keys[1]['key_id']}", headers=admin, timeout=10
+    )
+    assert revoked_key.status_code == 200
+
     second = enroll(mint(), identity).json()
     secrets.append(second["credential"])
     # Misbehaviour that carries secrets to the server: every one must be refused quietly.
@@ -100,9 +114,21 @@ def run_scenario(url: str, admin_token: str) -> tuple[list[str], list[str]]:
             headers=auth,
             timeout=10,
         ),
+        # An API key where an admin token or a node credential belongs.
+        requests.get(
+            f"{url}/api/v1/admin/api-keys",
+            headers={ADMIN: keys[0]["secret"]},
+            timeout=10,
+        ),
+        requests.post(
+            f"{url}/api/v1/agent/heartbeat",
+            json=beat,
+            headers={**AGENT, "Authorization": f"Bearer {keys[0]['secret']}"},
+            timeout=10,
+        ),
     ]
     assert all(400 <= r.status_code < 500 for r in refusals)
-    answers = [submitted.text] + [response.text for response in refusals]
+    answers = [submitted.text, revoked_key.text] + [response.text for response in refusals]
     for path in (
         "node-enrollments",
         "hardware/nodes",
@@ -113,6 +139,7 @@ def run_scenario(url: str, admin_token: str) -> tuple[list[str], list[str]]:
         "audit-events?limit=500",
         "work",
         f"work/{work_id}",
+        "api-keys",
     ):
         answers.append(requests.get(f"{url}/api/v1/admin/{path}", headers=admin, timeout=10).text)
     metrics = requests.get(f"{url}/metrics", headers=admin, timeout=10)

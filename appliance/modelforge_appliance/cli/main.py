@@ -18,6 +18,7 @@ from ..store.database import StoreVersionError
 from ..store.statelock import StateBusy
 from .admin_password import admin_password
 from .admin_tokens import admin_token
+from .api_keys import api_keys_group
 from .audit import audit_command
 from .completion import completion
 from .deployments import deploy_command, deployments_group, undeploy_command
@@ -82,6 +83,7 @@ for command in (
     serve,
     admin_password,
     admin_token,
+    api_keys_group,
     enroll,
     enrollments_group,
     nodes_group,

@@ -24,6 +24,7 @@ _KEPT_NAMES = {
     "enrollment_tokens": "enrollment tokens",
     "decommissioned_nodes": "decommissioned nodes",
     "decommission_confirmations": "decommission confirmations",
+    "api_keys": "API keys",
 }
 
 

@@ -204,6 +204,8 @@ MINT_FIELDS = {
 
 EXECUTE_FIELDS = {"confirmation": Field(str, low=1, high=256)}
 
+API_KEY_FIELDS = {"name": _NAME}  # POST /admin/api-keys (identity/api_keys.py)
+
 ENROLL_FIELDS = {
     "token": Field(str, low=1, high=256),
     "hostname": Field(str, low=1, high=253, name=True),

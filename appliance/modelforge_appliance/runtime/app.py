@@ -7,6 +7,7 @@ import bottle
 
 from ..api import (
     admin,
+    admin_api_keys,
     admin_deployments,
     admin_models,
     admin_work,
@@ -55,6 +56,7 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     app.install(answering(metrics))
     app.install(Authentication(context))
     admin.add_routes(app, context)
+    admin_api_keys.add_routes(app, context)
     admin_work.add_routes(app, context)
     agent.add_routes(app, context)
     agent_work.add_routes(app, context)

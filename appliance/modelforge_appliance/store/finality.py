@@ -4,7 +4,8 @@ Invariant 5 says a revoked credential is refused forever, also after a restore. 
 cannot know what happened after it was taken, so the store keeps a record that only grows:
 the triggers of migration 3 add a row whenever a credential or admin token is revoked, an
 enrollment token is used or revoked, a node is decommissioned (its identity retired with it)
-or a decommission confirmation is used, in the same transaction and whichever code or SQL
+or a decommission confirmation is used (and migration 13's when a client API key is revoked),
+in the same transaction and whichever code or SQL
 did it, and refuse to change or delete a row.
 
 A restore reads the record of the store it replaces and carries it into the restored one
@@ -36,7 +37,8 @@ ENROLLMENT_TOKEN = "enrollment_token"
 NODE = "node"  # a decommissioned node
 IDENTITY = "identity"  # the agent identity of a decommissioned node: it never enrolls again
 CONFIRMATION = "decommission_confirmation"
-KINDS = (CREDENTIAL, ADMIN_TOKEN, ENROLLMENT_TOKEN, NODE, IDENTITY, CONFIRMATION)
+API_KEY = "api_key"  # a client API key (migration 13)
+KINDS = (CREDENTIAL, ADMIN_TOKEN, ENROLLMENT_TOKEN, NODE, IDENTITY, CONFIRMATION, API_KEY)
 
 FILE_FORMAT = "modelforge-finality-record"
 FILE_VERSION = 1
@@ -68,6 +70,8 @@ _FROM_ROWS = {
     "FROM node WHERE decommissioned_at IS NOT NULL AND identity_id IS NOT NULL",
     "decommission_confirmation": "SELECT 'decommission_confirmation', confirmation_id, "
     "used_at, 'used' FROM decommission_confirmation WHERE used_at IS NOT NULL",
+    "api_key": "SELECT 'api_key', key_id, revoked_at, revoked_by "
+    "FROM api_key WHERE revoked_at IS NOT NULL",
     "finality": "SELECT kind, subject_id, final_at, reason FROM finality",
 }
 
@@ -131,6 +135,14 @@ _MAKE_FINAL = {
         "AND f.subject_id = decommission_confirmation.confirmation_id) "
         "WHERE used_at IS NULL AND confirmation_id IN "
         "(SELECT subject_id FROM finality WHERE kind = 'decommission_confirmation')",
+    ),
+    "api_keys": (
+        "UPDATE api_key SET revoked_at = (SELECT f.final_at FROM finality f "
+        "WHERE f.kind = 'api_key' AND f.subject_id = api_key.key_id), "
+        "revoked_by = COALESCE((SELECT f.reason FROM finality f WHERE f.kind = 'api_key' "
+        "AND f.subject_id = api_key.key_id), 'revoked before restore') "
+        "WHERE revoked_at IS NULL AND key_id IN "
+        "(SELECT subject_id FROM finality WHERE kind = 'api_key')",
     ),
 }
 

@@ -367,6 +367,36 @@ _DEPLOYMENTS = (
 # and the lease carries them): a JSON array, null for an item that never held one.
 _WORK_GPU_UUIDS = ('ALTER TABLE "work_item" ADD COLUMN "gpu_uuids" TEXT',)
 
+# 13: client API keys (identity/api_keys.py): digests only, like every secret; revoking one
+# is final, so the store adds it to the finality record itself, as for admin tokens (3),
+# with who revoked it as the reason.
+_API_KEYS = (
+    'CREATE TABLE "api_key" ("key_id" VARCHAR(32) NOT NULL PRIMARY KEY, '
+    '"name" VARCHAR(120) NOT NULL, "digest" VARCHAR(64) NOT NULL, '
+    '"created_by" VARCHAR(120) NOT NULL, "created_at" {double} NOT NULL, '
+    '"last_used_at" {double}, "revoked_at" {double}, "revoked_by" VARCHAR(120))',
+)
+
+_API_KEYS_SQLITE = (
+    'CREATE TRIGGER IF NOT EXISTS "api_key_final" AFTER UPDATE OF "revoked_at" ON '
+    '"api_key" WHEN NEW."revoked_at" IS NOT NULL BEGIN INSERT INTO "finality" ("kind", '
+    '"subject_id", "final_at", "reason") SELECT \'api_key\', NEW."key_id", '
+    'NEW."revoked_at", NEW."revoked_by" WHERE NOT EXISTS (SELECT 1 FROM "finality" AS f '
+    'WHERE f."kind" = \'api_key\' AND f."subject_id" = NEW."key_id"); END',
+)
+
+_API_KEYS_POSTGRESQL = (
+    'CREATE OR REPLACE FUNCTION "api_key_final"() RETURNS trigger LANGUAGE plpgsql AS $$ '
+    'BEGIN IF NEW."revoked_at" IS NOT NULL THEN INSERT INTO "finality" ("kind", '
+    '"subject_id", "final_at", "reason") SELECT \'api_key\', NEW."key_id", '
+    'NEW."revoked_at", NEW."revoked_by" WHERE NOT EXISTS (SELECT 1 FROM "finality" AS f '
+    'WHERE f."kind" = \'api_key\' AND f."subject_id" = NEW."key_id"); END IF; RETURN NULL; '
+    "END $$",
+    'DROP TRIGGER IF EXISTS "api_key_final" ON "api_key"',
+    'CREATE TRIGGER "api_key_final" AFTER UPDATE OF "revoked_at" ON "api_key" FOR EACH ROW '
+    'EXECUTE FUNCTION "api_key_final"()',
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
@@ -386,5 +416,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(10, "models and replicas", _MODELS),
     Migration(11, "deployments and servers", _DEPLOYMENTS),
     Migration(12, "work item GPUs by UUID", _WORK_GPU_UUIDS),
+    Migration(
+        13, "client API keys", _API_KEYS, sqlite=_API_KEYS_SQLITE, postgresql=_API_KEYS_POSTGRESQL
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

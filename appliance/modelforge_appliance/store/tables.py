@@ -341,3 +341,22 @@ class DeploymentServer(BaseModel):
             (("node", "state"), False),
             (("state", "lease_expires_at"), False),
         )
+
+
+# -- client API keys (migration 13, identity/api_keys.py) --------------------------------
+
+
+class ApiKey(BaseModel):
+    """A client's key for the OpenAI-compatible API (``mfk_…``): only its digest is kept.
+
+    Revoking one is final: migration 13's trigger puts it in the finality record.
+    """
+
+    key_id = pw.CharField(primary_key=True, max_length=32)
+    name = pw.CharField(max_length=120)
+    digest = pw.CharField(max_length=64)
+    created_by = pw.CharField(max_length=120)
+    created_at = pw.DoubleField()
+    last_used_at = pw.DoubleField(null=True)  # to the minute (LAST_USED_RESOLUTION_SECONDS)
+    revoked_at = pw.DoubleField(null=True)
+    revoked_by = pw.CharField(max_length=120, null=True)

@@ -1,0 +1,204 @@
+"""Client API keys (``mfk_…``): minted by an administrator, shown once, stored as digests.
+
+A client of the OpenAI-compatible API sends ``Authorization: Bearer mfk_<key id>_<secret>``
+on every call (docs/clients.md). Only the SHA-256 digest is kept, found by the non-secret
+key id and compared in constant time (invariant 3). Revoking a key is final, also across a
+restore: migration 13's trigger adds it to the finality record (invariant 5).
+
+Authentication is the client's hot path: one indexed read, no model objects, and the key's
+``last_used_at`` is written at most once a minute per key (a flush-free write), never once
+per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import peewee as pw
+
+from modelforge_contract import API_KEY_INVALID, API_KEY_MISSING, API_KEY_REVOKED, KIND_API_KEY
+
+from ..core import tokens
+from ..core.clock import isoformat
+from ..core.errors import NotFound, Unauthorized
+from ..core.validation import Field, check_value
+from ..store import audit
+from ..store.database import Store
+from ..store.tables import ApiKey
+
+log = logging.getLogger(__name__)
+
+# last_used_at is kept to this resolution: a busy client costs one write a minute per key.
+LAST_USED_RESOLUTION_SECONDS = 60
+
+NAME_FIELD = Field(str, low=1, high=120, name=True)
+# What tokens.new_lookup_id makes; any other id names no key (and never reaches the store).
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
+
+_NEXT_STEP = (
+    "Send 'Authorization: Bearer mfk_…' with a key from `modelforge api-keys create`; "
+    "an administrator lists the keys with `modelforge api-keys list`."
+)
+_REVOKED_NEXT_STEP = (
+    "Revoked keys stay refused; ask an administrator for a new one "
+    "(`modelforge api-keys create --name NAME`)."
+)
+
+# Compared against when the key id is unknown, so an unknown id and a wrong secret take
+# the same time.
+_NO_DIGEST = tokens.digest("mfk_0000000000000000_unknown")
+
+_CALLER_SQL = "SELECT digest, revoked_at, last_used_at, name FROM api_key WHERE key_id = ?"
+_MARK_USED_SQL = (
+    "UPDATE api_key SET last_used_at = ? WHERE key_id = ? "
+    "AND (last_used_at IS NULL OR last_used_at <= ?)"
+)
+
+
+@dataclass(frozen=True)
+class ApiKeyCaller:
+    """A client request's key that authenticated: known, its secret matching, not revoked."""
+
+    key_id: str
+    name: str
+
+
+def create_api_key(store: Store, name: str, actor: str) -> tuple[dict[str, Any], str]:
+    """Mint a key named ``name``: its view and its secret, which is never stored or shown
+    again. The name is checked like every name people read (400 FIELD_*)."""
+    name = check_value(name, NAME_FIELD, "name")
+    key_id, secret = tokens.mint_secret(KIND_API_KEY)
+    with store.write():
+        row = ApiKey.create(
+            key_id=key_id,
+            name=name,
+            digest=tokens.digest(secret),
+            created_by=actor,
+            created_at=store.clock.now(),
+        )
+        audit.record(store, actor, "api_key.created", key_id=key_id, name=name)
+    return api_key_view(row), secret
+
+
+def list_api_keys(store: Store) -> list[dict[str, Any]]:
+    """Every key, oldest first, active and revoked alike; never a secret or a digest."""
+    with store.connection():
+        rows = list(ApiKey.select().order_by(ApiKey.created_at, ApiKey.key_id))
+    return [api_key_view(row) for row in rows]
+
+
+def api_key_view(row: ApiKey) -> dict[str, Any]:
+    return {
+        "key_id": row.key_id,
+        "name": row.name,
+        "state": "revoked" if row.revoked_at is not None else "active",
+        "created_by": row.created_by,
+        "created_at": isoformat(row.created_at),
+        "last_used_at": isoformat(row.last_used_at),
+        "revoked_at": isoformat(row.revoked_at),
+        "revoked_by": row.revoked_by,
+    }
+
+
+def revoke_api_key(store: Store, key_id: str, actor: str) -> dict[str, Any]:
+    """Revoke a key for good (404 when there is none). Revoking it again changes nothing."""
+    missing = NotFound(
+        f"no API key {key_id[:40]!r}",
+        next_step="See the keys with `modelforge api-keys list` (GET /api/v1/admin/api-keys).",
+    )
+    if not _KEY_ID.fullmatch(key_id):
+        raise missing
+    now = store.clock.now()
+    with store.write():
+        # Conditional: of two revocations at once, one writes and is audited.
+        revoked = (
+            ApiKey.update(revoked_at=now, revoked_by=actor)
+            .where((ApiKey.key_id == key_id) & ApiKey.revoked_at.is_null())
+            .execute()
+        )
+        row = ApiKey.get_or_none(ApiKey.key_id == key_id)
+        if row is None:
+            raise missing
+        if revoked:
+            audit.record(store, actor, "api_key.revoked", key_id=key_id, name=row.name)
+    return api_key_view(row)
+
+
+def authenticate_api_key(store: Store, authorization: str | None) -> ApiKeyCaller:
+    """The key an ``Authorization`` header carries, or Unauthorized (401).
+
+    ``API_KEY_MISSING`` without the header; ``API_KEY_INVALID`` when it is not
+    ``Bearer mfk_…``, names no key, or its secret does not match; ``API_KEY_REVOKED`` for a
+    revoked key, said only to a caller that holds its secret.
+    """
+    if not authorization:
+        raise Unauthorized(
+            "this call needs an API key as 'Authorization: Bearer mfk_…'",
+            code=API_KEY_MISSING,
+            next_step=_NEXT_STEP,
+        )
+    invalid = Unauthorized(
+        "the API key is malformed, unknown or does not match",
+        code=API_KEY_INVALID,
+        next_step=_NEXT_STEP,
+    )
+    scheme, _, value = authorization.strip().partition(" ")
+    parsed = tokens.parse(value, KIND_API_KEY) if scheme.lower() == "bearer" else None
+    if parsed is None:
+        raise invalid
+    key_id, secret = parsed
+    with store.connection():
+        row = store.db.execute_sql(_CALLER_SQL.replace("?", store.db.param), (key_id,)).fetchone()
+    stored = row[0] if row is not None else _NO_DIGEST
+    if not tokens.digest_matches(secret, stored) or row is None:
+        raise invalid
+    _, revoked_at, last_used_at, name = row
+    if revoked_at is not None:
+        raise Unauthorized(
+            "the API key has been revoked; revoked keys stay refused",
+            code=API_KEY_REVOKED,
+            next_step=_REVOKED_NEXT_STEP,
+        )
+    _last_use.mark(store, key_id, last_used_at)
+    return ApiKeyCaller(key_id, name)
+
+
+class _LastUse:
+    """Writes each key's ``last_used_at`` at most once per resolution.
+
+    The stored time decides across processes (the conditional UPDATE); the time this
+    process last wrote decides among its own threads, so the many requests of one busy
+    client that arrive together as the minute turns make one write, not one each. One
+    entry per key that authenticated here: administrators mint keys, so they are few.
+    """
+
+    def __init__(self) -> None:
+        self._written: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, store: Store, key_id: str, stored: float | None) -> None:
+        now = store.clock.now()
+        with self._lock:
+            written = self._written.get(key_id, -math.inf)
+            last = max(written, -math.inf if stored is None else stored)
+            if now - last < LAST_USED_RESOLUTION_SECONDS:
+                return
+            self._written[key_id] = now
+        try:
+            # A timestamp, safe to lose in a power cut: no flush of its own.
+            with store.write(flushed=False):
+                store.db.execute_sql(
+                    _MARK_USED_SQL.replace("?", store.db.param),
+                    (now, key_id, now - LAST_USED_RESOLUTION_SECONDS),
+                )
+        except (pw.OperationalError, pw.InterfaceError) as exc:
+            # The call itself authenticated; only its bookkeeping waits for the next minute.
+            log.warning("last use of API key %s not recorded: %s", key_id, type(exc).__name__)
+
+
+_last_use = _LastUse()
