@@ -168,6 +168,14 @@ class ServeLoop:
         self._fetched_generation: object = None
         self._stops: dict[str, threading.Event] = {}  # stops in flight, by server
 
+    def server_of(self, server_id: str) -> tuple[int, str] | None:
+        """The loopback port and served name of a server this agent runs and saw ready (the
+        tunnel reaches no other); None otherwise. Safe from any thread."""
+        held = self.held.get(server_id)
+        if held is None or held.state != SERVER_RUNNING or not held.port:
+            return None
+        return int(held.port), str(held.entry.get("deployment"))
+
     def generation_seen(self, value: object) -> None:
         """A heartbeat answer's ``servers_generation``: fetch again when it moved."""
         if value is None:
@@ -308,6 +316,10 @@ class ServeLoop:
         if running is not None and running.get("exit") is None:
             held.port = running.get("port")
             held.launched_at = time.monotonic()
+            if held.port and ready(
+                str(entry.get("runtime")), held.port, str(entry.get("deployment"))
+            ):
+                held.state = SERVER_RUNNING  # reported as it is, never "starting" again
             log.info("server %s (%s) adopted: its runtime still runs on 127.0.0.1:%s",
                      server_id, printable(entry.get("deployment")), held.port)  # fmt: skip
             return

@@ -232,6 +232,11 @@ def test_agent_killed_and_restarted_adopts_its_runtime_without_a_duplicate(
         shown = wait_servers(cp, "tiny-r", "running")
         assert shown["servers"][0]["restarts"] == 0
         assert complete(after["port"], "tiny-r")
+        events = cp.admin("GET", "/api/v1/admin/audit-events?limit=500").json()["events"]
+        leased = [e for e in events if e["action"] == "server.leased"]
+        assert [e["detail"]["adopted"] for e in reversed(leased)] == [False, True]
+        # Adopted as it runs: the server never went back to starting.
+        assert [e for e in events if e["action"] == "server.restarting"] == []
     finally:
         node.close()
 
