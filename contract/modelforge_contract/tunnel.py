@@ -146,6 +146,7 @@ MAX_FRAME = HEADER_SIZE + MAX_PAYLOAD
 WINDOW_BYTES = 1024 * 1024  # initial credit of each direction of each stream
 MAX_STREAMS_PER_TUNNEL = 64  # the default cap on a tunnel's open streams
 MAX_STREAM_ID = 2**32 - 1
+MAX_OFFSET = 2**63 - 1  # the most body bytes a resume_from or delivered may count
 MAX_HEADERS = 128  # the most [name, value] pairs in an OPEN or HEAD
 RESET_MESSAGE_MAX_CHARS = 1000  # reset_frame trims longer messages
 PING_BYTES = 8
@@ -157,7 +158,7 @@ SSE_KEEPALIVE = b": keepalive\n\n"
 MODEL_NOT_DEPLOYED = "MODEL_NOT_DEPLOYED"  # 404: no deployment of that name
 NO_RUNNING_SERVER = "NO_RUNNING_SERVER"  # 503: the deployment has no running server
 NODE_LINK_LOST = "NODE_LINK_LOST"  # 502, or an SSE error event: the tunnel went away
-TUNNEL_PROTOCOL_ERROR = "TUNNEL_PROTOCOL_ERROR"  # a frame broke this contract
+TUNNEL_PROTOCOL_ERROR = "TUNNEL_PROTOCOL_ERROR"  # a frame broke the tunnel contract
 STREAM_LIMIT = "STREAM_LIMIT"  # 503: the node's tunnel carries its most streams
 STREAM_CANCELLED = "STREAM_CANCELLED"  # the client went away: the runtime stops
 ROUTE_NOT_RELAYED = "ROUTE_NOT_RELAYED"  # an OPEN for a path is_relayed refuses
@@ -545,8 +546,8 @@ def _check_open(body: dict) -> None:
         raise FrameError("OPEN: path is not a request path")
     _check_headers(body, OPEN)
     resume_from = _field(body, OPEN, "resume_from", int, optional=True)
-    if resume_from is not None and resume_from < 0:
-        raise FrameError("OPEN: resume_from is negative")
+    if resume_from is not None and not 0 <= resume_from <= MAX_OFFSET:
+        raise FrameError("OPEN: resume_from out of range")
 
 
 def _check_head(body: dict) -> None:
@@ -569,8 +570,10 @@ def _check_resume(body: dict) -> None:
             raise FrameError("RESUME: streams must be objects")
         stream_id = _field(entry, RESUME, "stream_id", int)
         delivered = _field(entry, RESUME, "delivered", int)
-        if not 0 < stream_id <= MAX_STREAM_ID or delivered < 0 or stream_id in seen:
+        if not 0 < stream_id <= MAX_STREAM_ID or not 0 <= delivered <= MAX_OFFSET:
             raise FrameError("RESUME: stream_id or delivered out of range")
+        if stream_id in seen:
+            raise FrameError(f"RESUME: stream {stream_id} listed twice")
         seen.add(stream_id)
 
 

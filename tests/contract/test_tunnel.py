@@ -300,7 +300,8 @@ BAD_JSON = [
     (OPEN, b'{"server_id":"s","method":"POST","path":"/","headers":[["a"]]}', "pairs"),
     (OPEN, b'{"server_id":"s","method":"POST","path":"/","headers":[["a",1]]}', "pairs"),
     (OPEN, b'{"server_id":"s","method":"POST","path":"/","headers":[["a","x\\r\\nb: 1"]]}', "pairs"),
-    (OPEN, b'{"server_id":"s","method":"POST","path":"/","headers":[],"resume_from":-1}', "negative"),
+    (OPEN, b'{"server_id":"s","method":"POST","path":"/","headers":[],"resume_from":-1}', "out of range"),
+    (OPEN, b'{"server_id":"s","method":"POST","path":"/","headers":[],"resume_from":9223372036854775808}', "out of range"),
     (OPEN, b'{"server_id":"s","method":"POST","path":"/","headers":[],"resume_from":true}', "must be int"),
     (HEAD, b'{"status": 99, "headers": []}', "status out of range"),
     (HEAD, b'{"status": 600, "headers": []}', "status out of range"),
@@ -314,7 +315,9 @@ BAD_JSON = [
     (RESUME, b'{"streams": [1]}', "objects"),
     (RESUME, b'{"streams": [{"stream_id": 0, "delivered": 0}]}', "out of range"),
     (RESUME, b'{"streams": [{"stream_id": 1, "delivered": -1}]}', "out of range"),
-    (RESUME, b'{"streams": [{"stream_id": 1, "delivered": 0}, {"stream_id": 1, "delivered": 2}]}', "out of range"),
+    (RESUME, b'{"streams": [{"stream_id": 4294967296, "delivered": 0}]}', "out of range"),
+    (RESUME, b'{"streams": [{"stream_id": 1, "delivered": 9223372036854775808}]}', "out of range"),
+    (RESUME, b'{"streams": [{"stream_id": 1, "delivered": 0}, {"stream_id": 1, "delivered": 2}]}', "listed twice"),
 ]  # fmt: skip
 
 
