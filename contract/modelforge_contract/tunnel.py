@@ -52,6 +52,8 @@ What the receiver must do: a frame that fails ``decode``/``FrameReader`` or ``js
 (``FrameError``), a frame for a stream that does not exist or is not this node's, DATA
 beyond the credit, or more than ``MAX_STREAMS_PER_TUNNEL`` streams close the tunnel
 (``TUNNEL_PROTOCOL_ERROR``, ``STREAM_LIMIT``) with the reason logged; no payload is logged.
+What a tunnel may carry, the headers it drops and the error codes of RESET and of the client
+API are in ``modelforge_contract.relay``.
 """
 
 from __future__ import annotations
@@ -75,68 +77,6 @@ HEADER_TUNNEL_SESSION = "X-ModelForge-Tunnel-Session"
 TUNNEL_SUBPROTOCOL = "modelforge.tunnel.v1"
 TUNNEL_MEDIA_TYPE = "application/vnd.modelforge.tunnel"
 
-# The client API on the control plane's port. /v1/models is answered by the control
-# plane itself (its deployments); the others are relayed to a running server.
-PATH_CLIENT_MODELS = "/v1/models"
-PATH_CLIENT_CHAT_COMPLETIONS = "/v1/chat/completions"
-PATH_CLIENT_COMPLETIONS = "/v1/completions"
-PATH_CLIENT_EMBEDDINGS = "/v1/embeddings"
-RELAYED_PATHS = frozenset(
-    {PATH_CLIENT_CHAT_COMPLETIONS, PATH_CLIENT_COMPLETIONS, PATH_CLIENT_EMBEDDINGS}
-)
-RELAYED_METHOD = "POST"
-# Runtime routes that only leak (the model's path, the prompt cache, the runtime's own
-# counters): never relayed, whatever a client asks.
-RUNTIME_PATHS_NOT_RELAYED = frozenset({"/props", "/slots", "/metrics"})
-
-
-def is_relayed(method: str, path: str) -> bool:
-    """True for exactly the requests a tunnel may carry (``POST /v1/chat/completions``…).
-
-    The path must match exactly: no query, no trailing slash, no dot segments.
-    """
-    return method == RELAYED_METHOD and path in RELAYED_PATHS
-
-
-# Hop-by-hop headers (RFC 9110 §7.6.1, plus the proxy ones and the pre-RFC names that
-# proxies still send): never relayed in either direction. A header named in Connection
-# is hop-by-hop too (relayable_headers drops it).
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "proxy-connection",
-        "keep-alive",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-authentication-info",
-    }
-)
-# Request headers that stop at the control plane: the client's API key and cookies are
-# the control plane's business, and the agent sets Host for the runtime.
-REQUEST_HEADERS_NOT_RELAYED = HOP_BY_HOP | {"authorization", "cookie", "host"}
-# Response headers the relay sets itself (a scrubbed body changes its length).
-RESPONSE_HEADERS_NOT_RELAYED = HOP_BY_HOP | {"content-length", "set-cookie"}
-
-
-def relayable_headers(
-    headers: Iterable[tuple[str, str]], dropped: frozenset[str] = HOP_BY_HOP
-) -> list[tuple[str, str]]:
-    """The headers minus ``dropped`` (lowercase names) and those named in Connection."""
-    pairs = [(name, value) for name, value in headers]
-    named = {
-        token.strip().lower()
-        for name, value in pairs
-        if name.lower() == "connection"
-        for token in value.split(",")
-    }
-    return [(n, v) for n, v in pairs if n.lower() not in dropped and n.lower() not in named]
-
-
 # -- limits ------------------------------------------------------------------------------
 
 HEADER_SIZE = 12
@@ -150,52 +90,6 @@ MAX_OFFSET = 2**63 - 1  # the most body bytes a resume_from or delivered may cou
 MAX_HEADERS = 128  # the most [name, value] pairs in an OPEN or HEAD
 RESET_MESSAGE_MAX_CHARS = 1000  # reset_frame trims longer messages
 PING_BYTES = 8
-SSE_KEEPALIVE_SECONDS = 15  # a quiet relayed SSE stream gets SSE_KEEPALIVE between events
-SSE_KEEPALIVE = b": keepalive\n\n"
-
-# -- error codes (RESET codes, and the client API's errors) ------------------------------
-
-MODEL_NOT_DEPLOYED = "MODEL_NOT_DEPLOYED"  # 404: no deployment of that name
-NO_RUNNING_SERVER = "NO_RUNNING_SERVER"  # 503: the deployment has no running server
-NODE_LINK_LOST = "NODE_LINK_LOST"  # 502, or an SSE error event: the tunnel went away
-TUNNEL_PROTOCOL_ERROR = "TUNNEL_PROTOCOL_ERROR"  # a frame broke the tunnel contract
-STREAM_LIMIT = "STREAM_LIMIT"  # 503: the node's tunnel carries its most streams
-STREAM_CANCELLED = "STREAM_CANCELLED"  # the client went away: the runtime stops
-ROUTE_NOT_RELAYED = "ROUTE_NOT_RELAYED"  # an OPEN for a path is_relayed refuses
-SERVER_NOT_ON_NODE = "SERVER_NOT_ON_NODE"  # an OPEN for a server this node does not run
-RUNTIME_UNREACHABLE = "RUNTIME_UNREACHABLE"  # 502: the agent could not reach the runtime
-RESUME_FAILED = "RESUME_FAILED"  # the agent no longer holds the bytes to resume from
-TUNNEL_REPLACED = "TUNNEL_REPLACED"  # RESET of stream 0: a newer tunnel of the node won
-TUNNEL_CLOSING = "TUNNEL_CLOSING"  # RESET of stream 0: the sender shuts down
-RELAY_ERROR_CODES = (
-    MODEL_NOT_DEPLOYED,
-    NO_RUNNING_SERVER,
-    NODE_LINK_LOST,
-    TUNNEL_PROTOCOL_ERROR,
-    STREAM_LIMIT,
-    STREAM_CANCELLED,
-    ROUTE_NOT_RELAYED,
-    SERVER_NOT_ON_NODE,
-    RUNTIME_UNREACHABLE,
-    RESUME_FAILED,
-    TUNNEL_REPLACED,
-    TUNNEL_CLOSING,
-)
-# The status a client gets when the code ends its request before any header went out.
-RELAY_ERROR_STATUS = {
-    MODEL_NOT_DEPLOYED: 404,
-    NO_RUNNING_SERVER: 503,
-    NODE_LINK_LOST: 502,
-    TUNNEL_PROTOCOL_ERROR: 502,
-    STREAM_LIMIT: 503,
-    ROUTE_NOT_RELAYED: 404,
-    SERVER_NOT_ON_NODE: 502,
-    RUNTIME_UNREACHABLE: 502,
-    RESUME_FAILED: 502,
-    TUNNEL_REPLACED: 502,
-    TUNNEL_CLOSING: 502,
-}
-
 # -- frames ------------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modelforge_contract import tunnel
+from modelforge_contract import relay, tunnel
 from modelforge_contract.tunnel import (
     DATA,
     END,
@@ -63,8 +63,8 @@ def every_kind_of_frame() -> list[Frame]:
         window_frame(1, 65536),
         window_frame(2**32 - 1, 2**32 - 1),
         end_frame(5),
-        reset_frame(1, tunnel.STREAM_CANCELLED, "the client went away"),
-        reset_frame(0, tunnel.TUNNEL_CLOSING, "shutting down"),
+        reset_frame(1, relay.STREAM_CANCELLED, "the client went away"),
+        reset_frame(0, relay.TUNNEL_CLOSING, "shutting down"),
         ping_frame(b"12345678"),
         pong_frame(ping_frame(b"\x00" * 8)),
         resume_frame({1: 0, 9: 123456789}),
@@ -394,61 +394,3 @@ def test_a_reader_never_holds_more_than_one_frame_of_a_huge_chunk():
     assert reader.feed(stream[:-50]) == frames[:-1]
     assert reader.buffered == len(encode(frames[-1])) - 50
     assert reader.feed(stream[-50:]) == frames[-1:]
-
-
-# -- what is relayed ---------------------------------------------------------------------
-
-
-def test_only_the_three_client_routes_are_relayed_and_only_by_post():
-    assert tunnel.is_relayed("POST", "/v1/chat/completions")
-    assert tunnel.is_relayed("POST", "/v1/completions")
-    assert tunnel.is_relayed("POST", "/v1/embeddings")
-    for method, path in [
-        ("GET", "/v1/chat/completions"),
-        ("POST", "/v1/models"),  # the control plane answers it itself
-        ("POST", "/v1/chat/completions/"),
-        ("POST", "/v1/chat/completions?x=1"),
-        ("POST", "/v1/../props"),
-        ("POST", "/V1/embeddings"),
-        *(("GET", p) for p in tunnel.RUNTIME_PATHS_NOT_RELAYED),
-        *(("POST", p) for p in tunnel.RUNTIME_PATHS_NOT_RELAYED),
-    ]:
-        assert not tunnel.is_relayed(method, path), (method, path)
-    assert {"/props", "/slots", "/metrics"} == tunnel.RUNTIME_PATHS_NOT_RELAYED
-
-
-def test_hop_by_hop_headers_and_those_connection_names_are_dropped():
-    headers = [
-        ("Content-Type", "text/event-stream"),
-        ("Connection", "keep-alive, X-Private"),
-        ("Keep-Alive", "timeout=5"),
-        ("Transfer-Encoding", "chunked"),
-        ("X-Private", "1"),
-        ("TE", "trailers"),
-        ("Upgrade", "h2c"),
-        ("Proxy-Authorization", "Basic x"),
-        ("Cache-Control", "no-cache"),
-    ]
-    assert tunnel.relayable_headers(headers) == [
-        ("Content-Type", "text/event-stream"),
-        ("Cache-Control", "no-cache"),
-    ]
-    request = [("Authorization", "Bearer mfk_x"), ("Host", "cp"), ("Cookie", "a=b"), ("A", "1")]
-    assert tunnel.relayable_headers(request, tunnel.REQUEST_HEADERS_NOT_RELAYED) == [("A", "1")]
-    answer = [("Content-Length", "10"), ("Set-Cookie", "x"), ("Content-Type", "a/b")]
-    assert tunnel.relayable_headers(answer, tunnel.RESPONSE_HEADERS_NOT_RELAYED) == [
-        ("Content-Type", "a/b")
-    ]
-
-
-def test_the_relay_error_codes_are_their_own_names_and_have_a_status():
-    for code in tunnel.RELAY_ERROR_CODES:
-        assert getattr(tunnel, code) == code
-    assert tunnel.RELAY_ERROR_STATUS[tunnel.MODEL_NOT_DEPLOYED] == 404
-    assert tunnel.RELAY_ERROR_STATUS[tunnel.NO_RUNNING_SERVER] == 503
-    assert tunnel.RELAY_ERROR_STATUS[tunnel.NODE_LINK_LOST] == 502
-    assert set(tunnel.RELAY_ERROR_STATUS) <= set(tunnel.RELAY_ERROR_CODES)
-    # A RESET can carry every one of them.
-    for code in tunnel.RELAY_ERROR_CODES:
-        assert json_of(reset_frame(1, code, "x"))["code"] == code
-    assert END is FrameType.END and RESET is FrameType.RESET
