@@ -168,6 +168,10 @@ STORE_UNAVAILABLE = "STORE_UNAVAILABLE"
 # The connection front's own refusals (503 with Retry-After).
 SERVER_BUSY = "SERVER_BUSY"
 TOO_MANY_CONNECTIONS = "TOO_MANY_CONNECTIONS"
+# The tunnel's front: a GET of the tunnel path that is no WebSocket upgrade (426), and
+# more tunnels open at once than the front holds (503 with Retry-After).
+TUNNEL_UPGRADE_REQUIRED = "TUNNEL_UPGRADE_REQUIRED"
+TOO_MANY_TUNNELS = "TOO_MANY_TUNNELS"
 INTERNAL_ERROR = "INTERNAL_ERROR"
 # Field errors are "FIELD_<REASON>" with the field path in the message,
 # e.g. FIELD_REQUIRED, FIELD_TYPE, FIELD_UNKNOWN, FIELD_RANGE, FIELD_CHOICE.

@@ -48,6 +48,13 @@ SETTINGS: tuple[SettingSpec, ...] = (
     ),
     SettingSpec("MODELFORGE_LISTEN", "127.0.0.1:8000", "HOST:PORT the control plane serves on."),
     SettingSpec(
+        "MODELFORGE_TUNNEL_LISTEN",
+        None,
+        "HOST:PORT of a separate port for the agents' tunnels (GET /api/v1/agent/tunnel, a "
+        "WebSocket upgrade); everything else there is answered 404. Unset: the tunnels share "
+        "the control plane's one port (MODELFORGE_LISTEN).",
+    ),
+    SettingSpec(
         "MODELFORGE_PUBLIC_API_ORIGIN",
         None,
         "scheme://host[:port] agents use to reach the API. Enrollment tokens are locked to "
@@ -312,6 +319,8 @@ class Settings:
     )
     work_slots_per_node: int = 2
     work_claims_per_second: int = 50
+    # MODELFORGE_TUNNEL_LISTEN as (host, port); None: the tunnels share the one port.
+    tunnel_listen: tuple[str, int] | None = None
 
     @property
     def listen(self) -> str:
@@ -432,6 +441,13 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         )
 
     host, port = parse_listen(value(env, "MODELFORGE_LISTEN") or "")
+    tunnel_raw = value(env, "MODELFORGE_TUNNEL_LISTEN")
+    tunnel_listen = parse_listen(tunnel_raw, "MODELFORGE_TUNNEL_LISTEN") if tunnel_raw else None
+    if tunnel_listen is not None and tunnel_listen == (host, port) and port != 0:
+        raise ConfigError(
+            f"MODELFORGE_TUNNEL_LISTEN={tunnel_raw!r} is MODELFORGE_LISTEN itself; leave it "
+            "unset to share the one port, or give the tunnels a port of their own"
+        )
 
     origin = value(env, "MODELFORGE_PUBLIC_API_ORIGIN")
     if origin is not None:
@@ -510,6 +526,7 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         database_url=database_url,
         listen_host=host,
         listen_port=port,
+        tunnel_listen=tunnel_listen,
         public_api_origin=origin,
         trusted_proxies=parse_trusted_proxies(value(env, "MODELFORGE_TRUSTED_PROXY")),
         heartbeat_interval_seconds=interval,

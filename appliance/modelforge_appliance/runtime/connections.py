@@ -1,6 +1,6 @@
 """How the control plane holds thousands of connections on waitress.
 
-Three things waitress does not do on its own:
+What waitress does not do on its own:
 
 - **A deadline for the whole request.** waitress closes a connection only after
   ``channel_timeout`` seconds *without any byte*, so a client that trickles its headers
@@ -18,6 +18,10 @@ Three things waitress does not do on its own:
   address may hold ``MODELFORGE_CONNECTIONS_PER_ADDRESS`` connections (a trusted proxy's
   are not counted); and near the connection limit the oldest idle keep-alive connections
   are closed to make room, so a flood of idle sockets never stops the others.
+- **A look before waitress reads.** Where the tunnel front takes agents' tunnels
+  (``front.py``), a new connection's first bytes are peeked at: a tunnel request's head
+  is taken (and not a byte past it) and the connection handed over; anything else is
+  waitress's, byte for byte.
 - **An event loop whose cost does not grow with registrations.** waitress's poll loop
   builds a new ``poll`` set from every connection on every turn; ``EventLoop`` keeps
   one ``epoll`` set and only changes the entries whose interest changed. It still asks
@@ -31,6 +35,7 @@ import contextlib
 import json
 import logging
 import select
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +58,7 @@ from modelforge_contract import (
 )
 
 from ..web.http import SECURITY_HEADERS
+from .front import TOO_MANY_TUNNELS_ANSWER, TUNNEL, WAITRESS, TunnelFront, classify
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +162,11 @@ class Channel(HTTPChannel):
         # Server.handle_accept counted this connection against its address (or refused it).
         self.source = self.addr[0] if isinstance(self.addr, tuple) else str(self.addr)
         self._counted = True
+        # Looked at by the tunnel front before waitress reads a byte (front.py): what the
+        # front has read of a tunnel request's head, never a byte past it.
+        front = getattr(self.server, "front", None)
+        self.sniffing = front is not None and front.taking
+        self.sniffed = b""
 
     def refuse(self, answer: bytes) -> None:
         """Answer ``answer`` to a client still sending a body, dropping what it sent.
@@ -211,6 +222,72 @@ class Channel(HTTPChannel):
             bounds.buffered += len(data)
         self._fresh = False
         return result
+
+    def handle_read(self) -> None:
+        if self.sniffing:
+            self._sniff()
+        else:
+            super().handle_read()
+
+    def _sniff(self) -> None:
+        """The front's look at a new connection: waitress's, or an agent's tunnel.
+
+        The look is a ``MSG_PEEK``; only bytes that may begin a tunnel request are taken
+        (so the socket does not stay readable with nothing new), and a tunnel request's
+        head is taken up to its blank line and no further. Anything else is waitress's:
+        the bytes taken, then the socket, exactly as the client sent them.
+        """
+        try:
+            peeked = self.socket.recv(self.adj.recv_bytes, socket.MSG_PEEK)
+        except BlockingIOError:
+            return
+        except OSError:
+            self.handle_close()
+            return
+        if not peeked:  # the client closed before it said anything we kept
+            self.handle_close()
+            return
+        kind, take = classify(self.sniffed + peeked, self.adj.max_request_header_size)
+        if kind == WAITRESS:
+            self.sniffing = False
+            sniffed, self.sniffed = self.sniffed, b""
+            if sniffed:
+                self.last_activity = time.time()
+                self.received(sniffed)
+            super().handle_read()
+            return
+        try:
+            self.sniffed += self.socket.recv(take - len(self.sniffed))
+        except OSError:
+            self.handle_close()
+            return
+        self.last_activity = time.time()
+        if kind == TUNNEL and len(self.sniffed) == take:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Give this connection to the tunnel front: it leaves waitress's loop (and its
+        connection count), but stays counted against its address until the tunnel ends."""
+        server, sock, head = self.server, self.socket, self.sniffed
+        self.sniffing, self.sniffed, self._counted = False, b"", False
+        self.del_channel()  # out of the loop's map, the socket left open
+        with self.outbuf_lock:
+            for outbuf in self.outbufs:
+                outbuf.close()
+            self.total_outbufs_len = 0
+        self.connected = False
+        source = self.source
+
+        def done() -> None:  # on the tunnel's thread; the address count is the loop's
+            with contextlib.suppress(Exception):
+                server.trigger.pull_trigger(lambda: server.uncount_source(source))
+
+        if server.front is None or not server.front.take(sock, head, self.addr, done):
+            server.on_close("tunnels_full")
+            with contextlib.suppress(OSError):
+                sock.send(TOO_MANY_TUNNELS_ANSWER)
+            sock.close()
+            server.uncount_source(source)
 
     def handle_close(self) -> None:
         self._release()
@@ -274,8 +351,10 @@ class Server(TcpWSGIServer):
 
     channel_class = Channel
     request_timeout: float = 30.0
-    # Called with "idle", "request_timeout", "evicted", "buffer_full" or "per_address" for
-    # every connection this server closes or refuses.
+    # Where agents' tunnel requests go (front.py); None: every connection is waitress's.
+    front: TunnelFront | None = None
+    # Called with "idle", "request_timeout", "evicted", "buffer_full", "per_address" or
+    # "tunnels_full" for every connection this server closes or refuses.
     on_close: Callable[[str], None] = staticmethod(lambda reason: None)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -320,6 +399,7 @@ class Server(TcpWSGIServer):
             and channel.request is None
             and not channel.total_outbufs_len
             and not (channel.will_close or channel.close_when_flushed)
+            and not channel.sniffed  # a tunnel request's head is arriving
         ]
         for channel in sorted(idle, key=lambda channel: channel.last_activity)[:count]:
             self.on_close("evicted")

@@ -6,6 +6,10 @@ holds thousands of connections (``MODELFORGE_CONNECTION_LIMIT``) on an epoll loo
 ``MODELFORGE_REQUEST_TIMEOUT_SECONDS``, or says nothing for
 ``MODELFORGE_IDLE_TIMEOUT_SECONDS``, is closed. Bodies are refused by waitress itself
 beyond ``MODELFORGE_MAX_BODY_BYTES``, before a byte of them is buffered.
+
+Agents' tunnels come in on the same port (or on ``MODELFORGE_TUNNEL_LISTEN``): the front
+(``front.py``) takes them before waitress sees them, once the relay registers its handler
+on ``server.tunnel_front``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from ..store.database import Store
 from ..web.http import JSON_HEADERS, SECURITY_HEADERS
 from .app import make_app
 from .connections import Bounds, EventLoop, Server
+from .front import TunnelFront, tunnel_port_app
 
 log = logging.getLogger(__name__)
 wsgi_log = logging.getLogger("modelforge_appliance.wsgi")
@@ -46,6 +51,11 @@ SPARE_DESCRIPTORS = 64
 LISTEN_BACKLOG = 4096
 # How often idle connections and request deadlines are checked.
 MAINTENANCE_SECONDS = 1
+# An answer's bytes waitress holds for a client before the thread writing it waits for the
+# client to take them (its default is 16 MiB). A relayed stream is granted credit as its
+# client's connection takes the bytes, so this is about one tunnel window (1 MiB): a client
+# that stops reading costs about a window here and a window on the tunnel.
+OUTBUF_HIGH_WATERMARK = 1 << 20
 
 
 def open_store(settings: Settings, clock: Clock | None = None) -> Store:
@@ -66,6 +76,7 @@ def waitress_options(settings: Settings) -> dict[str, Any]:
         "max_request_body_size": settings.max_body_bytes + 1,
         "inbuf_overflow": settings.max_body_bytes + 1,
         "max_request_header_size": MAX_HEADER_BYTES,
+        "outbuf_high_watermark": OUTBUF_HIGH_WATERMARK,
         # Connections the kernel completes while the loop is busy wait here (Linux caps it
         # at net.core.somaxconn).
         "backlog": LISTEN_BACKLOG,
@@ -157,12 +168,26 @@ def forwarded_headers(app: Callable, trusted: Iterable[str]) -> Callable:
 
 
 def create_server(settings: Settings, store: Store, host: str, port: int) -> Server:
-    """A waitress server bound to host:port (port 0 picks a free one); serve with run_until."""
+    """A waitress server bound to host:port (port 0 picks a free one), and to
+    MODELFORGE_TUNNEL_LISTEN where it is set; serve with run_until.
+
+    ``server.tunnel_front`` is where the relay registers the tunnel handler;
+    ``server.tunnel_servers`` are the separate tunnel port's listeners (none when unset).
+    """
     ensure_file_descriptors(settings.connection_limit)
     app = make_app(settings, store)
     adj = Adjustments(host=host, port=port, **waitress_options(settings))
+    tunnel_listen = (
+        Adjustments(
+            host=settings.tunnel_listen[0],
+            port=settings.tunnel_listen[1],
+            **waitress_options(settings),
+        ).listen
+        if settings.tunnel_listen
+        else []
+    )
     # waitress counts its listening sockets and their wake-up pipes as connections too.
-    adj.connection_limit = settings.connection_limit + 2 * len(adj.listen)
+    adj.connection_limit = settings.connection_limit + 2 * (len(adj.listen) + len(tunnel_listen))
     dispatcher = ThreadedTaskDispatcher()
     dispatcher.set_thread_count(adj.threads)
     socket_map: dict[int, Any] = {}
@@ -171,6 +196,24 @@ def create_server(settings: Settings, store: Store, host: str, port: int) -> Ser
         Server(application, socket_map, dispatcher=dispatcher, adj=adj, sockinfo=sockinfo)
         for sockinfo in adj.listen
     ]
+    front = TunnelFront()
+    try:
+        tunnel_servers = [
+            Server(tunnel_port_app, socket_map, dispatcher=dispatcher, adj=adj, sockinfo=sockinfo)
+            for sockinfo in tunnel_listen
+        ]
+    except OSError as exc:
+        for each in servers:
+            each.close()
+        where = "{}:{}".format(*settings.tunnel_listen)
+        raise ConfigError(
+            f"cannot listen on MODELFORGE_TUNNEL_LISTEN={where}: {exc.strerror}; choose a free "
+            "address for the tunnels, or leave it unset to share the one port"
+        ) from None
+    # The tunnels share the one port unless they have their own.
+    for each in tunnel_servers or servers:
+        each.front = front
+    servers += tunnel_servers
     closed = app.metrics.connections_closed
     bounds = Bounds(
         settings.max_buffered_bytes,
@@ -193,6 +236,8 @@ def create_server(settings: Settings, store: Store, host: str, port: int) -> Ser
     server.app = app  # the bottle application (tests mount a failing route on it)
     server.heartbeats = app.heartbeats  # started and stopped by run_until
     server.refusals = app.refusals  # its pending counts are written when run_until stops
+    server.tunnel_front = front  # the relay registers its handler here
+    server.tunnel_servers = tunnel_servers
     return server
 
 
@@ -211,6 +256,9 @@ def run_until(server: Server, stop: threading.Event) -> None:
     finally:
         for dispatcher in list(server._map.values()):  # listeners, and open connections too
             dispatcher.close()
+        front = getattr(server, "tunnel_front", None)
+        if front is not None:  # the agents' tunnels, which left the loop's map
+            front.close()
         loop.close()
         server.task_dispatcher.shutdown(timeout=5)
         heartbeats.stop()  # acknowledged heartbeats reach the store before we exit

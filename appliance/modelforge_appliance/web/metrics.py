@@ -179,7 +179,8 @@ class Metrics:
             "Connections the control plane closed or refused: idle too long (idle), a request "
             "not received within MODELFORGE_REQUEST_TIMEOUT_SECONDS (request_timeout), the "
             "oldest idle ones at the connection limit (evicted), a body past the buffered "
-            "bound (buffer_full), an address past its share (per_address).",
+            "bound (buffer_full), an address past its share (per_address), an agent tunnel "
+            "past the front's cap (tunnels_full).",
             ["reason"],
             registry=self.registry,
         )
