@@ -21,13 +21,13 @@ from websockets.exceptions import ConnectionClosedError, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
 from modelforge_appliance.core.settings import ConfigError, load_settings
-from modelforge_appliance.runtime.front import (
+from modelforge_appliance.runtime.server import OUTBUF_HIGH_WATERMARK
+from modelforge_appliance.runtime.tunnel_websocket import (
     MAX_MESSAGE_BYTES,
     TunnelClosed,
     TunnelConnection,
     websocket_tunnel,
 )
-from modelforge_appliance.runtime.server import OUTBUF_HIGH_WATERMARK
 from modelforge_contract import (
     HEADER_AGENT_PROTOCOL,
     NOT_FOUND,
@@ -457,6 +457,7 @@ def test_a_tunnel_port_already_taken_stops_startup_naming_the_setting(tmp_path):
 
 def test_no_handler_registered_leaves_the_tunnel_path_to_waitress(sqlite_control_plane):
     cp = sqlite_control_plane
+    cp.server.tunnel_front.register(None)
     assert not cp.server.tunnel_front.taking
     with pytest.raises(InvalidStatus) as refused:
         open_tunnel(port_of(cp))

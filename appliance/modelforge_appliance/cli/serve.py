@@ -74,7 +74,9 @@ def serve(obj: Context, listen: str | None) -> None:
     listening = f"{host}:{server.effective_port}"
     log.info("serving on %s", listening)
     for tunnel_server in server.tunnel_servers:  # MODELFORGE_TUNNEL_LISTEN
-        log.info("agent tunnels on %s:%s", tunnel_server.effective_host, tunnel_server.effective_port)
+        log.info(
+            "agent tunnels on %s:%s", tunnel_server.effective_host, tunnel_server.effective_port
+        )
     warning = serving.wildcard_warning(settings, host)
     if warning:
         log.warning("%s", warning)
