@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from websockets.datastructures import Headers, MultipleValuesError
-from websockets.exceptions import ConnectionClosed, HeaderLineTooLong, TooManyHeaders
+from websockets.exceptions import ConnectionClosed, SecurityError
 from websockets.http11 import Request
 from websockets.server import ServerProtocol
 from websockets.sync.connection import Connection
@@ -203,7 +203,8 @@ def _duplicate_header_body(agent_protocol: str | None) -> dict[str, Any]:
 
 
 def _unparsed(exc: BaseException | None) -> bytes:
-    if isinstance(exc, (HeaderLineTooLong, TooManyHeaders)):
+    # websockets gives up on a line past 8 KiB or past 128 headers (SecurityError).
+    if isinstance(exc, SecurityError) or isinstance(getattr(exc, "__cause__", None), SecurityError):
         status, code, message = 431, HEADERS_TOO_LARGE, "the request's headers are too large"
     else:
         status, code, message = 400, REQUEST_MALFORMED, "the tunnel request is not well-formed"
