@@ -235,6 +235,14 @@ def test_a_broken_upgrade_request_is_400_in_the_one_shape(plane):
     assert_json_refusal(exchange(port_of(cp), head), 400, "REQUEST_MALFORMED")
 
 
+def test_a_header_accept_reads_sent_twice_is_400_not_a_dropped_connection(plane):
+    cp, echo = plane
+    head = upgrade_head(extra="Authorization: Bearer a\r\nAuthorization: Bearer b\r\n")
+    body = assert_json_refusal(exchange(port_of(cp), head), 400, "REQUEST_MALFORMED")
+    assert body["compatibility"] == "UNKNOWN"  # no protocol header
+    assert echo.headers == []
+
+
 def test_a_tunnel_head_past_the_header_limits_is_431(plane):
     """Past 32 KiB waitress refuses it; a line past websockets' 8 KiB, the front."""
     cp, _ = plane

@@ -71,8 +71,10 @@ class TunnelClosed(Exception):
 class TunnelConnection:
     """One agent's tunnel after the upgrade: whole binary messages in and out.
 
-    ``send`` may be called from several threads at once (websockets serialises writes);
-    ``recv`` from one. Both raise TunnelClosed once the connection is closed.
+    ``send`` may be called from several threads at once (websockets serialises writes,
+    holding its connection lock while the socket takes the bytes: a send waiting on an
+    agent that does not read holds the other senders, and websockets' reader, until it
+    does); ``recv`` from one. Both raise TunnelClosed once the connection is closed.
     """
 
     def __init__(self, connection: Connection, headers: Headers, peer: tuple) -> None:
@@ -143,7 +145,8 @@ def websocket_tunnel(
         if request is None:
             _refuse(sock, _unparsed(protocol.handshake_exc))
             return
-        agent_protocol = request.headers.get(HEADER_AGENT_PROTOCOL)
+        protocols = request.headers.get_all(HEADER_AGENT_PROTOCOL)
+        agent_protocol = protocols[0] if len(protocols) == 1 else None
         response = protocol.accept(request)
         if response.status_code != 101:
             _refuse(sock, _not_an_upgrade(response.status_code, agent_protocol))
