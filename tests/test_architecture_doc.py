@@ -260,7 +260,7 @@ def test_the_scanner_catches_each_kind_of_wrong_reference():
     sample = "\n".join(
         [
             f"ok: ({DOC_NAME} §5) and (invariant 4), Invariant 11.",
-            f"gone: ({DOC_NAME} §12) and invariant 42",
+            f"gone: ({DOC_NAME} §42) and invariant 42",
             f"an old number: ({DOC_NAME} §2.11)",
             f"elsewhere: ({design} §3) and {design}.md",
             "plural: invariants 7 and 8",
@@ -268,7 +268,7 @@ def test_the_scanner_catches_each_kind_of_wrong_reference():
         ]
     )
     scan = scan_text(sample, "sample.py")
-    assert [ref[2] for ref in scan.sections] == ["5", "12", "2.11"]
+    assert [ref[2] for ref in scan.sections] == ["5", "42", "2.11"]
     assert [ref[2] for ref in scan.invariants] == [4, 11, 42]
     problems = unresolved(scan, doc_text())
     assert len(problems) == 3, problems

@@ -50,6 +50,7 @@ from .settings import TABLE, AgentSettings, ConfigError, load_settings
 from .signals import Stopping, install_signal_handlers
 from .status import RecordingClient, StatusRecorder, status_command
 from .transport import make_session
+from .tunnel import TunnelClient
 from .work import WorkerWatch, WorkLoop
 
 log = logging.getLogger("modelforge_node_agent")
@@ -218,6 +219,11 @@ def run_agent(
             serve = ServeLoop(settings, node_id, client, worker, run_stop, publisher.refuse)
             publisher.servers_generation = serve.generation_seen
             serve.start()
+            # The tunnel (issue 26): client requests for those servers, over one outbound
+            # connection; the same stop. It reaches only the servers the serve loop runs.
+            tunnel = TunnelClient(settings, lambda: client.credential, serve.server_of, run_stop)
+            publisher.health.tunnel = lambda tunnel=tunnel: tunnel.state
+            tunnel.start()
             outcome = publisher.run()
             if outcome is None:
                 return EXIT_OK

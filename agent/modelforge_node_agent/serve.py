@@ -168,13 +168,16 @@ class ServeLoop:
         self._fetched_generation: object = None
         self._stops: dict[str, threading.Event] = {}  # stops in flight, by server
 
-    def server_of(self, server_id: str) -> tuple[int, str] | None:
-        """The loopback port and served name of a server this agent runs and saw ready (the
-        tunnel reaches no other); None otherwise. Safe from any thread."""
+    def server_of(self, server_id: str) -> tuple[int, str, str | None] | None:
+        """The loopback port, served name and model directory of a server this agent runs
+        and saw ready (the tunnel reaches no other); None otherwise. Safe from any thread."""
         held = self.held.get(server_id)
         if held is None or held.state != SERVER_RUNNING or not held.port:
             return None
-        return int(held.port), str(held.entry.get("deployment"))
+        digest = str((held.entry.get("model") or {}).get("digest") or "")
+        hexdigest = digest.removeprefix("sha256:")
+        model_dir = str(self.models.model_dir(hexdigest)) if len(hexdigest) == 64 else None
+        return int(held.port), str(held.entry.get("deployment")), model_dir
 
     def generation_seen(self, value: object) -> None:
         """A heartbeat answer's ``servers_generation``: fetch again when it moved."""

@@ -1,4 +1,4 @@
-"""What the relay carries (architecture §11): the client routes, the headers it drops, the
+"""What the relay carries (docs/architecture.md §12): the client routes, the headers it drops, the
 runtime routes it never reaches, and its error codes (a RESET's ``code``, and the client
 API's). The framing that carries it is ``modelforge_contract.tunnel``.
 """
@@ -30,7 +30,7 @@ def is_relayed(method: str, path: str) -> bool:
     return method == RELAYED_METHOD and path in RELAYED_PATHS
 
 
-# Hop-by-hop headers (RFC 9110 §7.6.1, plus the proxy ones and the pre-RFC names that
+# Hop-by-hop headers (RFC 9110 section 7.6.1, plus the proxy ones and the pre-RFC names that
 # proxies still send): never relayed in either direction. A header named in Connection
 # is hop-by-hop too (relayable_headers drops it).
 HOP_BY_HOP = frozenset(

@@ -1,4 +1,4 @@
-"""Scrub a node's filesystem paths out of relayed bodies (architecture §11).
+"""Scrub a node's filesystem paths out of relayed bodies (docs/architecture.md §12).
 
 Every path the caller names (the artifact root, the model directory, the model file, the
 worker's own paths) is replaced by the deployment's name wherever it occurs in a body, so

@@ -1,4 +1,4 @@
-"""The relay tunnel's wire contract: frames, limits, paths and error codes (architecture §11).
+"""The relay tunnel's wire contract: frames, limits, paths and error codes (docs/architecture.md §12).
 
 Each agent keeps one outbound connection to the control plane and carries many client
 streams over it. The connection is a WebSocket (``GET /api/v1/agent/tunnel``, subprotocol

@@ -155,6 +155,11 @@ def _reject_constant(name: str) -> Any:
 
 def read_json_object(environ: dict[str, Any], max_bytes: int) -> dict[str, Any]:
     """The request body as a JSON object, or an ApiError (400, 413, 415)."""
+    return read_json_bytes(environ, max_bytes)[1]
+
+
+def read_json_bytes(environ: dict[str, Any], max_bytes: int) -> tuple[bytes, dict[str, Any]]:
+    """The request body as its bytes and as a JSON object, or an ApiError (400, 413, 415)."""
     try:
         length = int(environ.get("CONTENT_LENGTH") or 0)
     except ValueError:
@@ -182,7 +187,7 @@ def read_json_object(environ: dict[str, Any], max_bytes: int) -> dict[str, Any]:
         raise Invalid(
             "the body must be a JSON object", code=BODY_NOT_JSON, next_step="Send a JSON object."
         )
-    return body
+    return raw, body
 
 
 def parse_body(environ: dict[str, Any], max_bytes: int, fields: dict[str, Field]) -> dict:
@@ -237,6 +242,8 @@ HEALTH_FIELDS = {
     "message": Field(str, required=False, nullable=True, high=500),
     "uptime_seconds": Field(float, required=False, low=0, high=10**10),
     "worker": Field(dict, required=False, nullable=True, fields=WORKER_HEALTH_FIELDS),
+    # Additive (issue 26): whether the agent's tunnel is up; older agents leave it out.
+    "tunnel": Field(str, required=False, nullable=True, choices=("up", "down")),
 }
 
 HEARTBEAT_FIELDS = {

@@ -15,11 +15,13 @@ from ..api import (
     agent_models,
     agent_servers,
     agent_work,
+    client,
 )
 from ..console import routes as console_routes
 from ..core.settings import Settings
 from ..fleet.heartbeats import HeartbeatBuffer
 from ..fleet.telemetry import TelemetryHistory
+from ..relay.hub import Hub
 from ..store.audit import RefusalLog
 from ..store.database import Store
 from ..web.auth import Authentication, refuse_undeclared
@@ -32,6 +34,8 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
 
     ``app.heartbeats`` is the heartbeat buffer; whoever serves the app starts and stops it
     (``server.run_until``), and writes ``app.refusals``' pending counts when it stops.
+    ``app.hub`` holds the agents' tunnels the client API relays over (the server's front
+    hands them to it, ``server.create_server``).
     """
     app = bottle.Bottle(catchall=True)
     heartbeats = app.heartbeats = HeartbeatBuffer(
@@ -64,6 +68,8 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     agent_models.add_routes(app, context)
     admin_deployments.add_routes(app, context)
     agent_servers.add_routes(app, context)
+    hub = app.hub = Hub(on_protocol_error=metrics.relay_tunnel_errors.inc)
+    client.add_routes(app, context, hub)
     console_routes.add_routes(app, context)
     refuse_undeclared(app)  # a route that names no caller stops the app here
     return app

@@ -35,11 +35,13 @@ from modelforge_contract import REQUEST_MALFORMED
 from ..core.clock import Clock
 from ..core.errors import Invalid
 from ..core.settings import ConfigError, Settings
+from ..relay.endpoint import TunnelEndpoint
 from ..store.database import Store
 from ..web.http import JSON_HEADERS, SECURITY_HEADERS
 from .app import make_app
 from .connections import Bounds, EventLoop, Server
 from .front import TunnelFront, tunnel_port_app
+from .tunnel_websocket import websocket_tunnel
 
 log = logging.getLogger(__name__)
 wsgi_log = logging.getLogger("modelforge_appliance.wsgi")
@@ -237,6 +239,8 @@ def create_server(settings: Settings, store: Store, host: str, port: int) -> Ser
     server.heartbeats = app.heartbeats  # started and stopped by run_until
     server.refusals = app.refusals  # its pending counts are written when run_until stops
     server.tunnel_front = front  # the relay registers its handler here
+    endpoint = TunnelEndpoint(store, app.hub)
+    front.register(websocket_tunnel(endpoint.accept, endpoint.serve))
     server.tunnel_servers = tunnel_servers
     return server
 

@@ -44,7 +44,7 @@ from modelforge_contract import (
 
 from ..core.errors import ApiError, UpgradeRequired
 from ..core.validation import Field
-from ..identity import admin_tokens, credentials, sessions
+from ..identity import admin_tokens, api_keys, credentials, sessions
 from ..store import audit
 from .http import ApiContext, redirect, request_header
 
@@ -54,7 +54,8 @@ AGENT = "agent"
 ADMIN = "admin"
 SCRAPER = "scraper"
 SESSION = "session"
-CALLERS = frozenset({PUBLIC, ENROLLING, AGENT, ADMIN, SCRAPER, SESSION})
+CLIENT = "client"  # an API key (mfk_…): the client API on /v1 (issue 26)
+CALLERS = frozenset({PUBLIC, ENROLLING, AGENT, ADMIN, SCRAPER, SESSION, CLIENT})
 
 STATE_CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 SIGN_IN_PATH = "/console/sign-in"
@@ -193,6 +194,10 @@ class Authentication:
                     kwargs["actor"] = actor
             elif caller == SCRAPER:
                 scraper(context)
+            elif caller == CLIENT:
+                key = api_keys.authenticate_api_key(context.store, request_header("Authorization"))
+                if "client" in wanted:
+                    kwargs["client"] = key
             elif caller == AGENT:
                 kwargs["agent"] = agent_call(context, body.fields)
             elif caller == ENROLLING:

@@ -157,6 +157,37 @@ class Metrics:
             registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
         )
+        # The client API relayed over agents' tunnels (issue 26), by deployment.
+        self.relay_requests = Counter(
+            "modelforge_relay_requests",
+            "Client requests relayed to a deployment's server, by deployment.",
+            ["deployment"],
+            registry=self.registry,
+        )
+        self.relay_key_requests = Counter(
+            "modelforge_relay_key_requests",
+            "Client requests by API key id (never the key).",
+            ["key_id"],
+            registry=self.registry,
+        )
+        self.relay_errors = Counter(
+            "modelforge_relay_errors",
+            "Relayed requests that ended in an error, by deployment and code.",
+            ["deployment", "code"],
+            registry=self.registry,
+        )
+        self.relay_seconds = Histogram(
+            "modelforge_relay_duration_seconds",
+            "Time from a relayed request to its last byte, by deployment.",
+            ["deployment"],
+            registry=self.registry,
+            buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0),
+        )
+        self.relay_tunnel_errors = Counter(
+            "modelforge_relay_tunnel_protocol_errors",
+            "Tunnels closed for a frame that broke the tunnel contract.",
+            registry=self.registry,
+        )
         # Set by the server that serves this app (server.create_server).
         self.connections_open = Gauge(
             "modelforge_connections_open",

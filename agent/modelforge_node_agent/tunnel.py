@@ -1,0 +1,524 @@
+"""The agent's tunnel (issue 26): one outbound WebSocket to the control plane that carries
+every client request for this node's servers. The control plane never dials a node.
+
+The control plane opens a stream per request (OPEN, the body in DATA, END); the agent sends
+it to the server's runtime on 127.0.0.1, and answers HEAD and the body as it comes, with
+every filesystem path of this node replaced by the deployment's name (an SSE event at a
+time, or the whole JSON body with Content-Length fixed). It sends at most WINDOW_BYTES of a
+stream beyond what the control plane granted back, and keeps exactly those bytes: when the
+tunnel drops, the runtime's connection is kept for RESUME_GRACE_SECONDS, and the next
+tunnel's RESUME says where each stream's client is, so it goes on with no gap and no
+duplicate. A RESET (the client went away) closes the runtime's connection: it stops
+generating. Only servers this agent runs are reached, and only the relayed routes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from modelforge_contract import HEADER_AGENT_PROTOCOL, HEADER_AUTHORIZATION, PROTOCOL_VERSION
+from modelforge_contract import relay as rel
+from modelforge_contract import tunnel as wire
+from modelforge_contract.scrub import SseScrubber, scrub_body
+
+from . import __version__
+from .backoff import BACKOFF_STEPS, Backoff, seconds
+from .settings import AgentSettings
+
+log = logging.getLogger(__name__)
+
+RESUME_GRACE_SECONDS = 30.0
+CONNECT_TIMEOUT = 10.0
+RUNTIME_TIMEOUT = 600.0  # a runtime may think this long before its first byte
+BODY_MAX_BYTES = 64 * 1024 * 1024  # a JSON answer scrubbed whole
+READ_CHUNK = 64 * 1024
+
+
+def tunnel_url(control_plane_url: str) -> str:
+    parts = urlsplit(control_plane_url)
+    scheme = "wss" if parts.scheme == "https" else "ws"
+    return f"{scheme}://{parts.netloc}{wire.PATH_AGENT_TUNNEL}"
+
+
+def tls_context(settings: AgentSettings) -> ssl.SSLContext | None:
+    """The agent's TLS settings, exactly as its other calls use them."""
+    if not (settings.control_plane_url or "").startswith("https://"):
+        return None
+    verify = settings.tls_verify_value
+    if verify is False:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE  # MODELFORGE_AGENT_TLS_VERIFY=false, warned at start
+        return context
+    if isinstance(verify, str):
+        return ssl.create_default_context(cafile=verify)
+    return ssl.create_default_context()
+
+
+class AgentStream:
+    """One relayed request, as the agent carries it."""
+
+    def __init__(self, relay: TunnelClient, stream_id: int, opened: dict[str, Any]) -> None:
+        self.relay, self.stream_id, self.opened = relay, stream_id, opened
+        self.cond = threading.Condition()
+        self.body = bytearray()
+        self.body_done = False
+        self.acked = 0  # body bytes the control plane says its client took
+        self.sent = 0  # body bytes sent on some tunnel
+        self.total = 0  # body bytes produced so far
+        self.replay = bytearray()  # the bytes from ``acked`` to ``total``
+        self.head: bytes | None = None  # the HEAD frame, kept for a resume before it arrived
+        self.head_sent = False
+        self.finished = False  # every byte produced (END to send once all are sent)
+        self.end_sent = False
+        self.aborted = False
+        self.connection: http.client.HTTPConnection | None = None
+        self.ended_at: float | None = None
+        self.done = False  # its thread has ended
+
+    # -- from the tunnel ------------------------------------------------------------------
+
+    def on_data(self, payload: bytes) -> None:
+        with self.cond:
+            if len(self.body) + len(payload) > BODY_MAX_BYTES:
+                raise wire.FrameError("request body beyond its bound")
+            self.body += payload
+
+    def on_end(self) -> None:
+        with self.cond:
+            self.body_done = True
+            self.cond.notify_all()
+
+    def on_window(self, count: int) -> None:
+        with self.cond:
+            count = min(count, self.sent - self.acked)
+            if count > 0:
+                del self.replay[:count]
+                self.acked += count
+            self.cond.notify_all()
+
+    def on_resume(self, received: int, delivered: int, head: bool) -> None:
+        """A new tunnel: its client took ``delivered`` bytes, ``received`` arrived, and
+        whether the head did."""
+        with self.cond:
+            received = max(self.acked, min(received, self.total))
+            delivered = max(self.acked, min(delivered, received))
+            del self.replay[: delivered - self.acked]
+            self.acked = delivered
+            self.sent = received
+            self.head_sent = head and self.head is not None
+            self.end_sent = False
+            done = self.done
+            self.cond.notify_all()
+        if done:  # its thread has ended: send what is left from here
+            threading.Thread(target=self._redrain, name=f"resume-{self.stream_id}",
+                             daemon=True).start()  # fmt: skip
+
+    def _redrain(self) -> None:
+        with contextlib.suppress(_Aborted):
+            self._drain()
+
+    def abort(self) -> None:
+        with self.cond:
+            self.aborted = True
+            connection = self.connection
+            self.cond.notify_all()
+        if connection is not None:
+            try:  # the runtime sees its client gone and stops generating
+                if connection.sock is not None:
+                    connection.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            connection.close()
+
+    # -- the stream's own thread --------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except _Aborted:
+            pass
+        except Exception as exc:  # logged by type only: its text may quote a body
+            log.warning("stream %d: %s", self.stream_id, type(exc).__name__)
+            self.relay.send(
+                wire.reset_frame(self.stream_id, rel.RUNTIME_UNREACHABLE, type(exc).__name__)
+            )
+        finally:
+            if self.connection is not None:
+                self.connection.close()
+            with self.cond:
+                self.done = True
+            self.relay.finished(self)
+
+    def _run(self) -> None:
+        with self.cond:
+            while not self.body_done:
+                self._check()
+                self.cond.wait(1.0)
+        server_id = str(self.opened.get("server_id"))
+        target = self.relay.server_of(server_id)
+        path = str(self.opened.get("path") or "")
+        if target is None or not rel.is_relayed(str(self.opened.get("method")), path):
+            code = rel.SERVER_NOT_ON_NODE if target is None else rel.ROUTE_NOT_RELAYED
+            self.relay.send(wire.reset_frame(self.stream_id, code, "not served by this node"))
+            return
+        port, name, model_dir = target
+        given = [tuple(h) for h in self.opened.get("headers") or [] if len(h) == 2]
+        headers = dict(
+            rel.relayable_headers(given, rel.REQUEST_HEADERS_NOT_RELAYED | {"content-length"})
+        )
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=RUNTIME_TIMEOUT)
+        with self.cond:
+            self.connection = connection
+        self._check()
+        connection.request(rel.RELAYED_METHOD, path, bytes(self.body), headers)
+        response = connection.getresponse()
+        paths = self.relay.paths(model_dir)
+        kept = rel.relayable_headers(response.getheaders(), rel.RESPONSE_HEADERS_NOT_RELAYED)
+        sse = (response.getheader("Content-Type") or "").startswith("text/event-stream")
+        if sse:
+            self._head(response.status, kept)
+            scrubber = SseScrubber(paths, name)
+            while True:
+                chunk = response.read1(READ_CHUNK)
+                if not chunk:
+                    break
+                self._emit(scrubber.feed(chunk))
+            self._emit(scrubber.flush())
+        else:
+            raw = response.read(BODY_MAX_BYTES + 1)
+            if len(raw) > BODY_MAX_BYTES:
+                raise ValueError("answer beyond its bound")
+            body = scrub_body(raw, paths, name)
+            self._head(response.status, [*kept, ("Content-Length", str(len(body)))])
+            self._emit(body)
+        with self.cond:
+            self.finished = True
+            self.cond.notify_all()
+        self._drain()
+
+    def _check(self) -> None:
+        if self.aborted:
+            raise _Aborted()
+
+    def _head(self, status: int, headers: list[tuple[str, str]]) -> None:
+        try:
+            frame = wire.head_frame(self.stream_id, status, headers)
+        except wire.FrameError:  # a header the contract refuses is dropped, not relayed
+            kept = [h for h in headers if _valid_header(self.stream_id, status, h)]
+            frame = wire.head_frame(self.stream_id, status, kept)
+        with self.cond:
+            self.head = frame.payload
+        self._drain()
+
+    def _emit(self, data: bytes) -> None:
+        if data:
+            with self.cond:
+                self.replay += data
+                self.total += len(data)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Send what credit allows; wait (bounded) for credit or a tunnel while more is
+        waiting; returns once everything produced so far is sent."""
+        while True:
+            with self.cond:
+                self._check()
+                tunnel_up = self.relay.up()
+                if not tunnel_up:
+                    lost = self.relay.lost_since()
+                    if lost is not None and time.monotonic() - lost > self.relay.grace:
+                        raise _Aborted()
+                    self.cond.wait(0.5)
+                    continue
+                frames: list[wire.Frame] = []
+                if self.head is not None and not self.head_sent:
+                    frames.append(wire.Frame(wire.HEAD, self.stream_id, self.head))
+                    self.head_sent = True
+                room = self.acked + wire.WINDOW_BYTES - self.sent
+                waiting = self.total - self.sent
+                while waiting > 0 and room > 0:
+                    size = min(waiting, room, wire.MAX_PAYLOAD)
+                    start = self.sent - self.acked
+                    frames.append(
+                        wire.Frame(
+                            wire.DATA, self.stream_id, bytes(self.replay[start : start + size])
+                        )
+                    )
+                    self.sent += size
+                    waiting, room = waiting - size, room - size
+                done = self.finished and self.sent == self.total and not self.end_sent
+                if done:
+                    frames.append(wire.Frame(wire.END, self.stream_id, b""))
+                    self.end_sent = True
+                    self.ended_at = time.monotonic()
+            broke = not all(self.relay.send(frame) for frame in frames)
+            if broke:
+                continue  # the tunnel broke: its successor's RESUME says where to go on
+            with self.cond:
+                if self.sent == self.total and (not self.finished or self.end_sent):
+                    return  # everything produced so far is sent
+                if not frames:
+                    self.cond.wait(0.5)  # no credit: a WINDOW (or a resume) wakes it
+
+
+class _Aborted(Exception):
+    pass
+
+
+def _valid_header(stream_id: int, status: int, header: tuple[str, str]) -> bool:
+    try:
+        wire.head_frame(stream_id, status, [header])
+    except wire.FrameError:
+        return False
+    return True
+
+
+class TunnelClient:
+    """Keeps the node's tunnel up and carries its streams."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        credential: Callable[[], str | None],
+        servers: Callable[[str], tuple[int, str, str | None] | None],
+        stop: threading.Event,
+        *,
+        steps: tuple[float, ...] = BACKOFF_STEPS,
+        grace: float = RESUME_GRACE_SECONDS,
+    ) -> None:
+        self.settings, self.credential, self.server_of = settings, credential, servers
+        self.stop, self.steps, self.grace = stop, steps, grace
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._link: Any = None
+        self._lost_at: float | None = time.monotonic()
+        self._streams: dict[int, AgentStream] = {}
+        self.state = "down"  # up | down, for the heartbeat's health
+
+    # -- what the streams use ---------------------------------------------------------
+
+    def up(self) -> bool:
+        with self._lock:
+            return self._link is not None
+
+    def lost_since(self) -> float | None:
+        with self._lock:
+            return self._lost_at
+
+    def paths(self, model_dir: str | None = None) -> list[str]:
+        """Every filesystem path of this node a runtime could print: the server's model
+        directory, the artifact, quarantine and state roots, the worker's directory."""
+        roots = [
+            *([Path(model_dir)] if model_dir else []),
+            self.settings.artifacts_dir,
+            self.settings.quarantine_dir,
+            self.settings.state_volume,
+            self.settings.worker_socket.parent,
+        ]
+        found = {str(p) for p in roots} | {str(p.resolve()) for p in roots if p.exists()}
+        usable = (
+            p for p in found if p.startswith("/") and len(p) > 1 and p.isprintable()
+        )  # what the scrubber takes: absolute, not "/", no control character
+        return sorted(usable, key=len, reverse=True)
+
+    def send(self, frame: wire.Frame) -> bool:
+        data = wire.encode(frame)
+        with self._send_lock:
+            link = self._link
+            if link is None:
+                return False
+            try:
+                link.send(data)
+            except Exception:
+                return False
+        return True
+
+    def finished(self, stream: AgentStream) -> None:
+        """A stream's thread ended; it is kept for a resume until the grace passes."""
+
+        def forget() -> None:
+            if not self.stop.wait(self.grace):
+                with self._lock:
+                    if self._streams.get(stream.stream_id) is stream:
+                        del self._streams[stream.stream_id]
+
+        if stream.aborted:
+            with self._lock:
+                self._streams.pop(stream.stream_id, None)
+            return
+        threading.Thread(target=forget, name=f"forget-{stream.stream_id}", daemon=True).start()
+
+    # -- the connection ---------------------------------------------------------------
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self.run, name="tunnel", daemon=True)
+        thread.start()
+        return thread
+
+    def _connect(self) -> Any:
+        from websockets.sync.client import connect
+
+        url = tunnel_url(self.settings.require_control_plane())
+        parts = urlsplit(url)
+        credential = self.credential()
+        headers = [
+            (HEADER_AUTHORIZATION, f"Bearer {credential}"),
+            (HEADER_AGENT_PROTOCOL, str(PROTOCOL_VERSION)),
+        ]
+        context = tls_context(self.settings)
+        sock = None
+        if self.settings.control_plane_host_address:  # pinned: dial it, verify the name
+            port = parts.port or (443 if parts.scheme == "wss" else 80)
+            sock = socket.create_connection(
+                (self.settings.control_plane_host_address, port), timeout=CONNECT_TIMEOUT
+            )
+        return connect(
+            url,
+            sock=sock,
+            ssl=context,
+            server_hostname=parts.hostname if context is not None else None,
+            additional_headers=headers,
+            user_agent_header=f"modelforge-node-agent/{__version__}",
+            compression=None,
+            max_size=wire.MAX_PAYLOAD + wire.HEADER_SIZE + 1024,
+            open_timeout=CONNECT_TIMEOUT,
+            ping_interval=20,
+            ping_timeout=20,
+            close_timeout=5,
+        )
+
+    def run(self) -> None:
+        backoff = Backoff(self.steps)
+        while not self.stop.is_set():
+            try:
+                link = self._connect()
+            except Exception as exc:
+                step, delay = backoff.next_step()
+                log.warning("tunnel: %s; again in %s", _describe(exc), seconds(step))
+                self.stop.wait(delay)
+                continue
+            backoff.reset()
+            with self._lock:
+                self._link, self._lost_at = link, None
+            self.state = "up"
+            log.info("tunnel up")
+            watcher = threading.Thread(target=self._close_on_stop, args=(link,), daemon=True)
+            watcher.start()
+            try:
+                self._serve(link)
+            finally:
+                with self._lock:
+                    self._link, self._lost_at = None, time.monotonic()
+                    streams = list(self._streams.values())
+                self.state = "down"
+                for stream in streams:
+                    with stream.cond:
+                        stream.cond.notify_all()
+                log.warning("tunnel down; %d stream(s) wait %s for it", len(streams),
+                            seconds(self.grace))  # fmt: skip
+            if not self.stop.is_set():
+                step, delay = backoff.next_step()
+                self.stop.wait(min(delay, 1.0))
+
+    def _close_on_stop(self, link: Any) -> None:
+        while not self.stop.wait(1.0):
+            with self._lock:
+                if self._link is not link:
+                    return
+        with contextlib.suppress(Exception):  # it is going anyway
+            link.close()
+
+    def _serve(self, link: Any) -> None:
+        while not self.stop.is_set():
+            try:
+                data = link.recv()
+            except Exception:
+                return
+            if isinstance(data, str):
+                log.warning("tunnel: a text message; closing it")
+                link.close(1003, "binary frames only")
+                return
+            try:
+                self._dispatch(wire.decode(data))
+            except wire.FrameError as bad:
+                log.warning("tunnel: protocol error (%s); closing it", bad)
+                link.close(1002, "protocol error")
+                return
+
+    def _dispatch(self, frame: wire.Frame) -> None:
+        kind = frame.type
+        if kind == wire.PING:
+            self.send(wire.Frame(wire.PONG, 0, frame.payload))
+            return
+        if kind == wire.PONG:
+            return
+        if kind == wire.RESUME:
+            self._resume(wire.json_of(frame))
+            return
+        with self._lock:
+            stream = self._streams.get(frame.stream_id)
+        if kind == wire.OPEN:
+            if stream is not None:
+                raise wire.FrameError("OPEN for a stream that exists")
+            stream = AgentStream(self, frame.stream_id, wire.json_of(frame))
+            with self._lock:
+                if len(self._streams) >= wire.MAX_STREAMS_PER_TUNNEL * 2:
+                    self.send(wire.reset_frame(frame.stream_id, "STREAM_LIMIT", "too many"))
+                    return
+                self._streams[frame.stream_id] = stream
+            threading.Thread(
+                target=stream.run, name=f"stream-{frame.stream_id}", daemon=True
+            ).start()
+            return
+        if stream is None:
+            if kind != wire.RESET:
+                self.send(wire.reset_frame(frame.stream_id, "STREAM_UNKNOWN", "no such stream"))
+            return
+        if kind == wire.DATA:
+            stream.on_data(frame.payload)
+        elif kind == wire.END:
+            stream.on_end()
+        elif kind == wire.WINDOW:
+            stream.on_window(wire.window_of(frame))
+        elif kind == wire.RESET:
+            stream.abort()
+        else:
+            raise wire.FrameError(f"frame type {kind} is not one the control plane sends")
+
+    def _resume(self, value: dict[str, Any]) -> None:
+        entries = value.get("streams")
+        listed: dict[int, tuple[int, int, bool]] = {}
+        for entry in entries if isinstance(entries, list) else []:
+            if isinstance(entry, dict) and isinstance(entry.get("stream_id"), int):
+                listed[entry["stream_id"]] = (
+                    int(entry.get("received") or 0),
+                    int(entry.get("delivered") or 0),
+                    bool(entry.get("head")),
+                )
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            if stream.stream_id in listed:
+                stream.on_resume(*listed[stream.stream_id])
+            else:
+                stream.abort()  # its client is gone
+        if listed:
+            log.info("tunnel: %d stream(s) resumed", len(listed))
+
+
+def _describe(exc: BaseException) -> str:
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if status is not None:
+        return f"{type(exc).__name__} (HTTP {status})"
+    return type(exc).__name__

@@ -1,0 +1,133 @@
+"""The client API on the control plane's own port: OpenAI-compatible, relayed to a running
+server of the deployment the request's ``model`` names, over its node's tunnel (see
+docs/architecture.md §12 and docs/clients.md).
+
+The answer has the runtime's own shape: its status and headers (hop-by-hop removed), its
+body as it arrives, SSE events one by one, a ``: keepalive`` comment on a stream quiet for
+15 s. A tunnel lost before the head answers 502 NODE_LINK_LOST; after it, an SSE stream
+ends with an ``error`` event and its terminator, never a hang. Bodies and keys never reach
+a log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+
+import bottle
+
+from modelforge_contract import relay as rel
+
+from ..core.errors import ApiError
+from ..core.validation import read_json_bytes
+from ..identity.api_keys import ApiKeyCaller
+from ..relay import routing
+from ..relay.hub import Hub, LinkLost, Stream, StreamReset
+from ..web.auth import CLIENT
+from ..web.http import ApiContext, json_response
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE = rel.SSE_KEEPALIVE
+# Request headers a runtime may see (nothing of the client's credentials or cookies).
+_FORWARDED = ("content-type", "accept", "user-agent", "x-request-id")
+
+
+def _link_lost() -> ApiError:
+    return ApiError(
+        "the node serving this request lost its link to the control plane",
+        code=rel.NODE_LINK_LOST,
+        status=502,
+        next_step="Send the request again; another running server takes it if there is one.",
+    )
+
+
+def _error_event(code: str, message: str) -> bytes:
+    body = json.dumps({"error": {"code": code, "message": message}})
+    return f"event: error\ndata: {body}\n\ndata: [DONE]\n\n".encode()
+
+
+def add_routes(app: bottle.Bottle, context: ApiContext, hub: Hub) -> None:
+    store, settings, metrics = context.store, context.settings, context.metrics
+
+    @app.get(rel.PATH_CLIENT_MODELS, auth=CLIENT)
+    def models():
+        listed = routing.running_deployments(store)
+        data = [
+            {
+                "id": d["name"],
+                "object": "model",
+                "created": int(d["created_at"]),
+                "owned_by": "modelforge",
+            }
+            for d in listed
+        ]
+        return json_response({"object": "list", "data": data})
+
+    def relay(path: str, client: ApiKeyCaller) -> bottle.HTTPResponse:
+        metrics.relay_key_requests.labels(client.key_id).inc()
+        raw, body = read_json_bytes(bottle.request.environ, settings.max_body_bytes)
+        target = routing.pick(store, hub, body.get("model"))
+        headers = [
+            (name, value)
+            for name, value in bottle.request.headers.items()
+            if name.lower() in _FORWARDED
+        ]
+        stream = hub.open(target.node_id, target.server_id, "POST", path, headers, raw)
+        if stream is None:
+            raise routing.unreachable(target.deployment)
+        metrics.relay_requests.labels(target.deployment).inc()
+        try:
+            head = stream.wait_head()
+        except (LinkLost, StreamReset) as failure:
+            stream.close()
+            metrics.relay_errors.labels(target.deployment, _code(failure)).inc()
+            if isinstance(failure, StreamReset):
+                raise ApiError(
+                    f"the node refused the request ({failure.code})",
+                    code=rel.NODE_LINK_LOST,
+                    status=502,
+                    next_step="Send it again; check the server with `modelforge deployments show`.",
+                ) from None
+            raise _link_lost() from None
+        sse = any(
+            n.lower() == "content-type" and v.startswith("text/event-stream")
+            for n, v in head.headers
+        )
+        response = bottle.HTTPResponse(
+            _body(stream, sse, target.deployment, metrics),
+            status=head.status,
+        )
+        for name, value in rel.relayable_headers(head.headers):
+            response.add_header(name, value)
+        return response
+
+    def route_of(path: str):
+        def relayed(client: ApiKeyCaller) -> bottle.HTTPResponse:
+            return relay(path, client)
+
+        return relayed
+
+    for path in sorted(rel.RELAYED_PATHS):
+        app.route(path, "POST", route_of(path), auth=CLIENT)
+
+
+def _code(failure: Exception) -> str:
+    return failure.code if isinstance(failure, StreamReset) else rel.NODE_LINK_LOST
+
+
+def _body(stream: Stream, sse: bool, deployment: str, metrics) -> Iterator[bytes]:
+    """The relayed body; the stream is closed (and reset on the node) however it ends."""
+    started = time.monotonic()
+    try:
+        yield from stream.chunks_out(KEEPALIVE if sse else None)
+    except (LinkLost, StreamReset) as failure:
+        metrics.relay_errors.labels(deployment, _code(failure)).inc()
+        if sse:
+            yield _error_event(rel.NODE_LINK_LOST, "the node serving this stream lost its link")
+        # A sized body cut short: the client sees fewer bytes than Content-Length said.
+    finally:
+        stream.close()
+        metrics.relay_seconds.labels(deployment).observe(time.monotonic() - started)

@@ -1,0 +1,52 @@
+"""The control plane's end of agents' tunnels: who may open one, and serving it.
+
+A tunnel is authenticated before the WebSocket upgrade completes, exactly as every agent
+call is (invariant 4 and invariant 8): the node credential in ``Authorization`` and an
+accepted agent protocol, else a plain HTTP refusal in the one error shape (401, 403, 426).
+Once up, the node's tunnel carries only streams for servers placed on that node (the hub
+opens streams by node), and a frame that breaks the contract closes it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from modelforge_contract import (
+    COMPATIBILITY_NEXT_STEPS,
+    COMPATIBLE,
+    HEADER_AGENT_PROTOCOL,
+    compatibility_of,
+)
+
+from ..core.errors import UpgradeRequired
+from ..identity import credentials
+from ..store.database import Store
+from .hub import Hub
+
+
+class TunnelEndpoint:
+    """``accept`` and ``serve`` for the front's WebSocket handler (runtime/front.py)."""
+
+    def __init__(self, store: Store, hub: Hub) -> None:
+        self.store, self.hub = store, hub
+        self._node = threading.local()  # accept and serve run on one thread, in turn
+
+    def accept(self, headers: Any) -> None:
+        answer = compatibility_of(headers.get(HEADER_AGENT_PROTOCOL))
+        if answer != COMPATIBLE:
+            raise UpgradeRequired(
+                f"agent protocol {str(headers.get(HEADER_AGENT_PROTOCOL))[:32]!r} is not "
+                f"accepted ({answer})",
+                next_step=COMPATIBILITY_NEXT_STEPS[answer],
+                extra={"compatibility": answer},
+            )
+        credential = credentials.authenticate_credential(self.store, headers.get("Authorization"))
+        self._node.node_id = credential.owner
+
+    def serve(self, connection: Any) -> None:
+        node_id = getattr(self._node, "node_id", None)
+        if node_id is None:  # accept refused (the front never calls serve then)
+            return
+        self._node.node_id = None
+        self.hub.register(node_id, connection).serve()

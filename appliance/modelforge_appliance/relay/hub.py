@@ -1,0 +1,416 @@
+"""The hub: every agent's tunnel, and the client streams they carry.
+
+Each agent keeps one outbound tunnel (the control plane never dials a node). A client
+request becomes a *stream* on the tunnel of the node that runs the chosen server: OPEN with
+the request head, DATA with its body, END; the agent answers HEAD, DATA as the runtime sends
+it, END (or RESET). Memory is bounded by credit: an agent sends at most WINDOW_BYTES of a
+stream beyond what its client has taken; each chunk the client's connection takes is
+granted back (WINDOW). A client that stops reading costs about one window.
+
+A stream outlives its tunnel: when a tunnel drops while the agent lives, the stream waits up
+to RESUME_GRACE_SECONDS for the node's next tunnel, which is told (RESUME) how many bytes of
+each stream arrived; the agent sends on from there, so the client sees no gap and no
+duplicate. A stream whose tunnel does not come back ends with NODE_LINK_LOST.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from modelforge_contract import relay as rel
+from modelforge_contract import tunnel as wire
+
+log = logging.getLogger(__name__)
+
+RESUME_GRACE_SECONDS = 30.0
+HEAD_TIMEOUT_SECONDS = 600.0  # a runtime may queue a request this long before answering
+KEEPALIVE_SECONDS = 15.0
+
+
+class Link(Protocol):
+    """One tunnel's connection (a WebSocket): whole frames in, whole frames out."""
+
+    def send(self, data: bytes) -> None: ...
+
+    def recv(self) -> bytes: ...
+
+    def close(self, code: int = 1000, reason: str = "") -> None: ...
+
+
+class LinkLost(Exception):
+    """The stream's node link is gone and did not come back in time."""
+
+
+class StreamReset(Exception):
+    """The agent reset the stream: ``code`` and ``message`` say why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class Head:
+    status: int
+    headers: list[tuple[str, str]]
+
+
+class Stream:
+    """One client request on a node's tunnel, as the control plane sees it."""
+
+    def __init__(self, hub: Hub, stream_id: int, node_id: str, server_id: str) -> None:
+        self.hub, self.stream_id, self.node_id, self.server_id = hub, stream_id, node_id, server_id
+        self.cond = threading.Condition()
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.received = 0  # body bytes that arrived from the agent
+        self.delivered = 0  # body bytes the client's connection took
+        self.head: Head | None = None
+        self.ended = False
+        self.reset: tuple[str, str] | None = None
+        self.tunnel: Tunnel | None = None
+        self.lost_at: float | None = None
+        self.closed = False
+
+    # -- from the tunnel's reader -------------------------------------------------------
+
+    def on_head(self, head: Head) -> None:
+        with self.cond:
+            self.head = head
+            self.cond.notify_all()
+
+    def on_data(self, payload: bytes) -> bool:
+        """False when the agent sent beyond its credit (a protocol error)."""
+        with self.cond:
+            if self.buffered + len(payload) > wire.WINDOW_BYTES:
+                return False
+            if payload:
+                self.chunks.append(payload)
+                self.buffered += len(payload)
+                self.received += len(payload)
+            self.cond.notify_all()
+        return True
+
+    def on_end(self) -> None:
+        with self.cond:
+            self.ended = True
+            self.cond.notify_all()
+
+    def on_reset(self, code: str, message: str) -> None:
+        with self.cond:
+            self.reset = (code, message)
+            self.cond.notify_all()
+
+    def on_link_lost(self, tunnel: Tunnel) -> None:
+        with self.cond:
+            if self.tunnel is tunnel:
+                self.tunnel, self.lost_at = None, time.monotonic()
+                self.cond.notify_all()
+
+    def on_link(self, tunnel: Tunnel) -> None:
+        with self.cond:
+            self.tunnel, self.lost_at = tunnel, None
+            self.cond.notify_all()
+
+    # -- for the client's request -------------------------------------------------------
+
+    def _gone(self) -> bool:
+        """Inside the lock: the link is lost beyond the grace."""
+        return self.lost_at is not None and time.monotonic() - self.lost_at > self.hub.grace
+
+    def wait_head(self, timeout: float = HEAD_TIMEOUT_SECONDS) -> Head:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.head is None:
+                if self.reset is not None:
+                    raise StreamReset(*self.reset)
+                if self._gone() or (self.ended and self.head is None):
+                    raise LinkLost()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LinkLost()
+                self.cond.wait(min(left, 1.0))
+            return self.head
+
+    def chunks_out(self, keepalive: bytes | None = None) -> Iterator[bytes]:
+        """The body as it arrives. Each chunk is granted back to the agent once the next is
+        asked for: by then waitress has taken it (it blocks the app above its high
+        watermark). ``keepalive`` is yielded after KEEPALIVE_SECONDS without a byte."""
+        taken = 0
+        while True:
+            if taken:
+                self._grant(taken)
+                taken = 0
+            with self.cond:
+                quiet_since = time.monotonic()
+                while not self.chunks:
+                    if self.reset is not None:
+                        raise StreamReset(*self.reset)
+                    if self.ended:
+                        return
+                    if self._gone():
+                        raise LinkLost()
+                    if (
+                        keepalive is not None
+                        and time.monotonic() - quiet_since > self.hub.keepalive
+                    ):
+                        break
+                    self.cond.wait(1.0 if self.lost_at is not None else self.hub.keepalive / 3)
+                if not self.chunks:
+                    chunk = keepalive or b""
+                else:
+                    chunk = self.chunks.popleft()
+                    self.buffered -= len(chunk)
+                    self.delivered += len(chunk)
+                    taken = len(chunk)
+            if chunk:
+                yield chunk
+
+    def _grant(self, count: int) -> None:
+        tunnel = self.tunnel
+        if tunnel is not None:
+            tunnel.send(wire.window_frame(self.stream_id, count))
+
+    def close(self) -> None:
+        """The client is done (or went away): a stream still running is reset on the node,
+        so its runtime stops generating."""
+        with self.cond:
+            if self.closed:
+                return
+            self.closed = True
+            running = not self.ended and self.reset is None
+            tunnel = self.tunnel
+        if running and tunnel is not None:
+            tunnel.send(
+                wire.reset_frame(self.stream_id, rel.STREAM_CANCELLED, "the client went away")
+            )
+        self.hub.forget(self)
+
+
+class Tunnel:
+    """One agent's tunnel: its link, its reader thread, the streams it carries."""
+
+    def __init__(self, hub: Hub, node_id: str, link: Link) -> None:
+        self.hub, self.node_id, self.link = hub, node_id, link
+        self.send_lock = threading.Lock()
+        self.open = True
+
+    def send(self, frame: wire.Frame) -> bool:
+        data = wire.encode(frame)
+        with self.send_lock:
+            if not self.open:
+                return False
+            try:
+                self.link.send(data)
+            except Exception:  # the link broke: the reader sees it too and cleans up
+                return False
+        return True
+
+    def serve(self) -> None:
+        """Read frames until the link ends (runs on the front's handler thread)."""
+        reason = "closed"
+        try:
+            while True:
+                try:
+                    data = self.link.recv()
+                except Exception:
+                    return
+                try:
+                    frame = wire.decode(data)
+                    self._dispatch(frame)
+                except wire.FrameError as bad:
+                    reason = f"protocol error: {bad}"
+                    log.warning("tunnel of node %s closed: %s", self.node_id, bad)
+                    self.hub.metrics_protocol_error()
+                    with self.send_lock:
+                        self.open = False
+                    self.link.close(1002, "protocol error")
+                    return
+        finally:
+            self.hub.unregister(self, reason)
+
+    def _dispatch(self, frame: wire.Frame) -> None:
+        kind = frame.type
+        if kind == wire.PING:
+            self.send(wire.Frame(wire.PONG, 0, frame.payload))
+            return
+        if kind in (wire.PONG,):
+            return
+        stream = self.hub.stream(frame.stream_id)
+        if stream is None or stream.node_id != self.node_id:
+            if kind in (wire.DATA, wire.END, wire.HEAD):
+                # A stream that ended here meanwhile (the client went away): tell the agent.
+                self.send(wire.reset_frame(frame.stream_id, "STREAM_UNKNOWN", "no such stream"))
+                if stream is not None:  # another node's stream: never
+                    raise wire.FrameError("a frame for another node's stream")
+                return
+            if kind == wire.RESET:
+                return
+            raise wire.FrameError(f"frame type {kind} for stream {frame.stream_id}")
+        if kind == wire.HEAD:
+            value = wire.json_of(frame)
+            status = value.get("status")
+            headers = value.get("headers")
+            if not isinstance(status, int) or not isinstance(headers, list):
+                raise wire.FrameError("HEAD needs status and headers")
+            pairs = [
+                (str(h[0]), str(h[1]))
+                for h in headers
+                if isinstance(h, list) and len(h) == 2 and all(isinstance(x, str) for x in h)
+            ]
+            stream.on_head(Head(status, pairs))
+        elif kind == wire.DATA:
+            if not stream.on_data(frame.payload):
+                raise wire.FrameError("DATA beyond the stream's credit")
+            if frame.flags & wire.FLAG_END_STREAM:
+                stream.on_end()
+        elif kind == wire.END:
+            stream.on_end()
+        elif kind == wire.RESET:
+            value = wire.json_of(frame)
+            stream.on_reset(
+                str(value.get("code") or "RESET")[:64], str(value.get("message") or "")[:500]
+            )
+        else:
+            raise wire.FrameError(f"frame type {kind} is not one an agent sends")
+
+
+class Hub:
+    """Every tunnel of this control-plane process and the streams on them."""
+
+    def __init__(
+        self,
+        grace: float = RESUME_GRACE_SECONDS,
+        keepalive: float = KEEPALIVE_SECONDS,
+        max_streams: int = wire.MAX_STREAMS_PER_TUNNEL,
+        on_protocol_error: Callable[[], None] | None = None,
+    ) -> None:
+        self.grace, self.keepalive, self.max_streams = grace, keepalive, max_streams
+        self._lock = threading.Lock()
+        self._tunnels: dict[str, Tunnel] = {}
+        self._streams: dict[int, Stream] = {}
+        self._ids = itertools.count(1)
+        self._in_flight: collections.Counter[str] = collections.Counter()
+        self._on_protocol_error = on_protocol_error or (lambda: None)
+
+    def metrics_protocol_error(self) -> None:
+        self._on_protocol_error()
+
+    # -- tunnels ------------------------------------------------------------------------
+
+    def register(self, node_id: str, link: Link) -> Tunnel:
+        """The node's new tunnel (its old one, if any, is closed); the streams waiting for
+        the node are resumed on it."""
+        tunnel = Tunnel(self, node_id, link)
+        with self._lock:
+            old = self._tunnels.get(node_id)
+            self._tunnels[node_id] = tunnel
+            waiting = [s for s in self._streams.values() if s.node_id == node_id]
+        if old is not None:
+            with old.send_lock:
+                old.open = False
+            with contextlib.suppress(Exception):  # it is going anyway
+                old.link.close(1000, "replaced by a newer tunnel")
+        entries = []
+        for stream in waiting:
+            with stream.cond:
+                entries.append(
+                    {
+                        "stream_id": stream.stream_id,
+                        "received": stream.received,
+                        "delivered": stream.delivered,
+                        "head": stream.head is not None,
+                    }
+                )
+        tunnel.send(wire.Frame(wire.RESUME, 0, json.dumps({"streams": entries}).encode()))
+        for stream in waiting:
+            stream.on_link(tunnel)
+        log.info("node %s: tunnel up (%d stream(s) resumed)", node_id, len(waiting))
+        return tunnel
+
+    def unregister(self, tunnel: Tunnel, reason: str) -> None:
+        with self._lock:
+            if self._tunnels.get(tunnel.node_id) is tunnel:
+                del self._tunnels[tunnel.node_id]
+            streams = [s for s in self._streams.values() if s.tunnel is tunnel]
+        with tunnel.send_lock:
+            tunnel.open = False
+        for stream in streams:
+            stream.on_link_lost(tunnel)
+        log.info("node %s: tunnel down (%s; %d stream(s) waiting)", tunnel.node_id, reason,
+                 len(streams))  # fmt: skip
+
+    def connected(self, node_id: str) -> bool:
+        with self._lock:
+            return node_id in self._tunnels
+
+    # -- streams ------------------------------------------------------------------------
+
+    def stream(self, stream_id: int) -> Stream | None:
+        with self._lock:
+            return self._streams.get(stream_id)
+
+    def in_flight(self, server_id: str) -> int:
+        with self._lock:
+            return self._in_flight[server_id]
+
+    def open(
+        self,
+        node_id: str,
+        server_id: str,
+        method: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+    ) -> Stream | None:
+        """A new stream to the server on the node's tunnel; None when the node has no
+        tunnel here or its tunnel carries its stream cap."""
+        with self._lock:
+            tunnel = self._tunnels.get(node_id)
+            if tunnel is None:
+                return None
+            carried = sum(1 for s in self._streams.values() if s.node_id == node_id)
+            if carried >= self.max_streams:
+                return None
+            stream = Stream(self, next(self._ids), node_id, server_id)
+            stream.tunnel = tunnel
+            self._streams[stream.stream_id] = stream
+            self._in_flight[server_id] += 1
+        opened = {
+            "server_id": server_id,
+            "method": method,
+            "path": path,
+            "headers": [list(h) for h in headers],
+            "body_bytes": len(body),
+        }
+        tunnel.send(wire.Frame(wire.OPEN, stream.stream_id, json.dumps(opened).encode()))
+        for start in range(0, len(body), wire.MAX_PAYLOAD):
+            tunnel.send(
+                wire.Frame(wire.DATA, stream.stream_id, body[start : start + wire.MAX_PAYLOAD])
+            )
+        tunnel.send(wire.Frame(wire.END, stream.stream_id, b""))
+        return stream
+
+    def forget(self, stream: Stream) -> None:
+        with self._lock:
+            if self._streams.pop(stream.stream_id, None) is stream:
+                self._in_flight[stream.server_id] -= 1
+                if self._in_flight[stream.server_id] <= 0:
+                    del self._in_flight[stream.server_id]
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "tunnels": len(self._tunnels),
+                "streams": len(self._streams),
+                "buffered_bytes": sum(s.buffered for s in self._streams.values()),
+            }

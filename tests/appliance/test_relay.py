@@ -1,0 +1,222 @@
+"""The client API relayed over an agent's tunnel (issue 26), on a real control plane: the
+agent's real tunnel client (in this process), a node that holds a running server through
+the real serve-lease routes, and a stdlib origin standing in for the runtime, scripted so
+the test decides when each byte is written (no timing assumed)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+
+import pytest
+
+from modelforge_appliance.identity.api_keys import create_api_key
+from modelforge_contract.relay import PATH_CLIENT_CHAT_COMPLETIONS
+from modelforge_node_agent.settings import load_settings
+from modelforge_node_agent.tunnel import TunnelClient
+from tests.harness.agent_process import wait_until
+from tests.harness.control_plane import make_settings, serve
+from tests.harness.cut_proxy import CutProxy
+from tests.harness.relay_origin import Origin
+
+from .test_deployments import ServingNode, deploy, held, tiny_model
+
+CHAT = PATH_CLIENT_CHAT_COMPLETIONS
+
+
+@pytest.fixture
+def cp(tmp_path):
+    with serve(make_settings(tmp_path / "cp")) as plane:
+        yield plane
+
+
+@pytest.fixture
+def origin():
+    made = Origin()
+    yield made
+    made.close()
+
+
+class Relay:
+    """A running server of deployment ``svc`` on a scripted node, its agent's tunnel."""
+
+    def __init__(self, cp, tmp_path, origin, url=None) -> None:
+        self.cp, self.origin = cp, origin
+        model = tiny_model(cp, tmp_path)
+        self.node = ServingNode(cp, "relay-a")
+        held(cp, model, self.node)
+        assert deploy(cp, "svc", [self.node]).status_code == 201
+        [entry] = self.node.servers()
+        self.server_id = entry["server_id"]
+        lease = self.node.claim_server(self.server_id).json()["lease"]
+        self.node.renew_server(self.server_id, lease["lease_id"], "running")
+        _, self.key = create_api_key(cp.store, "tests", "tests")
+        self.state = tmp_path / "agent-state"
+        env = {
+            "MODELFORGE_AGENT_CONTROL_PLANE_URL": url or cp.url,
+            "MODELFORGE_AGENT_STATE_VOLUME": str(self.state),
+            "MODELFORGE_AGENT_ACCELERATOR_MODE": "cpu",
+        }
+        self.settings = load_settings(env)
+        self.model_dir = self.settings.artifacts_dir / "models" / ("a" * 64)
+        self.stop = threading.Event()
+        self.tunnel = TunnelClient(
+            self.settings,
+            lambda: self.node.credential,
+            lambda sid: (
+                (origin.port, "svc", str(self.model_dir)) if sid == self.server_id else None
+            ),
+            self.stop,
+            steps=(0.05, 0.1, 0.2),
+        )
+        self.tunnel.start()
+        wait_until(lambda: cp.server.app.hub.connected(self.node.node_id), what="tunnel up")
+
+    def close(self) -> None:
+        self.stop.set()
+
+    def request(self, body: dict, key: str | None = None) -> http.client.HTTPResponse:
+        connection = http.client.HTTPConnection("127.0.0.1", int(self.cp.url.rsplit(":", 1)[1]))
+        headers = {"Content-Type": "application/json"}
+        if key is not False:
+            headers["Authorization"] = f"Bearer {key or self.key}"
+        connection.request("POST", CHAT, json.dumps(body).encode(), headers)
+        response = connection.getresponse()
+        response.connection = connection  # to close the client's socket itself
+        return response
+
+
+@pytest.fixture
+def relay(cp, tmp_path, origin):
+    made = Relay(cp, tmp_path, origin)
+    yield made
+    made.close()
+
+
+def read_event(response, buffer: bytearray) -> bytes:
+    """The next complete SSE event from the stream (read as it arrives)."""
+    while b"\n\n" not in buffer:
+        chunk = response.read1(65536)
+        assert chunk, f"the stream ended inside an event: {bytes(buffer)!r}"
+        buffer += chunk
+    end = buffer.index(b"\n\n") + 2
+    event = bytes(buffer[:end])
+    del buffer[:end]
+    return event
+
+
+def test_sse_events_arrive_one_by_one_as_the_runtime_writes_them(relay, origin):
+    events = [{"choices": [{"delta": {"content": f"word{i} "}}]} for i in range(4)]
+    expected = origin.sse(events)
+    origin.chunks = [c + b"\n\n" for c in expected.split(b"\n\n") if c]
+    origin.gated = True
+    # waitress sends the head with the first body bytes: the first event goes at once.
+    origin.release()
+    response = relay.request({"model": "svc", "stream": True, "messages": []})
+    assert response.status == 200
+    assert response.getheader("Content-Type") == "text/event-stream"
+    buffer = bytearray()
+    seen = []
+    for index, chunk in enumerate(origin.chunks):
+        if index:
+            origin.release()  # the runtime writes one event, and no more until the test says
+        seen.append(read_event(response, buffer))
+        assert seen[-1] == chunk, index
+    assert b"".join(seen) == expected
+    assert (
+        origin.requests[0]["body"]
+        == json.dumps({"model": "svc", "stream": True, "messages": []}).encode()
+    )
+    assert "Authorization" not in origin.requests[0]["headers"]  # the key stops here
+
+
+def test_paths_of_the_node_are_scrubbed_even_split_across_chunks(relay, origin):
+    model_file = str(relay.model_dir / "tiny.gguf")
+    event = f'data: {{"model": "{model_file}"}}\r\n\r\n'.encode()
+    middle = len(event) // 2
+    origin.chunks = [event[:middle], event[middle:], b"data: [DONE]\r\n\r\n"]
+    response = relay.request({"model": "svc", "stream": True})
+    body = response.read()
+    assert str(relay.settings.artifacts_dir).encode() not in body
+    assert body == b'data: {"model": "svc/tiny.gguf"}\r\n\r\ndata: [DONE]\r\n\r\n'
+    # A JSON answer: scrubbed whole, its Content-Length fixed.
+    origin.json_body = json.dumps({"path": model_file, "root": str(relay.state)}).encode()
+    answer = relay.request({"model": "svc"})
+    raw = answer.read()
+    assert json.loads(raw) == {"path": "svc/tiny.gguf", "root": "svc"}
+    assert int(answer.getheader("Content-Length")) == len(raw)
+
+
+def test_client_errors_and_the_models_list(cp, relay):
+    missing = relay.request({"model": "nope"})
+    assert (
+        missing.status == 404
+        and json.loads(missing.read())["error"]["code"] == "MODEL_NOT_DEPLOYED"
+    )
+    unknown_key = relay.request({"model": "svc"}, key="mfk_0123456789abcdef_" + "x" * 43)
+    assert unknown_key.status == 401
+    no_key = relay.request({"model": "svc"}, key=False)
+    assert no_key.status == 401
+    connection = http.client.HTTPConnection("127.0.0.1", int(cp.url.rsplit(":", 1)[1]))
+    connection.request("GET", "/v1/models", headers={"Authorization": f"Bearer {relay.key}"})
+    listed = json.loads(connection.getresponse().read())
+    assert [m["id"] for m in listed["data"]] == ["svc"]
+
+
+def test_a_client_that_goes_away_stops_the_runtime(relay, origin):
+    # Far more than a window: the runtime is still writing when the client goes.
+    origin.chunks = [b"data: " + b"x" * 8000 + b"\n\n"] * 2000
+    origin.gated = True
+    origin.release()
+    response = relay.request({"model": "svc", "stream": True})
+    read_event(response, bytearray())
+    response.close()
+    response.connection.close()  # the client goes away mid-stream
+    origin.release(len(origin.chunks) - 1)
+    assert origin.client_gone.wait(60)  # the agent closed the runtime's connection
+
+
+def test_a_stream_survives_a_cut_tunnel_with_no_gap_and_no_duplicate(cp, tmp_path, origin):
+    proxy = CutProxy(int(cp.url.rsplit(":", 1)[1]))
+    relay = Relay(cp, tmp_path, origin, url=proxy.url)
+    try:
+        events = [{"choices": [{"delta": {"content": f"token{i} "}}]} for i in range(20)]
+        expected = origin.sse(events)
+        origin.chunks = [c + b"\n\n" for c in expected.split(b"\n\n") if c]
+        origin.gated = True
+        origin.release()
+        response = relay.request({"model": "svc", "stream": True})
+        buffer = bytearray()
+        got = []
+        for index in range(5):
+            if index:
+                origin.release()
+            got.append(read_event(response, buffer))
+        assert proxy.cut() >= 1  # the tunnel's TCP connection dies; agent and runtime live
+        origin.release(len(origin.chunks) - 5)  # the runtime goes on meanwhile
+        wait_until(lambda: proxy.accepted >= 2, timeout=30, what="the agent reconnected")
+        rest = bytes(buffer) + response.read()
+        assert b"".join(got) + rest == expected  # every byte once, in order
+    finally:
+        relay.close()
+        proxy.close()
+
+
+def test_a_tunnel_that_does_not_come_back_ends_the_stream_with_node_link_lost(cp, relay, origin):
+    cp.server.app.hub.grace = 0.2
+    origin.chunks = [b"data: {}\n\n"] * 3
+    origin.gated = True
+    origin.release()
+    response = relay.request({"model": "svc", "stream": True})
+    buffer = bytearray()
+    assert read_event(response, buffer) == b"data: {}\n\n"
+    relay.close()  # the agent stops: its tunnel goes for good
+    deadline = time.monotonic() + 60
+    while b"[DONE]" not in buffer and time.monotonic() < deadline:
+        chunk = response.read1(65536)
+        if not chunk:
+            break
+        buffer += chunk
+    assert b"event: error" in buffer and b"NODE_LINK_LOST" in buffer and buffer.endswith(b"\n\n")
