@@ -220,3 +220,89 @@ def test_a_tunnel_that_does_not_come_back_ends_the_stream_with_node_link_lost(cp
             break
         buffer += chunk
     assert b"event: error" in buffer and b"NODE_LINK_LOST" in buffer and buffer.endswith(b"\n\n")
+
+
+def hostile_tunnel(cp, credential: str):
+    from websockets.sync.client import connect
+
+    from modelforge_contract import HEADER_AGENT_PROTOCOL, PROTOCOL_VERSION
+    from modelforge_contract.tunnel import PATH_AGENT_TUNNEL
+
+    url = cp.url.replace("http://", "ws://") + PATH_AGENT_TUNNEL
+    headers = {
+        "Authorization": f"Bearer {credential}",
+        HEADER_AGENT_PROTOCOL: str(PROTOCOL_VERSION),
+    }
+    link = connect(url, additional_headers=headers, compression=None, open_timeout=10)
+    link.recv(timeout=10)  # the RESUME every new tunnel opens with
+    return link
+
+
+def closed_after(link, data: bytes) -> bool:
+    from websockets.exceptions import ConnectionClosed
+
+    link.send(data)
+    try:
+        while True:
+            link.recv(timeout=30)  # a RESET it may answer first, then the close
+    except ConnectionClosed:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_hostile_frames_close_only_their_own_tunnel_and_nothing_else(cp, relay, origin):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from websockets.exceptions import InvalidStatus
+
+    from modelforge_contract import tunnel as wire
+
+    other = ServingNode(cp, "hostile-b")
+    # Unauthenticated, or with a key instead of a credential: refused before the upgrade.
+    with pytest.raises(InvalidStatus) as refused:
+        hostile_tunnel(cp, "mfc_0000000000000000_" + "x" * 43)
+    assert refused.value.response.status_code == 401
+    # A well-formed frame for another node's stream: that tunnel closes, the stream lives on.
+    origin.chunks = [b"data: {}\n\n"] * 2
+    origin.gated = True
+    origin.release()
+    response = relay.request({"model": "svc", "stream": True})
+    buffer = bytearray()
+    read_event(response, buffer)
+    stream_id = max(cp.server.app.hub._streams)
+    link = hostile_tunnel(cp, other.credential)
+    assert closed_after(link, wire.encode(wire.data_frame(stream_id, b"data: forged\n\n")))
+    origin.release()
+    rest = bytes(buffer) + response.read()
+    assert b"forged" not in rest and rest.count(b"data: {}") == 1
+    shaped = [
+        b"",
+        b"\x00" * 12,  # type 0
+        wire.encode(wire.end_frame(1))[:11],  # a header cut short
+        b"\x03\x00\x00\x00\x00\x00\x00\x07\x7f\xff\xff\xff",  # a length far beyond any frame
+        b"\x03\x00\x00\x01\x00\x00\x00\x07\x00\x00\x00\x00",  # reserved bits set
+        wire.encode(wire.Frame(wire.HEAD, 7, b"not json")),
+        wire.encode(wire.Frame(wire.OPEN, 7, b'{"server_id": "x"}')),  # not one an agent sends
+    ]
+    for data in shaped:
+        assert closed_after(hostile_tunnel(cp, other.credential), data), data
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.binary(max_size=64))
+    def random_bytes_never_crash_it(data: bytes) -> None:
+        link = hostile_tunnel(cp, other.credential)
+        link.send(data)
+        link.close()
+
+    random_bytes_never_crash_it()
+    # The control plane goes on: the honest node's tunnel still carries a request.
+    origin.gated = False
+    origin.chunks = [b"data: {}\n\n", b"data: [DONE]\n\n"]
+    again = relay.request({"model": "svc", "stream": True})
+    assert again.status == 200 and again.read() == b"data: {}\n\ndata: [DONE]\n\n"
+    assert cp.server.app.hub.connected(relay.node.node_id)
+    metrics = http.client.HTTPConnection("127.0.0.1", int(cp.url.rsplit(":", 1)[1]))
+    metrics.request("GET", "/metrics", headers={"Authorization": f"Bearer {cp.admin_token}"})
+    text = metrics.getresponse().read().decode()
+    assert "modelforge_relay_tunnel_protocol_errors_total" in text

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 RESUME_GRACE_SECONDS = 30.0
 HEAD_TIMEOUT_SECONDS = 600.0  # a runtime may queue a request this long before answering
 KEEPALIVE_SECONDS = 15.0
+ENDED_KEPT = 4096  # per node: the streams that ended lately, whose late frames are dropped
 
 
 class Link(Protocol):
@@ -247,15 +248,15 @@ class Tunnel:
             return
         stream = self.hub.stream(frame.stream_id)
         if stream is None or stream.node_id != self.node_id:
-            if kind in (wire.DATA, wire.END, wire.HEAD):
-                # A stream that ended here meanwhile (the client went away): tell the agent.
-                self.send(wire.reset_frame(frame.stream_id, "STREAM_UNKNOWN", "no such stream"))
-                if stream is not None:  # another node's stream: never
-                    raise wire.FrameError("a frame for another node's stream")
+            if stream is None and self.hub.ended_here(self.node_id, frame.stream_id):
+                # This node's stream that ended here meanwhile (its client went away): the
+                # agent's frames in flight for it are dropped, and a RESET tells it.
+                if kind != wire.RESET:
+                    self.send(
+                        wire.reset_frame(frame.stream_id, rel.STREAM_CANCELLED, "the stream ended")
+                    )
                 return
-            if kind == wire.RESET:
-                return
-            raise wire.FrameError(f"frame type {kind} for stream {frame.stream_id}")
+            raise wire.FrameError(f"{kind.name} for stream {frame.stream_id}, not this node's")
         if kind == wire.HEAD:
             value = wire.json_of(frame)
             status = value.get("status")
@@ -300,6 +301,9 @@ class Hub:
         self._streams: dict[int, Stream] = {}
         self._ids = itertools.count(1)
         self._in_flight: collections.Counter[str] = collections.Counter()
+        # The streams that ended lately, by node (bounded): frames still in flight for one
+        # are dropped; a frame for a stream the node never had closes its tunnel.
+        self._ended: dict[str, collections.deque[int]] = {}
         self._on_protocol_error = on_protocol_error or (lambda: None)
 
     def metrics_protocol_error(self) -> None:
@@ -400,8 +404,14 @@ class Hub:
         tunnel.send(wire.Frame(wire.END, stream.stream_id, b""))
         return stream
 
+    def ended_here(self, node_id: str, stream_id: int) -> bool:
+        with self._lock:
+            return stream_id in self._ended.get(node_id, ())
+
     def forget(self, stream: Stream) -> None:
         with self._lock:
+            ended = self._ended.setdefault(stream.node_id, collections.deque(maxlen=ENDED_KEPT))
+            ended.append(stream.stream_id)
             if self._streams.pop(stream.stream_id, None) is stream:
                 self._in_flight[stream.server_id] -= 1
                 if self._in_flight[stream.server_id] <= 0:
