@@ -105,6 +105,7 @@ READINESS_CHECKS = (
     "agent_health",
     "telemetry_age",
     "worker",
+    "tunnel",
     "cordoned",
 )
 ALERT_NODE_OFFLINE = "node_offline"

@@ -65,7 +65,9 @@ class Agent:
         self.credential = response.json()["credential"]
         return response.json()
 
-    def heartbeat(self, credential=None, status="ok", gpu_probe="ok", worker=WORKER, message=None):
+    def heartbeat(
+        self, credential=None, status="ok", gpu_probe="ok", worker=WORKER, message=None, tunnel=None
+    ):
         body = {
             "node_id": self.node_id,
             "agent_version": "0.1.0",
@@ -74,6 +76,8 @@ class Agent:
         }
         if message is not None:
             body["health"]["message"] = message
+        if tunnel is not None:  # issue 26: the agent's tunnel, up or down
+            body["health"]["tunnel"] = tunnel
         return self.cp.agent(
             "POST", "/api/v1/agent/heartbeat", credential or self.credential, json=body
         )
@@ -90,6 +94,10 @@ class Agent:
     def publish_all(self):
         for response in (self.heartbeat(), self.inventory(), self.telemetry()):
             assert response.status_code == 200, response.text
+
+
+def check(answer: dict, name: str) -> dict:
+    return next(c for c in answer["checks"] if c["name"] == name)
 
 
 def readiness(cp, node_id: str) -> dict:
@@ -128,8 +136,15 @@ def test_a_connected_node_is_not_ready_until_every_check_passes(clocked_control_
         "agent_health",
         "telemetry_age",
         "worker",
+        "tunnel",
         "cordoned",
     ]
+    # The tunnel: reported down, the node is not ready (no client request reaches it).
+    assert agent.heartbeat(tunnel="down").status_code == 200
+    down = readiness(cp, agent.node_id)
+    assert failing(down) == {"tunnel"} and "reverse-proxy" in check(down, "tunnel")["next_step"]
+    assert agent.heartbeat(tunnel="up").status_code == 200
+    assert readiness(cp, agent.node_id)["ready"]
 
 
 def _stale_connection(cp, clock, agent):

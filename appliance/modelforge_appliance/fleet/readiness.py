@@ -230,6 +230,22 @@ def _worker(node: Node, health: dict[str, Any] | None) -> Check:
     return Check("worker", True, f"{detail}; capabilities: {capabilities}")
 
 
+def _tunnel(health: dict[str, Any] | None) -> Check:
+    """The agent's tunnel, as its last heartbeat reported it (docs/architecture.md §12)."""
+    state = (health or {}).get("tunnel")
+    if state is None:
+        return Check("tunnel", True, "not reported (an agent from before the relay)")
+    if state != "up":
+        return Check(
+            "tunnel",
+            False,
+            "the agent's tunnel to the control plane is down: no client request reaches it",
+            "Check the agent's log for the tunnel's error; a reverse proxy must pass the "
+            "WebSocket upgrade of /api/v1/agent/tunnel (docs/reverse-proxy.md).",
+        )
+    return Check("tunnel", True, "the agent's tunnel is up")
+
+
 def _cordoned(node: Node) -> Check:
     if node.cordoned:
         return Check(
@@ -256,6 +272,7 @@ def checks_of(node: Node, active: Credential | None, now: float, settings: Setti
         _agent_health(health, worker),
         _telemetry(node, now, settings),
         worker,
+        _tunnel(health),
         _cordoned(node),
     ]
 
