@@ -11,11 +11,8 @@ import json
 import subprocess
 import threading
 
-import waitress
-
 from modelforge_appliance.core.clock import Clock
-from modelforge_appliance.runtime.app import make_app
-from modelforge_appliance.runtime.server import run_until, waitress_options
+from modelforge_appliance.runtime.server import create_server, run_until
 from modelforge_appliance.store.database import Store
 from modelforge_contract import EXIT_CHECK_FAILED, PATH_AGENT_HEARTBEAT, PATH_AGENT_INVENTORY
 from tests.harness.agent_process import AgentProcess, RestartableControlPlane, agent_env, wait_until
@@ -54,14 +51,9 @@ class RecordingControlPlane(RestartableControlPlane):
     def start(self) -> None:
         self.store = Store(self.settings.database_url, Clock())
         self.store.migrate()
-        app = make_app(self.settings, self.store)
-        self.server = waitress.create_server(
-            self._recording(app),
-            host="127.0.0.1",
-            port=self.port,
-            **waitress_options(self.settings),
-        )
-        self.server.heartbeats = app.heartbeats
+        # The real server (its front takes the agents' tunnels), every HTTP call recorded.
+        self.server = create_server(self.settings, self.store, "127.0.0.1", self.port)
+        self.server.application = self._recording(self.server.application)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=run_until, args=(self.server, self._stop), daemon=True
