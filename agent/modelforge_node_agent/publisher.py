@@ -98,8 +98,8 @@ class Health:
         self.failure: PreflightFailure | None = None
         self.started = time.monotonic()
         self.worker = worker  # the runtime worker beside the agent (issue 13)
-        # The tunnel's state, "up" or "down" (issue 26); unset: not reported.
-        self.tunnel: Callable[[], str] | None = None
+        # The tunnel's state, "up" or "down" (issue 26); unset or None: not reported.
+        self.tunnel: Callable[[], str | None] | None = None
 
     def gpu_ok(self) -> None:
         with self._lock:
@@ -134,8 +134,9 @@ class Health:
                 # A node that cannot run work says so rather than looking healthy.
                 body["status"] = "degraded"
                 body["message"] = (body["message"] or worker.problem or "")[:500]
-        if self.tunnel is not None:
-            body["tunnel"] = self.tunnel()
+        tunnel = self.tunnel() if self.tunnel is not None else None
+        if tunnel is not None:
+            body["tunnel"] = tunnel
         return body
 
 

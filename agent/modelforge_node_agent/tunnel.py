@@ -304,7 +304,9 @@ class TunnelClient:
         self._link: Any = None
         self._lost_at: float | None = time.monotonic()
         self._streams: dict[int, AgentStream] = {}
-        self.state = "down"  # up | down, for the heartbeat's health
+        # For the heartbeat's health: None until the first attempt has ended (so a node is
+        # not held unready while its tunnel is still connecting), then "up" or "down".
+        self.state: str | None = None
 
     # -- what the streams use ---------------------------------------------------------
 
@@ -404,6 +406,7 @@ class TunnelClient:
             try:
                 link = self._connect()
             except Exception as exc:
+                self.state = "down"
                 step, delay = backoff.next_step()
                 log.warning("tunnel: %s; again in %s", _describe(exc), seconds(step))
                 self.stop.wait(delay)
