@@ -81,6 +81,17 @@ def test_chat_relayed_over_the_agent_s_tunnel_matches_the_runtime_directly(
         # The key stays at the control plane; the agent's log holds no body and no key.
         log = node.agent.log()
         assert "tunnel up" in log
+        # Counted: requests by deployment and by key id, and the tokens llama.cpp reported.
+        metrics = requests.get(
+            f"{cp.url}/metrics", headers={"Authorization": f"Bearer {cp.admin_token}"}, timeout=30
+        ).text
+        assert 'modelforge_relay_requests_total{deployment="tiny-chat"} 2.0' in metrics
+        completion = [
+            line for line in metrics.splitlines()
+            if line.startswith('modelforge_relay_tokens_total{deployment="tiny-chat",kind="completion"}')
+        ]  # fmt: skip
+        assert completion and float(completion[0].split()[-1]) >= 12
+        assert key not in metrics
         assert key not in log and "zebra quartz" not in log and want not in log
     finally:
         node.close()

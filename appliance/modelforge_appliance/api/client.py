@@ -118,11 +118,61 @@ def _code(failure: Exception) -> str:
     return failure.code if isinstance(failure, StreamReset) else rel.NODE_LINK_LOST
 
 
+USAGE_BODY_MAX_BYTES = 4 * 1024 * 1024  # a JSON answer this large is parsed for its usage
+
+
+def _usage_of(value: object) -> tuple[int, int] | None:
+    usage = value.get("usage") if isinstance(value, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    prompt = prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else 0
+    completion = (
+        completion if isinstance(completion, int) and not isinstance(completion, bool) else 0
+    )
+    return max(prompt, 0), max(completion, 0)
+
+
+class Usage:
+    """The tokens a relayed answer reports: the ``usage`` of a JSON body, or of the SSE
+    event that carries one (the agent forwards whole events, so a chunk holds whole ones)."""
+
+    def __init__(self, sse: bool) -> None:
+        self.sse = sse
+        self.body = bytearray()
+        self.found: tuple[int, int] | None = None
+
+    def see(self, chunk: bytes) -> None:
+        if self.sse:
+            if b'"usage"' not in chunk:
+                return
+            for line in chunk.replace(b"\r", b"\n").split(b"\n"):
+                if line.startswith(b"data: {") and b'"usage"' in line:
+                    try:
+                        found = _usage_of(json.loads(line[6:]))
+                    except ValueError:
+                        continue
+                    self.found = found or self.found
+        elif len(self.body) + len(chunk) <= USAGE_BODY_MAX_BYTES:
+            self.body += chunk
+
+    def tokens(self) -> tuple[int, int] | None:
+        if not self.sse and self.body:
+            try:
+                return _usage_of(json.loads(self.body))
+            except ValueError:
+                return None
+        return self.found
+
+
 def _body(stream: Stream, sse: bool, deployment: str, metrics) -> Iterator[bytes]:
     """The relayed body; the stream is closed (and reset on the node) however it ends."""
     started = time.monotonic()
+    usage = Usage(sse)
     try:
-        yield from stream.chunks_out(KEEPALIVE if sse else None)
+        for chunk in stream.chunks_out(KEEPALIVE if sse else None):
+            usage.see(chunk)
+            yield chunk
     except (LinkLost, StreamReset) as failure:
         metrics.relay_errors.labels(deployment, _code(failure)).inc()
         if sse:
@@ -131,3 +181,7 @@ def _body(stream: Stream, sse: bool, deployment: str, metrics) -> Iterator[bytes
     finally:
         stream.close()
         metrics.relay_seconds.labels(deployment).observe(time.monotonic() - started)
+        tokens = usage.tokens()
+        if tokens is not None:
+            metrics.relay_tokens.labels(deployment, "prompt").inc(tokens[0])
+            metrics.relay_tokens.labels(deployment, "completion").inc(tokens[1])

@@ -183,6 +183,13 @@ class Metrics:
             registry=self.registry,
             buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0),
         )
+        self.relay_tokens = Counter(
+            "modelforge_relay_tokens",
+            "Tokens of relayed answers, where the runtime reports them (its usage): by "
+            "deployment and kind (prompt, completion).",
+            ["deployment", "kind"],
+            registry=self.registry,
+        )
         self.relay_tunnel_errors = Counter(
             "modelforge_relay_tunnel_protocol_errors",
             "Tunnels closed for a frame that broke the tunnel contract.",
