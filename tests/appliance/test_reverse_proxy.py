@@ -1,14 +1,20 @@
 """The nginx example of docs/reverse-proxy.md, run as written: Debian's nginx terminates TLS in
-front of the real control plane, and a real agent enrolls and heartbeats through it. Beside it,
-which X-Forwarded-* headers the control plane believes: only those of a listed proxy."""
+front of the real control plane, a real agent enrolls and heartbeats through it, and an agent's
+tunnel and a client's streamed completion pass through it, event by event, in the one-port and
+the two-port form. Beside it, which X-Forwarded-* headers the control plane believes: only
+those of a listed proxy."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
 import shutil
 import socket
+import ssl
 import subprocess
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -17,13 +23,20 @@ import pytest
 import requests
 
 from modelforge_appliance.identity import sessions
+from modelforge_appliance.identity.api_keys import create_api_key
 from modelforge_appliance.store.tables import SignInThrottle
+from modelforge_contract.relay import PATH_CLIENT_CHAT_COMPLETIONS
 from modelforge_node_agent.settings import load_settings
 from modelforge_node_agent.transport import make_session
+from modelforge_node_agent.tunnel import TunnelClient
 from tests.harness.agent_process import AgentProcess, agent_env, wait_until
 from tests.harness.console_client import PASSWORD, set_password
 from tests.harness.control_plane import error_code, free_port, make_settings, serve, unavailable
 from tests.harness.pki import issue_server_cert, make_ca
+from tests.harness.relay_origin import Origin
+
+from .test_deployments import ServingNode, deploy, held, tiny_model
+from .test_relay import read_event
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "cp.modelforge.test"
@@ -38,12 +51,32 @@ def nginx_binary() -> str:
     return path
 
 
-def documented_site() -> str:
-    """The nginx site file from docs/reverse-proxy.md, exactly as documented."""
+def documented_blocks() -> tuple[str, str]:
+    """The nginx site file from docs/reverse-proxy.md and its two-port tunnel upstream,
+    exactly as documented."""
     text = (ROOT / "docs" / "reverse-proxy.md").read_text()
     blocks = re.findall(r"```nginx\n(.*?)```", text, re.DOTALL)
-    assert len(blocks) == 1, "docs/reverse-proxy.md should show one nginx site file"
-    return blocks[0]
+    assert len(blocks) == 2, (
+        "docs/reverse-proxy.md should show one nginx site file and the two-port form's upstream"
+    )
+    return blocks[0], blocks[1]
+
+
+def documented_site() -> str:
+    """The nginx site file from docs/reverse-proxy.md, exactly as documented."""
+    return documented_blocks()[0]
+
+
+def two_port_site(tunnel_port: int) -> str:
+    """The site file with its tunnel upstream replaced by the two-port form's, as the
+    document says (the tunnel port's documented 127.0.0.1:8001 made ``tunnel_port``)."""
+    site, upstream = documented_blocks()
+    one_port = re.findall(r"^upstream modelforge_tunnel \{\n.*?^\}\n", site, re.DOTALL | re.M)
+    assert len(one_port) == 1, "the site file should have one upstream modelforge_tunnel"
+    assert upstream.startswith("upstream modelforge_tunnel {"), upstream
+    return site.replace(
+        one_port[0], substitute(upstream, [("127.0.0.1:8001", f"127.0.0.1:{tunnel_port}")])
+    )
 
 
 def substitute(site: str, replacements: list[tuple[str, str]]) -> str:
@@ -205,6 +238,122 @@ def test_the_documented_nginx_example_carries_enrollment_and_heartbeats(tmp_path
         finally:
             nginx.terminate()
             nginx.wait(timeout=10)
+
+
+def client_request(port: int, ca: Path, body: dict, key: str) -> http.client.HTTPResponse:
+    """A client's POST of a chat completion to nginx on ``port``, TLS verified against the
+    private CA; a socket timeout bounds every read (a held event fails, never hangs)."""
+    context = ssl.create_default_context(cafile=str(ca))
+    connection = http.client.HTTPSConnection(NAME, port, context=context, timeout=60)
+    connection.sock = context.wrap_socket(
+        socket.create_connection(("127.0.0.1", port), timeout=60), server_hostname=NAME
+    )
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+    connection.request("POST", PATH_CLIENT_CHAT_COMPLETIONS, json.dumps(body).encode(), headers)
+    return connection.getresponse()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["one-port", "two-port"])
+def test_a_tunnel_and_a_streamed_completion_pass_the_documented_nginx(tmp_path, form):
+    """An agent's tunnel client, with the agent's TLS settings (private CA, pinned address),
+    comes up through the documented nginx while nginx holds a reused connection to the
+    control plane, and a client's streamed chat completion through nginx arrives event by
+    event: each is read before the runtime (a gated stdlib origin) writes the next."""
+    nginx_binary()
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca = make_pki(pki)
+    proxy_port = free_port()
+    origin = f"https://{NAME}:{proxy_port}"
+    tunnel_port = free_port() if form == "two-port" else None
+    # No public origin: the scripted node enrolls on the control plane's own port.
+    settings = replace(
+        make_settings(tmp_path / "state"),
+        trusted_proxies=("127.0.0.1",),
+        tunnel_listen=("127.0.0.1", tunnel_port) if tunnel_port else None,
+    )
+    runtime = Origin()
+    stop = threading.Event()
+    with serve(settings) as cp:
+        site = documented_site() if tunnel_port is None else two_port_site(tunnel_port)
+        site = substitute(
+            site,
+            [
+                ("/etc/modelforge/tls/", f"{pki}/"),
+                ("cp.lan", NAME),
+                ("listen 443 ssl;", f"listen 127.0.0.1:{proxy_port} ssl;"),
+                ("127.0.0.1:8000", cp.url.removeprefix("http://")),
+            ],
+        )
+        work = tmp_path / "nginx"
+        work.mkdir()
+        nginx = start_nginx(work, site)
+        try:
+            wait_for_port(proxy_port, nginx, work / "error.log")
+            agent_settings = load_settings(
+                {
+                    "MODELFORGE_AGENT_CONTROL_PLANE_URL": origin,
+                    "MODELFORGE_AGENT_CONTROL_PLANE_HOST_ADDRESS": "127.0.0.1",
+                    "MODELFORGE_AGENT_CA_CERT_PATH": str(ca),
+                    "MODELFORGE_AGENT_STATE_VOLUME": str(tmp_path / "agent-state"),
+                    "MODELFORGE_AGENT_ACCELERATOR_MODE": "cpu",
+                }
+            )
+            # nginx now keeps an idle connection to the control plane: the tunnel must not
+            # be sent on it (the control plane takes a tunnel only on a new connection).
+            session = make_session(agent_settings)
+            assert session.get(f"{origin}/healthz", timeout=10).json() == {"status": "ok"}
+
+            # A running server of deployment svc on a scripted node; its tunnel is the
+            # agent's real client, through nginx.
+            model = tiny_model(cp, tmp_path)
+            node = ServingNode(cp, "behind-nginx")
+            held(cp, model, node)
+            assert deploy(cp, "svc", [node]).status_code == 201
+            [entry] = node.servers()
+            server_id = entry["server_id"]
+            lease = node.claim_server(server_id).json()["lease"]
+            node.renew_server(server_id, lease["lease_id"], "running")
+            _, key = create_api_key(cp.store, "tests", "tests")
+            model_dir = str(agent_settings.artifacts_dir / "models" / ("a" * 64))
+            TunnelClient(
+                agent_settings,
+                lambda: node.credential,
+                lambda sid: (runtime.port, "svc", model_dir) if sid == server_id else None,
+                stop,
+                steps=(0.05, 0.1, 0.2),
+            ).start()
+            wait_until(
+                lambda: cp.server.app.hub.connected(node.node_id),
+                timeout=30,
+                what=f"the agent's tunnel up through nginx ({form})",
+            )
+
+            events = [{"choices": [{"delta": {"content": f"word{i} "}}]} for i in range(4)]
+            expected = runtime.sse(events)
+            runtime.chunks = [c + b"\n\n" for c in expected.split(b"\n\n") if c]
+            runtime.gated = True
+            runtime.release()  # the first event: the head goes with it
+            body = {"model": "svc", "stream": True, "messages": []}
+            response = client_request(proxy_port, ca, body, key)
+            assert response.status == 200
+            assert response.getheader("Content-Type") == "text/event-stream"
+            buffer = bytearray()
+            seen = []
+            for index, chunk in enumerate(runtime.chunks):
+                if index:
+                    runtime.release()  # one more event, only once the last one arrived
+                seen.append(read_event(response, buffer))
+                assert seen[-1] == chunk, index
+            assert b"".join(seen) == expected
+            assert runtime.requests[0]["body"] == json.dumps(body).encode()
+            assert "Authorization" not in runtime.requests[0]["headers"]
+        finally:
+            stop.set()
+            nginx.terminate()
+            nginx.wait(timeout=10)
+            runtime.close()
 
 
 PROXIED = {"X-Forwarded-Proto": "https", "X-Forwarded-Host": "cp.lan"}
