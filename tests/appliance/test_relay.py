@@ -306,3 +306,20 @@ def test_hostile_frames_close_only_their_own_tunnel_and_nothing_else(cp, relay, 
     metrics.request("GET", "/metrics", headers={"Authorization": f"Bearer {cp.admin_token}"})
     text = metrics.getresponse().read().decode()
     assert "modelforge_relay_tunnel_protocol_errors_total" in text
+
+
+def test_relayed_streams_beyond_the_cap_are_refused_503_and_the_rest_go_on(cp, relay, origin):
+    cp.server.app.hub.max_total = 1  # as MODELFORGE_RELAY_STREAMS=1
+    origin.chunks = [b"data: {}\n\n", b"data: [DONE]\n\n"]
+    origin.gated = True
+    origin.release()
+    holding = relay.request({"model": "svc", "stream": True})
+    read_event(holding, bytearray())
+    refused = relay.request({"model": "svc"})
+    assert refused.status == 503 and refused.getheader("Retry-After") == "1"
+    assert json.loads(refused.read())["error"]["code"] == "STREAM_LIMIT"
+    origin.release()
+    assert holding.read() == b"data: [DONE]\n\n"
+    origin.gated = False
+    again = relay.request({"model": "svc", "stream": True})
+    assert again.status == 200 and again.read().endswith(b"data: [DONE]\n\n")

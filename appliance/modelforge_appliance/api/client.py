@@ -24,7 +24,7 @@ from ..core.errors import ApiError
 from ..core.validation import read_json_bytes
 from ..identity.api_keys import ApiKeyCaller
 from ..relay import routing
-from ..relay.hub import Hub, LinkLost, Stream, StreamReset
+from ..relay.hub import Hub, LinkLost, Stream, StreamLimit, StreamReset
 from ..web.auth import CLIENT
 from ..web.http import ApiContext, json_response
 
@@ -75,7 +75,18 @@ def add_routes(app: bottle.Bottle, context: ApiContext, hub: Hub) -> None:
             for name, value in bottle.request.headers.items()
             if name.lower() in _FORWARDED
         ]
-        stream = hub.open(target.node_id, target.server_id, "POST", path, headers, raw)
+        try:
+            stream = hub.open(target.node_id, target.server_id, "POST", path, headers, raw)
+        except StreamLimit:
+            metrics.relay_errors.labels(target.deployment, rel.STREAM_LIMIT).inc()
+            raise ApiError(
+                "the control plane relays as many requests as it may at once",
+                code=rel.STREAM_LIMIT,
+                status=503,
+                next_step="Send it again shortly (MODELFORGE_RELAY_STREAMS and "
+                "MODELFORGE_THREADS set how many run at once).",
+                extra={"retry_after_seconds": 1},
+            ) from None
         if stream is None:
             raise routing.unreachable(target.deployment)
         metrics.relay_requests.labels(target.deployment).inc()

@@ -218,6 +218,13 @@ SETTINGS: tuple[SettingSpec, ...] = (
     ),
     SettingSpec("MODELFORGE_THREADS", "8", "Worker threads of the waitress server."),
     SettingSpec(
+        "MODELFORGE_RELAY_STREAMS",
+        "0",
+        "Client requests relayed to nodes at once; each holds a waitress thread while it "
+        "runs. 0: MODELFORGE_THREADS less 4, so admin and agent calls always find a thread. "
+        "Beyond it a client gets 503 STREAM_LIMIT with Retry-After.",
+    ),
+    SettingSpec(
         "MODELFORGE_CONNECTION_LIMIT",
         "10000",
         "Client connections held open at once (every agent keeps one). Beyond it new "
@@ -290,6 +297,7 @@ class Settings:
     serve_lease_seconds: int
     work_input_max_bytes: int
     threads: int
+    relay_streams: int  # 0: threads less RELAY_RESERVED_THREADS
     log_level: str
     connection_limit: int
     connections_per_address: int
@@ -543,6 +551,7 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         work_slots_per_node=integer(env, "MODELFORGE_WORK_SLOTS_PER_NODE", 1, WORK_SLOTS_MAX),
         work_claims_per_second=integer(env, "MODELFORGE_WORK_CLAIMS_PER_SECOND", 1, 10_000),
         threads=integer(env, "MODELFORGE_THREADS", 1, 256),
+        relay_streams=integer(env, "MODELFORGE_RELAY_STREAMS", 0, 4096),
         log_level=log_level,
         connection_limit=connection_limit,
         connections_per_address=per_address,

@@ -51,6 +51,10 @@ class LinkLost(Exception):
     """The stream's node link is gone and did not come back in time."""
 
 
+class StreamLimit(Exception):
+    """The process (or the node's tunnel) carries as many relayed streams as it may."""
+
+
 class StreamReset(Exception):
     """The agent reset the stream: ``code`` and ``message`` say why."""
 
@@ -294,8 +298,10 @@ class Hub:
         keepalive: float = KEEPALIVE_SECONDS,
         max_streams: int = wire.MAX_STREAMS_PER_TUNNEL,
         on_protocol_error: Callable[[], None] | None = None,
+        max_total: int = 4096,
     ) -> None:
         self.grace, self.keepalive, self.max_streams = grace, keepalive, max_streams
+        self.max_total = max_total  # streams of all tunnels (each holds a waitress thread)
         self._lock = threading.Lock()
         self._tunnels: dict[str, Tunnel] = {}
         self._streams: dict[int, Stream] = {}
@@ -377,14 +383,14 @@ class Hub:
         body: bytes,
     ) -> Stream | None:
         """A new stream to the server on the node's tunnel; None when the node has no
-        tunnel here or its tunnel carries its stream cap."""
+        tunnel here. StreamLimit when this process, or the node's tunnel, carries its cap."""
         with self._lock:
             tunnel = self._tunnels.get(node_id)
             if tunnel is None:
                 return None
             carried = sum(1 for s in self._streams.values() if s.node_id == node_id)
-            if carried >= self.max_streams:
-                return None
+            if carried >= self.max_streams or len(self._streams) >= self.max_total:
+                raise StreamLimit()
             stream = Stream(self, next(self._ids), node_id, server_id)
             stream.tunnel = tunnel
             self._streams[stream.stream_id] = stream

@@ -28,6 +28,8 @@ from ..web.auth import Authentication, refuse_undeclared
 from ..web.http import ApiContext, answering, framework_error, security_headers
 from ..web.metrics import Metrics
 
+RELAY_RESERVED_THREADS = 4  # waitress threads relayed streams never take (MODELFORGE_RELAY_STREAMS)
+
 
 def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     """Build the WSGI application for these settings and this store.
@@ -68,7 +70,9 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     agent_models.add_routes(app, context)
     admin_deployments.add_routes(app, context)
     agent_servers.add_routes(app, context)
-    hub = app.hub = Hub(on_protocol_error=metrics.relay_tunnel_errors.inc)
+    # Each relayed stream holds a waitress thread: some are always kept for everyone else.
+    streams = settings.relay_streams or max(1, settings.threads - RELAY_RESERVED_THREADS)
+    hub = app.hub = Hub(on_protocol_error=metrics.relay_tunnel_errors.inc, max_total=streams)
     client.add_routes(app, context, hub)
     console_routes.add_routes(app, context)
     refuse_undeclared(app)  # a route that names no caller stops the app here
