@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import logging
 import socket
 import ssl
@@ -31,7 +32,7 @@ from modelforge_contract import relay as rel
 from modelforge_contract import tunnel as wire
 from modelforge_contract.scrub import SseScrubber, scrub_body
 
-from . import __version__
+from . import __version__, transport
 from .backoff import BACKOFF_STEPS, Backoff, seconds
 from .settings import AgentSettings
 
@@ -42,6 +43,15 @@ CONNECT_TIMEOUT = 10.0
 RUNTIME_TIMEOUT = 600.0  # a runtime may think this long before its first byte
 BODY_MAX_BYTES = 64 * 1024 * 1024  # a JSON answer scrubbed whole
 READ_CHUNK = 64 * 1024
+# The HTTP fallback: the download carries a PING every 15 s, so one silent for this long is
+# dead; uploads go in batches of at most UPLOAD_BATCH_BYTES (under MODELFORGE_MAX_BODY_BYTES).
+DOWNLOAD_READ_TIMEOUT = 60.0
+UPLOAD_BATCH_BYTES = 512 * 1024
+UPLOAD_QUEUE_FRAMES = 256
+UPLOAD_BLOCK_SECONDS = 5.0
+# A refusal of the upgrade that says WebSocket is blocked (a proxy's, not the control
+# plane's own error): auto then uses the HTTP fallback.
+WEBSOCKET_BLOCKED_STATUSES = frozenset({400, 403, 404, 405, 426, 501})
 
 
 def tunnel_url(control_plane_url: str) -> str:
@@ -63,6 +73,150 @@ def tls_context(settings: AgentSettings) -> ssl.SSLContext | None:
     if isinstance(verify, str):
         return ssl.create_default_context(cafile=verify)
     return ssl.create_default_context()
+
+
+class TunnelRefused(Exception):
+    """The control plane refused the HTTP tunnel's download (``response.status_code``)."""
+
+    def __init__(self, response: Any) -> None:
+        super().__init__(f"HTTP {response.status_code}")
+        self.response = response
+
+
+class HttpLink:
+    """The HTTP fallback's link, with a WebSocket's ``send``/``recv``/``close``.
+
+    ``recv`` reads the control plane's frames from the streamed ``GET …/tunnel/down``;
+    ``send`` queues a frame (bounded: a queue full for UPLOAD_BLOCK_SECONDS closes the link)
+    that a sender thread POSTs to ``…/tunnel/up`` with whatever else is queued, a POST per
+    batch. Both go through ``transport.make_session``, so the agent's TLS settings and its
+    pinned host address apply exactly as to its other calls. A failed upload closes the
+    link: the next tunnel's RESUME says where each stream goes on.
+    """
+
+    def __init__(self, settings: AgentSettings, credential: str | None) -> None:
+        self.base = settings.require_control_plane().rstrip("/")
+        self.headers = {
+            HEADER_AUTHORIZATION: f"Bearer {credential}",
+            HEADER_AGENT_PROTOCOL: str(PROTOCOL_VERSION),
+            "User-Agent": f"modelforge-node-agent/{__version__}",
+        }
+        self.session = transport.make_session(settings)
+        self.uploads = transport.make_session(settings)  # its own connection
+        response = self.session.get(
+            self.base + wire.PATH_AGENT_TUNNEL_DOWN,
+            headers=self.headers,
+            stream=True,
+            timeout=(CONNECT_TIMEOUT, DOWNLOAD_READ_TIMEOUT),
+        )
+        session_id = response.headers.get(wire.HEADER_TUNNEL_SESSION)
+        media_type = response.headers.get("Content-Type", "").split(";")[0].strip()
+        if response.status_code != 200 or not session_id or media_type != wire.TUNNEL_MEDIA_TYPE:
+            response.close()
+            raise TunnelRefused(response)
+        self.response, self.session_id = response, session_id
+        self._chunks = response.raw.stream(READ_CHUNK, decode_content=False)
+        self._reader = wire.FrameReader()
+        self._frames: list[wire.Frame] = []
+        self._cond = threading.Condition()
+        self._queue: list[bytes] = []
+        self.closed = False
+        threading.Thread(target=self._upload, name="tunnel-upload", daemon=True).start()
+
+    def recv(self) -> bytes:
+        while not self._frames:
+            if self.closed:
+                raise ConnectionError("the HTTP tunnel is closed")
+            try:
+                chunk = next(self._chunks)
+            except StopIteration:
+                raise ConnectionError("the HTTP tunnel's download ended") from None
+            self._frames = self._reader.feed(chunk)
+        return wire.encode(self._frames.pop(0))
+
+    def send(self, data: bytes) -> None:
+        with self._cond:
+            deadline = time.monotonic() + UPLOAD_BLOCK_SECONDS
+            while len(self._queue) >= UPLOAD_QUEUE_FRAMES and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self.closed or len(self._queue) >= UPLOAD_QUEUE_FRAMES:
+                self._close_locked()
+                raise ConnectionError("the HTTP tunnel is closed")
+            self._queue.append(data)
+            self._cond.notify_all()
+
+    def close(self, code: int = 1000, reason: str = "") -> None:
+        with self._cond:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._cond.notify_all()
+        connection = getattr(self.response.raw, "connection", None)
+        sock = getattr(connection, "sock", None)
+        with contextlib.suppress(OSError):  # wakes a recv blocked on the download
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(Exception):  # it is going anyway
+            self.response.close()
+
+    def _upload(self) -> None:
+        url = self.base + wire.PATH_AGENT_TUNNEL_UP
+        headers = {
+            **self.headers,
+            wire.HEADER_TUNNEL_SESSION: self.session_id,
+            "Content-Type": wire.TUNNEL_MEDIA_TYPE,
+        }
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self.closed:
+                        self._cond.wait()
+                    if self.closed:
+                        return
+                    batch, size = [], 0
+                    while self._queue and size + len(self._queue[0]) <= UPLOAD_BATCH_BYTES:
+                        size += len(self._queue[0])
+                        batch.append(self._queue.pop(0))
+                    if not batch:  # one frame is never over the batch bound; be safe
+                        batch.append(self._queue.pop(0))
+                    self._cond.notify_all()
+                answer = self.uploads.post(
+                    url, data=b"".join(batch), headers=headers, timeout=(CONNECT_TIMEOUT, 60)
+                )
+                answer.close()
+                if answer.status_code != 204:
+                    log.warning("tunnel: an upload was refused (HTTP %d)", answer.status_code)
+                    return
+        except Exception as exc:
+            log.warning("tunnel: an upload failed (%s)", transport.exception_name(exc))
+        finally:
+            self.close()
+            self.uploads.close()
+
+
+def websocket_blocked(exc: BaseException) -> bool:
+    """Whether a failed upgrade says WebSocket is blocked on the way: a proxy's refusal
+    (WEBSOCKET_BLOCKED_STATUSES, not in the control plane's own error shape) or the
+    connection reset or ended during the handshake."""
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    if status is not None:
+        if status not in WEBSOCKET_BLOCKED_STATUSES:
+            return False
+        try:
+            error = json.loads(getattr(response, "body", b"") or b"").get("error")
+        except (ValueError, AttributeError):
+            return True
+        return not (isinstance(error, dict) and "code" in error)
+    from websockets.exceptions import InvalidMessage
+
+    return isinstance(exc, (InvalidMessage, ConnectionResetError, EOFError))
 
 
 class AgentStream:
@@ -303,10 +457,12 @@ class TunnelClient:
         self._send_lock = threading.Lock()
         self._link: Any = None
         self._lost_at: float | None = time.monotonic()
-        self._streams: dict[int, AgentStream] = {}
+        self._streams: dict[int, AgentStream] = {}  # running
+        self._finished: dict[int, tuple[AgentStream, float]] = {}  # ended, kept for a resume
         # For the heartbeat's health: None until the first attempt has ended (so a node is
         # not held unready while its tunnel is still connecting), then "up" or "down".
         self.state: str | None = None
+        self.transport = settings.tunnel_transport  # auto becomes http once WebSocket fails
 
     # -- what the streams use ---------------------------------------------------------
 
@@ -347,19 +503,26 @@ class TunnelClient:
         return True
 
     def finished(self, stream: AgentStream) -> None:
-        """A stream's thread ended; it is kept for a resume until the grace passes."""
+        """A stream's thread ended: it no longer counts against the cap, and is kept for a
+        resume until the grace passes (pruned as new streams open)."""
+        with self._lock:
+            if self._streams.get(stream.stream_id) is stream:
+                del self._streams[stream.stream_id]
+            if not stream.aborted:
+                self._finished[stream.stream_id] = (stream, time.monotonic())
 
-        def forget() -> None:
-            if not self.stop.wait(self.grace):
-                with self._lock:
-                    if self._streams.get(stream.stream_id) is stream:
-                        del self._streams[stream.stream_id]
+    def _prune(self) -> None:
+        """Inside the lock: forget finished streams older than the grace."""
+        horizon = time.monotonic() - self.grace
+        for stream_id in [i for i, (_, at) in self._finished.items() if at < horizon]:
+            del self._finished[stream_id]
 
-        if stream.aborted:
-            with self._lock:
-                self._streams.pop(stream.stream_id, None)
-            return
-        threading.Thread(target=forget, name=f"forget-{stream.stream_id}", daemon=True).start()
+    def _held(self, stream_id: int) -> AgentStream | None:
+        with self._lock:
+            stream = self._streams.get(stream_id)
+            if stream is None and stream_id in self._finished:
+                stream = self._finished[stream_id][0]
+        return stream
 
     # -- the connection ---------------------------------------------------------------
 
@@ -369,6 +532,21 @@ class TunnelClient:
         return thread
 
     def _connect(self) -> Any:
+        """The tunnel's link: a WebSocket, or the HTTP fallback (the setting; auto falls
+        back for good once the upgrade is refused in a way that says WebSocket is blocked)."""
+        if self.transport == "http":
+            return HttpLink(self.settings, self.credential())
+        try:
+            return self._connect_websocket()
+        except Exception as exc:
+            if self.transport != "auto" or not websocket_blocked(exc):
+                raise
+            self.transport = "http"
+            log.warning("tunnel: the WebSocket upgrade was refused (%s); using the HTTP "
+                        "tunnel from now on", _describe(exc))  # fmt: skip
+            return HttpLink(self.settings, self.credential())
+
+    def _connect_websocket(self) -> Any:
         from websockets.sync.client import connect
 
         url = tunnel_url(self.settings.require_control_plane())
@@ -469,13 +647,15 @@ class TunnelClient:
         if kind == wire.RESUME:
             self._resume(wire.json_of(frame))
             return
-        with self._lock:
-            stream = self._streams.get(frame.stream_id)
+        stream = self._held(frame.stream_id)
         if kind == wire.OPEN:
-            if stream is not None:
+            if stream is not None and not stream.done:
                 raise wire.FrameError("OPEN for a stream that exists")
+            with self._lock:  # a finished one of that id (a restarted control plane counts anew)
+                self._finished.pop(frame.stream_id, None)
             stream = AgentStream(self, frame.stream_id, wire.json_of(frame))
             with self._lock:
+                self._prune()
                 if len(self._streams) >= wire.MAX_STREAMS_PER_TUNNEL * 2:
                     self.send(wire.reset_frame(frame.stream_id, "STREAM_LIMIT", "too many"))
                     return
@@ -510,12 +690,17 @@ class TunnelClient:
                     bool(entry.get("head")),
                 )
         with self._lock:
-            streams = list(self._streams.values())
+            self._prune()
+            streams = [*self._streams.values(), *(f[0] for f in self._finished.values())]
+        held = {stream.stream_id for stream in streams}
         for stream in streams:
             if stream.stream_id in listed:
                 stream.on_resume(*listed[stream.stream_id])
             else:
                 stream.abort()  # its client is gone
+        for stream_id in sorted(set(listed) - held):
+            # Opened on a tunnel that died before its OPEN got here: its client is told now.
+            self.send(wire.reset_frame(stream_id, rel.RESUME_FAILED, "the node never got it"))
         if listed:
             log.info("tunnel: %d stream(s) resumed", len(listed))
 

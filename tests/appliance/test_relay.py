@@ -323,3 +323,17 @@ def test_relayed_streams_beyond_the_cap_are_refused_503_and_the_rest_go_on(cp, r
     origin.gated = False
     again = relay.request({"model": "svc", "stream": True})
     assert again.status == 200 and again.read().endswith(b"data: [DONE]\n\n")
+
+
+def test_many_requests_in_a_row_are_not_held_against_the_tunnel_s_cap(relay, origin):
+    # Finished streams are kept for a resume, but only running ones count against the cap.
+    origin.json_body = b'{"ok": true}'
+    for _ in range(wire_cap() * 2 + 10):
+        answer = relay.request({"model": "svc"})
+        assert answer.status == 200 and answer.read() == b'{"ok": true}'
+
+
+def wire_cap() -> int:
+    from modelforge_contract.tunnel import MAX_STREAMS_PER_TUNNEL
+
+    return MAX_STREAMS_PER_TUNNEL

@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import json
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 RESUME_GRACE_SECONDS = 30.0
 HEAD_TIMEOUT_SECONDS = 600.0  # a runtime may queue a request this long before answering
 KEEPALIVE_SECONDS = 15.0
+OUT_QUEUE_FRAMES = 256  # frames waiting for a tunnel's writer
+SEND_TIMEOUT_SECONDS = 10.0  # a full queue this long: the agent does not read; closed
 ENDED_KEPT = 4096  # per node: the streams that ended lately, whose late frames are dropped
 
 
@@ -208,17 +211,45 @@ class Tunnel:
         self.hub, self.node_id, self.link = hub, node_id, link
         self.send_lock = threading.Lock()
         self.open = True
+        # One writer thread per tunnel: a sender (a client's thread granting credit, the
+        # reader answering a PING) never waits on an agent that does not read, only on a
+        # full queue, and not for long.
+        self._out: queue.Queue[bytes | None] = queue.Queue(maxsize=OUT_QUEUE_FRAMES)
+        threading.Thread(target=self._write, name=f"tunnel-{node_id}", daemon=True).start()
 
     def send(self, frame: wire.Frame) -> bool:
         data = wire.encode(frame)
         with self.send_lock:
             if not self.open:
                 return False
+        try:
+            self._out.put(data, timeout=SEND_TIMEOUT_SECONDS)
+        except queue.Full:
+            log.warning("tunnel of node %s closed: the agent stopped reading it", self.node_id)
+            self.shut()
+            return False
+        return True
+
+    def _write(self) -> None:
+        while True:
+            data = self._out.get()
+            if data is None:
+                return
             try:
                 self.link.send(data)
             except Exception:  # the link broke: the reader sees it too and cleans up
-                return False
-        return True
+                self.shut()
+                return
+
+    def shut(self, code: int = 1011, reason: str = "") -> None:
+        """Stop sending and close the link (its reader then unregisters it)."""
+        with self.send_lock:
+            was_open, self.open = self.open, False
+        if was_open:
+            with contextlib.suppress(queue.Full):
+                self._out.put_nowait(None)
+        with contextlib.suppress(Exception):  # it is going anyway
+            self.link.close(code, reason)
 
     def serve(self) -> None:
         """Read frames until the link ends (runs on the front's handler thread)."""
@@ -236,9 +267,7 @@ class Tunnel:
                     reason = f"protocol error: {bad}"
                     log.warning("tunnel of node %s closed: %s", self.node_id, bad)
                     self.hub.metrics_protocol_error()
-                    with self.send_lock:
-                        self.open = False
-                    self.link.close(1002, "protocol error")
+                    self.shut(1002, "protocol error")
                     return
         finally:
             self.hub.unregister(self, reason)
@@ -326,10 +355,7 @@ class Hub:
             self._tunnels[node_id] = tunnel
             waiting = [s for s in self._streams.values() if s.node_id == node_id]
         if old is not None:
-            with old.send_lock:
-                old.open = False
-            with contextlib.suppress(Exception):  # it is going anyway
-                old.link.close(1000, "replaced by a newer tunnel")
+            old.shut(1000, "replaced by a newer tunnel")
         entries = []
         for stream in waiting:
             with stream.cond:
@@ -352,8 +378,7 @@ class Hub:
             if self._tunnels.get(tunnel.node_id) is tunnel:
                 del self._tunnels[tunnel.node_id]
             streams = [s for s in self._streams.values() if s.tunnel is tunnel]
-        with tunnel.send_lock:
-            tunnel.open = False
+        tunnel.shut(1000, reason[:100])
         for stream in streams:
             stream.on_link_lost(tunnel)
         log.info("node %s: tunnel down (%s; %d stream(s) waiting)", tunnel.node_id, reason,
