@@ -834,9 +834,8 @@ def main() -> None:
     parser.add_argument(
         "--agent-grace",
         type=float,
-        default=0.1,
-        help="the agent's resume grace in seconds (default 0.1; see bench/README.md: the "
-        "agent counts finished streams kept for the grace against its stream cap)",
+        default=30.0,
+        help="the agent's resume grace in seconds (default 30, the agent's own)",
     )
     parser.add_argument(
         "--only", help="comma-separated parts: small,sse,bulk,stall,concurrent,restart,llama"
