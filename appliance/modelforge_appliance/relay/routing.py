@@ -38,30 +38,26 @@ def running_deployments(store: Store) -> list[dict[str, Any]]:
     return [{"name": r.name, "created_at": r.created_at} for r in rows]
 
 
+# The client hot path: one prepared query, no model objects (as the heartbeat's caller read).
+_PICK_SQL = (
+    "SELECT d.stopping, s.server_id, s.node_id FROM deployment AS d "
+    "LEFT JOIN deployment_server AS s ON s.deployment_id = d.deployment_id "
+    "AND s.state = 'running' WHERE d.name = ?"
+)
+
+
 def pick(store: Store, hub: Hub, model: object) -> Target:
     """The server for ``model``: 404 MODEL_NOT_DEPLOYED, 503 NO_RUNNING_SERVER."""
     name = model if isinstance(model, str) else ""
     with store.connection():
-        deployment = Deployment.get_or_none(Deployment.name == name)
-        servers = (
-            []
-            if deployment is None or deployment.stopping
-            else list(
-                DeploymentServer.select(DeploymentServer.server_id, DeploymentServer.node)
-                .where(
-                    (DeploymentServer.deployment == deployment.deployment_id)
-                    & (DeploymentServer.state == SERVER_RUNNING)
-                )
-                .tuples()
-            )
-        )
-    if deployment is None or deployment.stopping:
+        rows = store.db.execute_sql(_PICK_SQL.replace("?", store.db.param), (name,)).fetchall()
+    if not rows or any(stopping for stopping, _, _ in rows):
         raise NotFound(
             f"no deployment named {name[:64]!r} serves clients here",
             code=MODEL_NOT_DEPLOYED,
             next_step="Name a deployment as `model`: GET /v1/models lists them.",
         )
-    reachable = [(sid, nid) for sid, nid in servers if hub.connected(nid)]
+    reachable = [(sid, nid) for _, sid, nid in rows if sid is not None and hub.connected(nid)]
     if not reachable:
         raise unreachable(name)
     server_id, node_id = min(reachable, key=lambda s: (hub.in_flight(s[0]), s[0]))
