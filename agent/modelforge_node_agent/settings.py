@@ -31,6 +31,7 @@ PREFIX = "MODELFORGE_AGENT_"
 PLACEHOLDER_HOST = "modelforge.example.internal"
 DEFAULT_STATE_VOLUME = "/var/lib/modelforge-node-agent"
 DEFAULT_WORKER_SOCKET = "/run/modelforge/worker.sock"
+TUNNEL_TRANSPORTS = ("auto", "websocket", "http")
 
 
 SETTINGS: tuple[SettingSpec, ...] = (
@@ -154,6 +155,13 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "How long a launched runtime has to answer its readiness check (llama.cpp /health, "
         "vLLM /v1/models) before its server is reported failed (RUNTIME_NOT_READY).",
     ),
+    SettingSpec(
+        "MODELFORGE_AGENT_TUNNEL_TRANSPORT",
+        "auto",
+        "How the relay tunnel reaches the control plane. auto: WebSocket, and the HTTP "
+        "fallback (a streamed GET plus POSTed uploads) once a proxy refuses the upgrade. "
+        "websocket or http: that one only.",
+    ),
     SettingSpec("MODELFORGE_AGENT_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
 )
 
@@ -194,6 +202,7 @@ class AgentSettings:
     model_stall_seconds: float = 30.0
     serve_max_restarts: int = 3
     serve_ready_seconds: float = 600.0
+    tunnel_transport: str = "auto"
     # Observed, not ours: the NVIDIA container toolkit sets it when GPUs are requested.
     nvidia_visible_devices: str | None = None
 
@@ -335,6 +344,12 @@ def load_settings(
                 "would ignore it; set MODELFORGE_AGENT_TLS_VERIFY=true"
             )
     log_level = TABLE.log_level(env, "MODELFORGE_AGENT_LOG_LEVEL")
+    transport = (_value(env, "MODELFORGE_AGENT_TUNNEL_TRANSPORT") or "").lower()
+    if transport not in TUNNEL_TRANSPORTS:
+        raise ConfigError(
+            f"MODELFORGE_AGENT_TUNNEL_TRANSPORT={transport!r} is not one of "
+            f"{', '.join(TUNNEL_TRANSPORTS)}"
+        )
     state_raw = _value(env, "MODELFORGE_AGENT_STATE_VOLUME") or DEFAULT_STATE_VOLUME
     return AgentSettings(
         control_plane_url=parse_control_plane_url(url) if url else None,
@@ -366,6 +381,7 @@ def load_settings(
         model_stall_seconds=_float(env, "MODELFORGE_AGENT_MODEL_STALL_SECONDS", 0.1, 3600),
         serve_max_restarts=int(_float(env, "MODELFORGE_AGENT_SERVE_MAX_RESTARTS", 0, 100)),
         serve_ready_seconds=_float(env, "MODELFORGE_AGENT_SERVE_READY_SECONDS", 1, 86400),
+        tunnel_transport=transport,
     )
 
 

@@ -115,6 +115,8 @@ class HttpLink:
             response.close()
             raise TunnelRefused(response)
         self.response, self.session_id = response, session_id
+        # The download's socket, so that close (from any thread) can wake a blocked recv.
+        self._sock = getattr(getattr(response.raw, "connection", None), "sock", None)
         self._chunks = response.raw.stream(READ_CHUNK, decode_content=False)
         self._reader = wire.FrameReader()
         self._frames: list[wire.Frame] = []
@@ -124,14 +126,20 @@ class HttpLink:
         threading.Thread(target=self._upload, name="tunnel-upload", daemon=True).start()
 
     def recv(self) -> bytes:
-        while not self._frames:
-            if self.closed:
-                raise ConnectionError("the HTTP tunnel is closed")
-            try:
-                chunk = next(self._chunks)
-            except StopIteration:
-                raise ConnectionError("the HTTP tunnel's download ended") from None
-            self._frames = self._reader.feed(chunk)
+        try:
+            while not self._frames:
+                if self.closed:
+                    raise ConnectionError("the HTTP tunnel is closed")
+                try:
+                    chunk = next(self._chunks)
+                except StopIteration:
+                    raise ConnectionError("the HTTP tunnel's download ended") from None
+                self._frames = self._reader.feed(chunk)
+        except BaseException:
+            self.close()
+            with contextlib.suppress(Exception):  # the reading thread's own: no lock held
+                self.response.close()
+            raise
         return wire.encode(self._frames.pop(0))
 
     def send(self, data: bytes) -> None:
@@ -157,13 +165,9 @@ class HttpLink:
             return
         self.closed = True
         self._cond.notify_all()
-        connection = getattr(self.response.raw, "connection", None)
-        sock = getattr(connection, "sock", None)
         with contextlib.suppress(OSError):  # wakes a recv blocked on the download
-            if sock is not None:
-                sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(Exception):  # it is going anyway
-            self.response.close()
+            if self._sock is not None:
+                self._sock.shutdown(socket.SHUT_RDWR)
 
     def _upload(self) -> None:
         url = self.base + wire.PATH_AGENT_TUNNEL_UP

@@ -14,6 +14,7 @@ from ..api import (
     agent,
     agent_models,
     agent_servers,
+    agent_tunnel_http,
     agent_work,
     client,
 )
@@ -74,6 +75,7 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     streams = settings.relay_streams or max(1, settings.threads - RELAY_RESERVED_THREADS)
     hub = app.hub = Hub(on_protocol_error=metrics.relay_tunnel_errors.inc, max_total=streams)
     client.add_routes(app, context, hub)
+    agent_tunnel_http.add_routes(app, context, hub)
     console_routes.add_routes(app, context)
     refuse_undeclared(app)  # a route that names no caller stops the app here
     return app

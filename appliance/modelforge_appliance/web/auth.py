@@ -71,6 +71,7 @@ class Body:
     config would flatten a bare dict into one key per field)."""
 
     fields: dict[str, Field]
+    raw: bool = False  # the handler reads the body itself (RAW_BODY): no JSON is parsed
 
 
 @dataclass(frozen=True)
@@ -129,12 +130,15 @@ def scraper(context: ApiContext) -> None:
 
 # A GET agent route (``body=NO_BODY``): no body is read; the caller is the credential's node.
 NO_BODY = Body({})
+# A binary agent route (``body=RAW_BODY``, the tunnel's uploads): the plugin reads no body,
+# the caller is the credential's node, and the handler reads and bounds the bytes itself.
+RAW_BODY = Body({}, raw=True)
 
 
 def agent_call(context: ApiContext, body: dict[str, Field]) -> AgentCall:
     protocol = agent_protocol()
     credential = credentials.authenticate_credential(context.store, request_header("Authorization"))
-    if not body:
+    if not body:  # NO_BODY and RAW_BODY: the body (if any) is the handler's
         return AgentCall(protocol, {}, credential.for_node(credential.owner))
     fields = context.body(body)
     return AgentCall(protocol, fields, credential.for_node(fields["node_id"]))
