@@ -56,7 +56,7 @@ class CutProxy:
                 sink.shutdown(socket.SHUT_WR)
 
     def cut(self) -> int:
-        """Reset every connection through the proxy (RST, no FIN); how many."""
+        """Kill every connection through the proxy at once; how many."""
         with self._lock:
             pairs, self._pairs = self._pairs, []
             self.cuts += 1
@@ -64,6 +64,11 @@ class CutProxy:
             for sock in pair:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                # A pump thread blocked in recv() holds the socket open past close(): shut it
+                # down first, so both ends see the connection die now, not at a timeout.
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):
                     sock.close()
         return len(pairs)
 
