@@ -212,12 +212,12 @@ def run_agent(
             models = ModelLoop(settings, client, run_stop, publisher.refuse)
             models.wake_inventory = publisher.wake_inventory
             publisher.models_report = models.report
-            publisher.models_generation = models.generation_seen
+            publisher.models_generation = models.generation.seen
             models.start()
             # Deployments (issue 25): the servers placed on this node, the same stop and
             # refusal again. Their runtimes belong to the worker and outlive this loop.
             serve = ServeLoop(settings, node_id, client, worker, run_stop, publisher.refuse)
-            publisher.servers_generation = serve.generation_seen
+            publisher.servers_generation = serve.generation.seen
             serve.start()
             # The tunnel (issue 26): client requests for those servers, over one outbound
             # connection; the same stop. It reaches only the servers the serve loop runs.

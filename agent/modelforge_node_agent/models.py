@@ -38,6 +38,7 @@ from .client import (
     parse_answer,
     printable,
 )
+from .generation import Generation
 from .settings import AgentSettings, ConfigError
 from .transport import AnswerTooLarge, read_answer
 
@@ -107,22 +108,11 @@ class ModelLoop:
         self.wake_inventory: Callable[[], None] = lambda: None
         self._lock = threading.Lock()
         self._reports: dict[str, dict[str, Any]] = {}  # digest -> inventory entry
-        self._fetch = threading.Event()
-        self._seen_generation: object = None
-        self._fetched_generation: object = None
+        self.generation = Generation()  # the heartbeat answer's models_generation
+        self._fetch = self.generation.wanted
         self._last_progress = 0.0
 
     # -- what the publisher hands over and reads ------------------------------------------
-
-    def generation_seen(self, value: object) -> None:
-        """A heartbeat answer's ``models_generation``: fetch again when it moved."""
-        if value is None:
-            return
-        with self._lock:
-            self._seen_generation = value
-            changed = value != self._fetched_generation
-        if changed:
-            self._fetch.set()
 
     def report(self) -> list[dict[str, Any]]:
         """The inventory's ``models``: every model this agent knows, with its state."""
@@ -193,8 +183,7 @@ class ModelLoop:
     def _fetch_desired(self) -> dict[str, Any]:
         backoff = Backoff(self.steps)
         while not self.stop.is_set():
-            with self._lock:
-                generation = self._seen_generation
+            generation = self.generation.asking()
             try:
                 answer = self.client.call("GET", contract.PATH_AGENT_MODELS, {})
             except Refused as refusal:
@@ -205,11 +194,7 @@ class ModelLoop:
             except TransportFailure as failure:
                 problem = failure.describe()
             else:
-                with self._lock:
-                    self._fetched_generation = answer.get("models_generation", generation)
-                    if self._seen_generation in (None, self._fetched_generation):
-                        # A heartbeat that came while this call was out saw what it answered.
-                        self._fetch.clear()
+                self.generation.fetched(answer.get("models_generation", generation))
                 return answer
             step, delay = backoff.next_step()
             log.warning("%s (backoff %s): retry in %s", problem, backoff.span, seconds(step))

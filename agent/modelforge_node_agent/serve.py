@@ -48,6 +48,7 @@ from modelforge_contract.deployments import (
 from .backoff import BACKOFF_STEPS, seconds
 from .blobs import BlobStore
 from .client import ControlPlaneClient, Refused, TransportFailure, checked_node_id, printable
+from .generation import Generation
 from .settings import AgentSettings
 from .work import WorkerClient, WorkerUnavailable, WorkerWatch
 
@@ -162,10 +163,8 @@ class ServeLoop:
         self.worker = ServeWorker(settings.worker_socket)
         self.models = BlobStore(settings.artifacts_dir, settings.quarantine_dir)
         self.held: dict[str, Held] = {}
-        self._lock = threading.Lock()
-        self._fetch = threading.Event()
-        self._seen_generation: object = None
-        self._fetched_generation: object = None
+        self.generation = Generation()  # the heartbeat answer's servers_generation
+        self._fetch = self.generation.wanted
         self._stops: dict[str, threading.Event] = {}  # stops in flight, by server
 
     def server_of(self, server_id: str) -> tuple[int, str, str | None] | None:
@@ -178,16 +177,6 @@ class ServeLoop:
         hexdigest = digest.removeprefix("sha256:")
         model_dir = str(self.models.model_dir(hexdigest)) if len(hexdigest) == 64 else None
         return int(held.port), str(held.entry.get("deployment")), model_dir
-
-    def generation_seen(self, value: object) -> None:
-        """A heartbeat answer's ``servers_generation``: fetch again when it moved."""
-        if value is None:
-            return
-        with self._lock:
-            self._seen_generation = value
-            changed = value != self._fetched_generation
-        if changed:
-            self._fetch.set()
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self.run, name="serve-loop", daemon=True)
@@ -260,15 +249,13 @@ class ServeLoop:
 
     def sync(self) -> None:
         """Fetch what should run here and make it so."""
-        with self._lock:
-            generation = self._seen_generation
+        generation = self.generation.asking()
         answer = self._call("GET", PATH_AGENT_SERVERS, {})
         if answer is None:
             self._fetch.set()
             self.stop.wait(self.steps[0])
             return
-        with self._lock:
-            self._fetched_generation = answer.get("servers_generation", generation)
+        self.generation.fetched(answer.get("servers_generation", generation))
         wanted = {}
         for entry in answer.get("servers") or []:
             server_id = checked_node_id(entry.get("server_id")) if isinstance(entry, dict) else None
