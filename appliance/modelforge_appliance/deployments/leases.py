@@ -41,7 +41,7 @@ from ..store import audit
 from ..store.database import Store
 from ..store.tables import Deployment, DeploymentServer, Model, ModelReplica, Node
 from . import placement
-from .servers import reap
+from .servers import end_lease, reap
 
 log = logging.getLogger(__name__)
 
@@ -250,18 +250,11 @@ def _transition(
     if restarts is not None and restarts != server.restarts:
         changes["restarts"] = restarts
     error = fields.get("error")
-    ends = {
-        "lease_id": None,
-        "lease_expires_at": None,
-        "lease_credential_id": None,
-        "previous_lease_id": server.lease_id,
-    }
     if server.state == SERVER_STOPPING:
         if reported in (SERVER_STOPPED, SERVER_FAILED):
             return {
                 **changes,
-                **ends,
-                "previous_lease_end": LEASE_END_STOPPED,
+                **end_lease(server, LEASE_END_STOPPED),
                 "state": SERVER_STOPPED,
                 "state_since": now,
             }, "server.stopped"
@@ -270,8 +263,7 @@ def _transition(
         failure = error or {"code": "RUNTIME_EXITED", "message": "the agent reported a failure"}
         return {
             **changes,
-            **ends,
-            "previous_lease_end": SERVER_FAILED,
+            **end_lease(server, SERVER_FAILED),
             "state": SERVER_FAILED,
             "state_since": now,
             "error": json.dumps(failure, sort_keys=True),
@@ -279,8 +271,7 @@ def _transition(
     if reported == SERVER_STOPPED:  # stopped on its own (the agent's node is stopping)
         return {
             **changes,
-            **ends,
-            "previous_lease_end": LEASE_END_STOPPED,
+            **end_lease(server, LEASE_END_STOPPED),
             "state": SERVER_PENDING,
             "state_since": now,
         }, "server.stopped"
@@ -354,13 +345,7 @@ def expire_servers(store: Store, settings: Settings) -> list[str]:
                 }
             changed = (
                 DeploymentServer.update(
-                    lease_id=None,
-                    lease_expires_at=None,
-                    lease_credential_id=None,
-                    previous_lease_id=server.lease_id,
-                    previous_lease_end=LEASE_END_EXPIRED,
-                    state_since=now,
-                    **values,
+                    **end_lease(server, LEASE_END_EXPIRED), state_since=now, **values
                 )
                 .where(
                     (DeploymentServer.server_id == server_id)
@@ -407,11 +392,7 @@ def fail_node_servers(store: Store, node_id: str, actor: str, code: str, message
             state=SERVER_STOPPED if stopping else SERVER_FAILED,
             state_since=now,
             error=None if stopping else json.dumps({"code": code, "message": message}),
-            lease_id=None,
-            lease_expires_at=None,
-            lease_credential_id=None,
-            previous_lease_id=server.lease_id,
-            previous_lease_end=LEASE_END_STOPPED if stopping else SERVER_FAILED,
+            **end_lease(server, LEASE_END_STOPPED if stopping else SERVER_FAILED),
         ).where(DeploymentServer.server_id == server.server_id).execute()
         audit.record(
             store, actor, "server.failed", node_id=node_id, server_id=server.server_id, code=code

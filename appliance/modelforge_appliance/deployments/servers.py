@@ -404,7 +404,7 @@ def undeploy(store: Store, name: str, actor: str) -> dict[str, Any]:
             if changes["state"] != server.state:
                 changes["state_since"] = now
             if not leased:
-                changes.update(_end_lease(server, LEASE_END_STOPPED))
+                changes.update(end_lease(server, LEASE_END_STOPPED))
             DeploymentServer.update(**changes).where(
                 DeploymentServer.server_id == server.server_id
             ).execute()
@@ -420,7 +420,7 @@ def undeploy(store: Store, name: str, actor: str) -> dict[str, Any]:
     return view
 
 
-def _end_lease(server: DeploymentServer, how: str) -> dict[str, Any]:
+def end_lease(server: DeploymentServer, how: str) -> dict[str, Any]:
     """The columns that end the server's current lease, remembering how."""
     if server.lease_id is None:
         return {}
@@ -465,7 +465,7 @@ def restart(store: Store, name: str, actor: str) -> dict[str, Any]:
                 restarts=0,
                 started_at=None,
                 **changes,
-                **_end_lease(server, LEASE_END_RESTARTED),
+                **end_lease(server, LEASE_END_RESTARTED),
             ).where(DeploymentServer.server_id == server.server_id).execute()
         _bump([n.node_id for _, n in servers])
         audit.record(
