@@ -135,15 +135,54 @@ class _Matcher:
         unique = {_normalised(p) for p in paths}
         self.longest = max((_longest_spelling(p) for p in unique), default=0)
         self.pattern = re.compile(_trie_pattern(unique)) if unique else None
+        # The raw spellings, longest first, and the escapes that begin every other spelling
+        # of a character these paths hold: data without any of those escapes can only hold
+        # raw spellings, found by bytes.find (memmem) far faster than the regex scans.
+        self.raw = sorted((p.encode("utf-8", "surrogateescape") for p in unique), key=len)[::-1]
+        chars = set("".join(unique))
+        self.escapes = [b"\\u", b"\\/"] + [_SHORT_ESCAPES[c] for c in '"\\' if c in chars]
 
-    def clean(self, data: bytes) -> bytes:
-        """``data`` with every spelling of every path replaced, until none is left."""
+    def _raw_only(self, data: bytes | bytearray) -> bool:
+        return b"\\" not in data or not any(escape in data for escape in self.escapes)
+
+    def _spans(self, data: bytes | bytearray) -> list[tuple[int, int]]:
+        """Where the regex's left-to-right scan matches in ``data``: (start, end) pairs,
+        leftmost first, the longest path at each start, none overlapping."""
         if self.pattern is None:
-            return bytes(data)
+            return []
+        if not self._raw_only(data):
+            return [match.span() for match in self.pattern.finditer(data)]
+        starts: dict[int, int] = {}
+        if b"/" not in data:  # every path starts with one
+            return []
+        for raw in self.raw:  # longest first: the first path found at a start wins
+            at = data.find(raw)
+            while at >= 0:
+                starts.setdefault(at, at + len(raw))
+                at = data.find(raw, at + 1)
+        spans, position = [], 0
+        for start in sorted(starts):
+            if start >= position:
+                spans.append((start, starts[start]))
+                position = starts[start]
+        return spans
+
+    def _replace(self, data: bytes | bytearray, spans: list[tuple[int, int]], end: int) -> bytes:
+        parts, position = [], 0
+        for start, stop in spans:
+            parts += (data[position:start], self.replacement)
+            position = stop
+        parts.append(data[position:end])
+        return b"".join(parts)
+
+    def clean(self, data: bytes | bytearray) -> bytes:
+        """``data`` with every spelling of every path replaced, until none is left."""
+        data = bytes(data)
         while True:
-            data, found = self.pattern.subn(self.replacement, data)
-            if not found:
+            spans = self._spans(data)
+            if not spans:
                 return data
+            data = self._replace(data, spans, len(data))
 
     def piece(self, data: bytes | bytearray) -> tuple[bytes, int]:
         """Scrub the front of an unfinished stream: (scrubbed bytes, how many input bytes).
@@ -155,16 +194,10 @@ class _Matcher:
         if self.pattern is None:
             return bytes(data), len(data)
         cut = len(data) - (self.longest - 1)
-        parts, position, found = [], 0, False
-        for match in self.pattern.finditer(data):
-            if match.start() >= cut:
-                break
-            parts += (data[position : match.start()], self.replacement)
-            position, found = match.end(), True
-        end = max(cut, position)
-        parts.append(data[position:end])
-        out = b"".join(parts)
-        return (self.clean(out) if found else out), end
+        spans = [span for span in self._spans(data) if span[0] < cut]
+        end = max(cut, spans[-1][1]) if spans else cut
+        out = self._replace(data, spans, end)
+        return (self.clean(out) if spans else out), end
 
 
 @functools.lru_cache(maxsize=128)

@@ -288,3 +288,33 @@ def test_text_without_any_path_is_unchanged(text, cut):
     assert scrub_body(text, PATHS, NAME) == text
     scrubber = SseScrubber(PATHS, NAME, max_held=1024)
     assert scrubber.feed(text[:cut]) + scrubber.feed(text[cut:]) + scrubber.flush() == text
+
+
+def _regex_only(body: bytes, paths: list[str], replacement: str) -> bytes:
+    """The reference: the regex alone, pass after pass (what the fast path must equal)."""
+    from modelforge_contract.scrub import _matcher
+
+    pattern = _matcher(tuple(paths), replacement).pattern
+    while True:
+        body, found = pattern.subn(replacement.encode(), body)
+        if not found:
+            return body
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    pieces=st.lists(
+        st.one_of(
+            st.sampled_from([p.encode() for p in PATHS] + [b"/", b"\\n", b"\\", b"x/"]),
+            st.sampled_from([s for p in PATHS for s in spellings(p)]),
+            st.binary(max_size=6),
+        ),
+        max_size=30,
+    ),
+    paths=st.sampled_from([PATHS, [ROOT], [WORKER, "/opt/modelforge"], ['/a"b', "/c\\d"]]),
+)
+def test_the_fast_search_for_raw_paths_finds_exactly_what_the_regex_finds(pieces, paths):
+    # Data with no escape that could begin a spelled character is searched with bytes.find;
+    # data with one goes to the regex. Either way the answer is the regex's.
+    body = b"".join(pieces)
+    assert scrub_body(body, paths, NAME) == _regex_only(body, paths, NAME)
