@@ -18,6 +18,7 @@ import contextlib
 import http.client
 import json
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -223,6 +224,61 @@ def websocket_blocked(exc: BaseException) -> bool:
     return isinstance(exc, (InvalidMessage, ConnectionResetError, EOFError))
 
 
+class RuntimeConnections:
+    """Keep-alive connections to the runtimes on 127.0.0.1, by port: a relayed request
+    takes one the last request left (so a small request costs no TCP handshake, nor a
+    runtime's accept), or opens one. A connection waits at most IDLE_SECONDS (under every
+    runtime's own keep-alive timeout: llama-server's and uvicorn's are 5 s), and one the
+    runtime closed or wrote to meanwhile is dropped, never used."""
+
+    IDLE_SECONDS = 2.0
+    PER_PORT = 16
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[int, list[tuple[http.client.HTTPConnection, float]]] = {}
+
+    def take(self, port: int) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection to ``port``, and whether it was kept from an earlier request."""
+        horizon = time.monotonic() - self.IDLE_SECONDS
+        while True:
+            with self._lock:
+                kept = self._idle.get(port)
+                connection, since = kept.pop() if kept else (None, 0.0)
+            if connection is None:
+                made = http.client.HTTPConnection("127.0.0.1", port, timeout=RUNTIME_TIMEOUT)
+                return made, False
+            if since > horizon and _quiet(connection):
+                return connection, True
+            connection.close()
+
+    def put(self, port: int, connection: http.client.HTTPConnection) -> None:
+        with self._lock:
+            kept = self._idle.setdefault(port, [])
+            if len(kept) < self.PER_PORT:
+                kept.append((connection, time.monotonic()))
+                return
+        connection.close()
+
+    def close(self) -> None:
+        with self._lock:
+            kept, self._idle = self._idle, {}
+        for connection, _ in (pair for pairs in kept.values() for pair in pairs):
+            connection.close()
+
+
+def _quiet(connection: http.client.HTTPConnection) -> bool:
+    """The kept connection is open and the runtime has sent nothing on it since."""
+    sock = connection.sock
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
+
+
 class AgentStream:
     """One relayed request, as the agent carries it."""
 
@@ -335,12 +391,7 @@ class AgentStream:
         headers = dict(
             rel.relayable_headers(given, rel.REQUEST_HEADERS_NOT_RELAYED | {"content-length"})
         )
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=RUNTIME_TIMEOUT)
-        with self.cond:
-            self.connection = connection
-        self._check()
-        connection.request(rel.RELAYED_METHOD, path, bytes(self.body), headers)
-        response = connection.getresponse()
+        response = self._request(port, path, headers)
         paths = self.relay.paths(model_dir)
         kept = rel.relayable_headers(response.getheaders(), rel.RESPONSE_HEADERS_NOT_RELAYED)
         sse = (response.getheader("Content-Type") or "").startswith("text/event-stream")
@@ -362,8 +413,30 @@ class AgentStream:
             self._emit(body)
         with self.cond:
             self.finished = True
+            connection, self.connection = self.connection, None
             self.cond.notify_all()
+        if connection is not None and not response.will_close and not self.aborted:
+            self.relay.runtime_connections.put(port, connection)  # read to its end
+        elif connection is not None:
+            connection.close()
         self._drain()
+
+    def _request(self, port: int, path: str, headers: dict[str, str]) -> http.client.HTTPResponse:
+        """Send the request on a kept connection to the runtime, or a new one. A kept one
+        the runtime closed meanwhile fails before it answers: sent again on a new one."""
+        pool = self.relay.runtime_connections
+        while True:
+            connection, reused = pool.take(port)
+            with self.cond:
+                self.connection = connection
+            self._check()
+            try:
+                connection.request(rel.RELAYED_METHOD, path, bytes(self.body), headers)
+                return connection.getresponse()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                connection.close()
+                if not reused:
+                    raise
 
     def _check(self) -> None:
         if self.aborted:
@@ -417,7 +490,14 @@ class AgentStream:
                     waiting, room = waiting - size, room - size
                 done = self.finished and self.sent == self.total and not self.end_sent
                 if done:
-                    frames.append(wire.Frame(wire.END, self.stream_id, b""))
+                    last = frames[-1] if frames else None
+                    if last is not None and last.type in (wire.HEAD, wire.DATA):
+                        # The end rides on the last frame: one message fewer per answer.
+                        frames[-1] = wire.Frame(
+                            last.type, self.stream_id, last.payload, wire.FLAG_END_STREAM
+                        )
+                    else:
+                        frames.append(wire.Frame(wire.END, self.stream_id, b""))
                     self.end_sent = True
                     self.ended_at = time.monotonic()
             broke = not all(self.relay.send(frame) for frame in frames)
@@ -467,6 +547,7 @@ class TunnelClient:
         # not held unready while its tunnel is still connecting), then "up" or "down".
         self.state: str | None = None
         self.transport = settings.tunnel_transport  # auto becomes http once WebSocket fails
+        self.runtime_connections = RuntimeConnections()
 
     # -- what the streams use ---------------------------------------------------------
 
@@ -664,6 +745,8 @@ class TunnelClient:
                     self.send(wire.reset_frame(frame.stream_id, "STREAM_LIMIT", "too many"))
                     return
                 self._streams[frame.stream_id] = stream
+            if frame.end_stream:  # no request body follows
+                stream.on_end()
             threading.Thread(
                 target=stream.run, name=f"stream-{frame.stream_id}", daemon=True
             ).start()
@@ -674,6 +757,8 @@ class TunnelClient:
             return
         if kind == wire.DATA:
             stream.on_data(frame.payload)
+            if frame.end_stream:
+                stream.on_end()
         elif kind == wire.END:
             stream.on_end()
         elif kind == wire.WINDOW:

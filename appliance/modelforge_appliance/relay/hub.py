@@ -37,6 +37,7 @@ HEAD_TIMEOUT_SECONDS = 600.0  # a runtime may queue a request this long before a
 KEEPALIVE_SECONDS = 15.0
 OUT_QUEUE_FRAMES = 256  # frames waiting for a tunnel's writer
 SEND_TIMEOUT_SECONDS = 10.0  # a full queue this long: the agent does not read; closed
+GRANT_BYTES = 64 * 1024  # credit goes back to the agent in steps of at least this
 ENDED_KEPT = 4096  # per node: the streams that ended lately, whose late frames are dropped
 
 
@@ -82,6 +83,7 @@ class Stream:
         self.buffered = 0
         self.received = 0  # body bytes that arrived from the agent
         self.delivered = 0  # body bytes the client's connection took
+        self.ungranted = 0  # of those, not yet granted back to the agent
         self.head: Head | None = None
         self.ended = False
         self.reset: tuple[str, str] | None = None
@@ -150,14 +152,12 @@ class Stream:
             return self.head
 
     def chunks_out(self, keepalive: bytes | None = None) -> Iterator[bytes]:
-        """The body as it arrives. Each chunk is granted back to the agent once the next is
-        asked for: by then waitress has taken it (it blocks the app above its high
-        watermark). ``keepalive`` is yielded after KEEPALIVE_SECONDS without a byte."""
-        taken = 0
+        """The body as it arrives. Chunks are granted back to the agent once the next is
+        asked for (by then waitress has taken them: it blocks the app above its high
+        watermark), GRANT_BYTES or more at a time. ``keepalive`` is yielded after
+        KEEPALIVE_SECONDS without a byte."""
         while True:
-            if taken:
-                self._grant(taken)
-                taken = 0
+            self._grant()
             with self.cond:
                 quiet_since = time.monotonic()
                 while not self.chunks:
@@ -179,14 +179,21 @@ class Stream:
                     chunk = self.chunks.popleft()
                     self.buffered -= len(chunk)
                     self.delivered += len(chunk)
-                    taken = len(chunk)
+                    self.ungranted += len(chunk)
             if chunk:
                 yield chunk
 
-    def _grant(self, count: int) -> None:
-        tunnel = self.tunnel
-        if tunnel is not None:
-            tunnel.send(wire.window_frame(self.stream_id, count))
+    def _grant(self) -> None:
+        """Give the agent back the credit of what the client took, once that is at least
+        GRANT_BYTES: a WINDOW per 64 KiB, not per SSE event. The agent is never held by
+        it: while it waits for credit, buffered + ungranted is a whole window, so the
+        client takes what is buffered and the grant follows. Nothing once all arrived."""
+        with self.cond:
+            if self.ungranted < GRANT_BYTES or self.ended or self.tunnel is None:
+                return
+            count, self.ungranted = self.ungranted, 0
+            tunnel = self.tunnel
+        tunnel.send(wire.window_frame(self.stream_id, count))
 
     def close(self) -> None:
         """The client is done (or went away): a stream still running is reset on the node,
@@ -302,10 +309,12 @@ class Tunnel:
                 if isinstance(h, list) and len(h) == 2 and all(isinstance(x, str) for x in h)
             ]
             stream.on_head(Head(status, pairs))
+            if frame.end_stream:  # no body follows
+                stream.on_end()
         elif kind == wire.DATA:
             if not stream.on_data(frame.payload):
                 raise wire.FrameError("DATA beyond the stream's credit")
-            if frame.flags & wire.FLAG_END_STREAM:
+            if frame.end_stream:
                 stream.on_end()
         elif kind == wire.END:
             stream.on_end()
@@ -359,6 +368,9 @@ class Hub:
         entries = []
         for stream in waiting:
             with stream.cond:
+                # The RESUME says what the client took: credit starts again from there
+                # (taken after this, it is granted on the new tunnel, after the RESUME).
+                stream.ungranted = 0
                 entries.append(
                     {
                         "stream_id": stream.stream_id,
@@ -427,12 +439,12 @@ class Hub:
             "headers": [list(h) for h in headers],
             "body_bytes": len(body),
         }
-        tunnel.send(wire.Frame(wire.OPEN, stream.stream_id, json.dumps(opened).encode()))
-        for start in range(0, len(body), wire.MAX_PAYLOAD):
-            tunnel.send(
-                wire.Frame(wire.DATA, stream.stream_id, body[start : start + wire.MAX_PAYLOAD])
-            )
-        tunnel.send(wire.Frame(wire.END, stream.stream_id, b""))
+        # The request's end rides on its last frame (OPEN when there is no body).
+        payload = json.dumps(opened).encode()
+        flags = 0 if body else wire.FLAG_END_STREAM
+        tunnel.send(wire.Frame(wire.OPEN, stream.stream_id, payload, flags))
+        for frame in wire.data_frames(stream.stream_id, body, end_stream=True) if body else ():
+            tunnel.send(frame)
         return stream
 
     def ended_here(self, node_id: str, stream_id: int) -> bool:

@@ -79,6 +79,9 @@ def waitress_options(settings: Settings) -> dict[str, Any]:
         "inbuf_overflow": settings.max_body_bytes + 1,
         "max_request_header_size": MAX_HEADER_BYTES,
         "outbuf_high_watermark": OUTBUF_HIGH_WATERMARK,
+        # Each output buffer holds at most the watermark and one more write (a relayed
+        # chunk is at most a frame's payload): kept in memory, never in a temporary file.
+        "outbuf_overflow": 2 * OUTBUF_HIGH_WATERMARK,
         # Connections the kernel completes while the loop is busy wait here (Linux caps it
         # at net.core.somaxconn).
         "backlog": LISTEN_BACKLOG,
