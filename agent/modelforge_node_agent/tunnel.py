@@ -443,11 +443,8 @@ class AgentStream:
             raise _Aborted()
 
     def _head(self, status: int, headers: list[tuple[str, str]]) -> None:
-        try:
-            frame = wire.head_frame(self.stream_id, status, headers)
-        except wire.FrameError:  # a header the contract refuses is dropped, not relayed
-            kept = [h for h in headers if _valid_header(self.stream_id, status, h)]
-            frame = wire.head_frame(self.stream_id, status, kept)
+        # A header the contract refuses is dropped, not relayed.
+        frame = wire.head_frame(self.stream_id, status, wire.carried_headers(headers))
         with self.cond:
             self.head = frame.payload
         self._drain()
@@ -512,14 +509,6 @@ class AgentStream:
 
 class _Aborted(Exception):
     pass
-
-
-def _valid_header(stream_id: int, status: int, header: tuple[str, str]) -> bool:
-    try:
-        wire.head_frame(stream_id, status, [header])
-    except wire.FrameError:
-        return False
-    return True
 
 
 class TunnelClient:

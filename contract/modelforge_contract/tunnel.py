@@ -377,6 +377,22 @@ _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,256}")
 # A header value a WSGI server can write: latin-1, no control characters but tab.
 _HEADER_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]{0,8192}")
 _CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
+
+
+def carried_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The pairs an OPEN or HEAD can carry (a token name, a value of at most 8,192
+    characters of latin-1 without control characters but tab), in order. A sender leaves
+    the others out: sent, they would make the receiver close the whole tunnel."""
+    return [
+        (name, value)
+        for name, value in headers
+        if isinstance(name, str)
+        and isinstance(value, str)
+        and _TOKEN.fullmatch(name)
+        and _HEADER_VALUE.fullmatch(value)
+    ]
+
+
 _REQUEST_PATH = re.compile(r"/[\x21-\x7e]{0,8191}")
 
 

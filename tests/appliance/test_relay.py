@@ -337,3 +337,23 @@ def wire_cap() -> int:
     from modelforge_contract.tunnel import MAX_STREAMS_PER_TUNNEL
 
     return MAX_STREAMS_PER_TUNNEL
+
+
+def test_a_client_header_the_tunnel_cannot_carry_is_dropped_and_the_tunnel_stays(cp, relay, origin):
+    # A header value past the frame contract's bound (8,192 characters) still fits waitress's
+    # 32 KiB of headers: sent on, the agent would refuse the OPEN and close the node's tunnel
+    # under every other stream. It is left out of the relayed request instead.
+    origin.json_body = b'{"ok": true}'
+    tunnel = cp.server.app.hub._tunnels[relay.node.node_id]
+    port = int(cp.url.rsplit(":", 1)[1])
+    connection = http.client.HTTPConnection("127.0.0.1", port)
+    headers = {
+        "Authorization": f"Bearer {relay.key}",
+        "Content-Type": "application/json",
+        "User-Agent": "u" * 9000,
+    }
+    connection.request("POST", CHAT, json.dumps({"model": "svc"}).encode(), headers)
+    answer = connection.getresponse()
+    assert answer.status == 200 and answer.read() == b'{"ok": true}'
+    assert origin.requests[-1]["headers"].get("User-Agent") is None
+    assert cp.server.app.hub._tunnels[relay.node.node_id] is tunnel and tunnel.open

@@ -394,3 +394,18 @@ def test_a_reader_never_holds_more_than_one_frame_of_a_huge_chunk():
     assert reader.feed(stream[:-50]) == frames[:-1]
     assert reader.buffered == len(encode(frames[-1])) - 50
     assert reader.feed(stream[-50:]) == frames[-1:]
+
+
+def test_carried_headers_keeps_in_order_only_what_a_frame_can_carry():
+    headers = [
+        ("Content-Type", "application/json"),
+        ("User-Agent", "u" * 8193),  # over the value bound
+        ("Bad Name", "x"),  # not a token
+        ("X-Line", "a\r\nb"),  # a control character
+        ("Accept", "t\u00e9xt"),  # latin-1 is fine
+    ]
+    kept = tunnel.carried_headers(headers)
+    assert kept == [("Content-Type", "application/json"), ("Accept", "t\u00e9xt")]
+    tunnel.head_frame(1, 200, kept)  # what it keeps, a frame carries
+    with pytest.raises(tunnel.FrameError):
+        tunnel.head_frame(1, 200, headers)

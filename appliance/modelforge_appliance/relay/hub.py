@@ -432,19 +432,15 @@ class Hub:
             stream.tunnel = tunnel
             self._streams[stream.stream_id] = stream
             self._in_flight[server_id] += 1
-        opened = {
-            "server_id": server_id,
-            "method": method,
-            "path": path,
-            "headers": [list(h) for h in headers],
-            "body_bytes": len(body),
-        }
-        # The request's end rides on its last frame (OPEN when there is no body).
-        payload = json.dumps(opened).encode()
-        flags = 0 if body else wire.FLAG_END_STREAM
-        tunnel.send(wire.Frame(wire.OPEN, stream.stream_id, payload, flags))
-        for frame in wire.data_frames(stream.stream_id, body, end_stream=True) if body else ():
-            tunnel.send(frame)
+        # The request's end rides on its last frame (OPEN when there is no body). A client
+        # header the frame cannot carry is left out: the agent would close the tunnel.
+        carried = wire.carried_headers(headers)
+        tunnel.send(
+            wire.open_frame(stream.stream_id, server_id, method, path, carried, end_stream=not body)
+        )
+        if body:
+            for frame in wire.data_frames(stream.stream_id, body, end_stream=True):
+                tunnel.send(frame)
         return stream
 
     def ended_here(self, node_id: str, stream_id: int) -> bool:
