@@ -15,6 +15,7 @@ generating. Only servers this agent runs are reached, and only the relayed route
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import json
 import logging
@@ -487,12 +488,8 @@ class AgentStream:
                     waiting, room = waiting - size, room - size
                 done = self.finished and self.sent == self.total and not self.end_sent
                 if done:
-                    last = frames[-1] if frames else None
-                    if last is not None and last.type in (wire.HEAD, wire.DATA):
-                        # The end rides on the last frame: one message fewer per answer.
-                        frames[-1] = wire.Frame(
-                            last.type, self.stream_id, last.payload, wire.FLAG_END_STREAM
-                        )
+                    if frames:  # a HEAD or DATA: the end rides on it, one message fewer
+                        frames[-1] = dataclasses.replace(frames[-1], flags=wire.FLAG_END_STREAM)
                     else:
                         frames.append(wire.Frame(wire.END, self.stream_id, b""))
                     self.end_sent = True
@@ -685,6 +682,7 @@ class TunnelClient:
             if not self.stop.is_set():
                 step, delay = backoff.next_step()
                 self.stop.wait(min(delay, 1.0))
+        self.runtime_connections.close()  # stopping: the kept runtime connections go too
 
     def _close_on_stop(self, link: Any) -> None:
         while not self.stop.wait(1.0):

@@ -152,9 +152,9 @@ class _Matcher:
             return []
         if not self._raw_only(data):
             return [match.span() for match in self.pattern.finditer(data)]
-        starts: dict[int, int] = {}
         if b"/" not in data:  # every path starts with one
             return []
+        starts: dict[int, int] = {}
         for raw in self.raw:  # longest first: the first path found at a start wins
             at = data.find(raw)
             while at >= 0:

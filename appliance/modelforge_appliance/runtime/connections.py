@@ -174,8 +174,8 @@ class Channel(HTTPChannel):
     def _flush_some_if_lockable(self, do_close: bool = True) -> bool | None:
         """waitress tries the output lock without waiting, and the loop goes round at once
         while a task holds it: holding the GIL, the loop then spins against the very
-        thread it waits for (a relayed bulk answer cost the loop 30x the task's CPU).
-        Waiting a moment for the lock gives the GIL to the task instead."""
+        thread it waits for (a profiled relayed bulk answer: 942k loop turns for 10k
+        sends). Waiting a moment for the lock gives the GIL to the task instead."""
         if not self.outbuf_lock.acquire(timeout=OUTBUF_LOCK_WAIT_SECONDS):
             return None
         try:
