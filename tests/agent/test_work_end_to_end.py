@@ -18,6 +18,7 @@ from modelforge_contract import (
     WORKER_PATH_INFO,
     work_path,
 )
+from modelforge_contract.deployments import WORKER_PATH_SERVERS
 from tests.harness.agent_process import wait_until
 from tests.harness.control_plane import error_code, make_settings, run_cli, serve, store_env
 from tests.harness.nvml import h100_80g_x8
@@ -148,7 +149,8 @@ def _iso(epoch: float) -> str:
 
 
 class _BusyWorker(ThreadingUnixStreamServer):
-    """A worker stand-in that answers /v1/info compatibly and holds every run open.
+    """A worker stand-in that answers /v1/info compatibly, lists no servers and holds every
+    run open.
 
     It keeps the agent mid-item for as long as the test needs, so killing the agent then
     depends on nothing the test does not control (a real run could finish first).
@@ -169,15 +171,17 @@ class _BusyHandler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:  # noqa: N802
-        assert self.path == WORKER_PATH_INFO
-        body = json.dumps(
-            {
+        if self.path == WORKER_PATH_SERVERS:  # the agent's serve loop: no servers here
+            answer: dict = {"servers": []}
+        else:
+            assert self.path == WORKER_PATH_INFO
+            answer = {
                 "worker_version": "0.1.0",
                 "protocol": 1,
                 "capabilities": ["smoke"],
                 "accelerator_mode": "cpu",
             }
-        ).encode()
+        body = json.dumps(answer).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import threading
 
+from modelforge_appliance.core.clock import ManualClock
+from modelforge_appliance.identity import credentials
+from modelforge_appliance.work import leases
 from modelforge_contract import (
     EXIT_NOT_FOUND,
     HEADER_AGENT_PROTOCOL,
@@ -168,6 +171,34 @@ def test_lease_expiry_requeues_and_a_late_completion_is_lost(clocked_control_pla
         ("work.leased", again["lease_id"]),
         ("work.completed", again["lease_id"]),
     ]
+
+
+def test_a_claim_that_began_before_an_expiry_leases_from_the_time_it_is_granted(
+    clocked_control_plane, clock, monkeypatch
+):
+    # A claim reads the clock, looks, then leases in its write transaction. The expiry that
+    # freed the item can commit in between (seen in CI: the item's lease ran out twice and
+    # its attempts counted three): the lease's time is the one read where it is granted.
+    cp = clocked_control_plane
+    first, second = WorkNode(cp, "gpu-1").ready(), WorkNode(cp, "gpu-2").ready()
+    work = submit(cp, max_attempts=3)
+    lease = first.lease()
+    before_expiry = clock.now()
+    clock.advance(cp.settings.work_lease_seconds + 1)
+    second.ready()
+    assert [e["work_id"] for e in leases.expire_leases(cp.store)] == [work["work_id"]]
+    reads = iter([before_expiry])  # the claim's first read, as if taken before the expiry
+    real_now = ManualClock.now
+    monkeypatch.setattr(clock, "now", lambda: next(reads, None) or real_now(clock))
+    caller = credentials.authenticate_node(cp.store, f"Bearer {second.credential}", second.node_id)
+    again = leases.claim_work(cp.store, cp.settings, caller, ["smoke"])
+    assert isinstance(again, leases.Lease), again
+    assert next(reads, "read") == "read"  # the stale time was taken
+    assert again.expires_at == clock.now() + cp.settings.work_lease_seconds
+    assert leases.expire_leases(cp.store) == []  # the new lease has not run out already
+    held = item(cp, work["work_id"])
+    assert (held["state"], held["node_id"], held["attempts"]) == ("leased", second.node_id, 2)
+    assert lease["lease_id"] != again.lease_id
 
 
 def test_an_item_fails_once_its_attempts_are_spent(clocked_control_plane, clock):

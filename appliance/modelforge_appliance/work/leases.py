@@ -145,6 +145,10 @@ def claim_work(
         return "no_fitting_item"
     # Not flushed: a claim lost to a power cut only makes the item run again.
     with store.write(flushed=False):
+        # The lease's own time is read where it is granted: an expiry that freed the item
+        # after the look above committed before this transaction, so the lease never
+        # starts (and runs out) before the time that freed it.
+        now = store.clock.now()
         # Counted again where it decides: this node's other claims commit one at a time
         # (SQLite's write lock; on PostgreSQL the node's row, locked first).
         if not store.is_sqlite:
