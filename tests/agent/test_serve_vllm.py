@@ -59,7 +59,9 @@ def directory_model(cp, tmp_path):
 
 
 def containers(docker_client, server_id):
-    return docker_client.containers.list(all=True, filters={"label": f"{LABEL}={server_id}"})
+    return docker_client.containers.list(
+        all=True, ignore_removed=True, filters={"label": f"{LABEL}={server_id}"}
+    )
 
 
 def vllm_node(cp, tmp_path, sockets, name, binary, **extra):
@@ -104,7 +106,9 @@ def test_a_vllm_deployment_serves_on_a_cpu_node_and_undeploy_removes_its_contain
         assert "asks it stopped" in log and "SERVER_LEASE_LOST" not in log
     finally:
         node.close()
-        for container in docker_client.containers.list(all=True, filters={"label": LABEL}):
+        for container in docker_client.containers.list(
+            all=True, ignore_removed=True, filters={"label": LABEL}
+        ):
             container.remove(force=True)
 
 
@@ -144,5 +148,7 @@ def test_a_vllm_server_s_container_gets_exactly_its_lease_s_gpus(
     finally:
         node.close()
         watch.close()
-        for container in docker_client.containers.list(all=True, filters={"label": LABEL}):
+        for container in docker_client.containers.list(
+            all=True, ignore_removed=True, filters={"label": LABEL}
+        ):
             container.remove(force=True)

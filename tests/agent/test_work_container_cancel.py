@@ -32,7 +32,9 @@ def sockets():
 
 
 def containers_of(docker_client, work_id: str) -> list:
-    return docker_client.containers.list(all=True, filters={"label": f"{LABEL_WORK_ID}={work_id}"})
+    return docker_client.containers.list(
+        all=True, ignore_removed=True, filters={"label": f"{LABEL_WORK_ID}={work_id}"}
+    )
 
 
 def test_a_cancelled_container_item_is_stopped_and_the_slot_goes_on(

@@ -35,7 +35,9 @@ def probe_image(docker_client, tmp_path_factory):
 
 
 def containers_of(docker_client, work_id: str) -> list:
-    return docker_client.containers.list(all=True, filters={"label": f"{LABEL_WORK_ID}={work_id}"})
+    return docker_client.containers.list(
+        all=True, ignore_removed=True, filters={"label": f"{LABEL_WORK_ID}={work_id}"}
+    )
 
 
 def test_two_leased_items_hold_disjoint_uuids_and_dockerd_gets_exactly_them(

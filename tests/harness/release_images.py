@@ -213,6 +213,7 @@ def compose_service(client: Any, project: str, service: str) -> Any:
     """The one container of a Compose project's service, by the labels Compose gives it."""
     found = client.containers.list(
         all=True,
+        ignore_removed=True,
         filters={
             "label": [
                 f"com.docker.compose.project={project}",

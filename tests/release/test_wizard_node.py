@@ -89,7 +89,9 @@ def node_dir(tmp_path, docker_client):
         yield directory
     finally:
         label = f"com.docker.compose.project={project}"
-        for container in docker_client.containers.list(all=True, filters={"label": label}):
+        for container in docker_client.containers.list(
+            all=True, ignore_removed=True, filters={"label": label}
+        ):
             container.remove(force=True)
         for network in docker_client.networks.list(filters={"label": label}):
             network.reload()
@@ -151,7 +153,9 @@ def test_the_wizards_files_bring_a_cpu_node_to_ready_and_the_recreate_drops_the_
 
     def logs() -> str:
         label = f"com.docker.compose.project={project}"
-        found = docker_client.containers.list(all=True, filters={"label": label})
+        found = docker_client.containers.list(
+            all=True, ignore_removed=True, filters={"label": label}
+        )
         return "\n".join(f"--- {c.name}\n{c.logs().decode()[-3000:]}" for c in found)
 
     started = bash(node_dir, f"bash {script}", stdin=token + "\n")
@@ -220,6 +224,8 @@ def test_the_wizards_files_bring_a_cpu_node_to_ready_and_the_recreate_drops_the_
     cleanup = bash(node_dir, commands["cleanup"]["text"])
     assert cleanup.returncode == 0, cleanup.stdout + cleanup.stderr
     label = f"com.docker.compose.project={project}"
-    assert docker_client.containers.list(all=True, filters={"label": label}) == []
+    assert (
+        docker_client.containers.list(all=True, ignore_removed=True, filters={"label": label}) == []
+    )
     volumes = {v.name for v in docker_client.volumes.list(filters={"label": label})}
     assert f"{project}_modelforge-node-agent-state" in volumes

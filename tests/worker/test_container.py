@@ -34,7 +34,9 @@ def work_id() -> str:
 
 
 def leftovers(docker_client, work: str) -> list:
-    return docker_client.containers.list(all=True, filters={"label": f"{LABEL_WORK_ID}={work}"})
+    return docker_client.containers.list(
+        all=True, ignore_removed=True, filters={"label": f"{LABEL_WORK_ID}={work}"}
+    )
 
 
 def run(test_image, command, *, timeout=60, work=None, **extra):

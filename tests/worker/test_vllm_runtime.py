@@ -53,7 +53,7 @@ def server_id(docker_client):
 
 def containers_of(docker_client, server: str) -> list:
     label = f"{vllm.LABEL_SERVER_ID}={server}"
-    return docker_client.containers.list(all=True, filters={"label": label})
+    return docker_client.containers.list(all=True, ignore_removed=True, filters={"label": label})
 
 
 def free_port() -> int:

@@ -278,7 +278,9 @@ def cancel_leftovers(work_id: str) -> int:
     by a worker that stopped mid-run); how many."""
     client = _client()
     try:
-        found = client.containers.list(all=True, filters={"label": f"{LABEL_WORK_ID}={work_id}"})
+        found = client.containers.list(
+            all=True, ignore_removed=True, filters={"label": f"{LABEL_WORK_ID}={work_id}"}
+        )
         for container in found:
             _remove(container)
         return len(found)
@@ -369,7 +371,11 @@ def _run_to_end(container: Any, spec: dict[str, Any], context: RunContext) -> Ou
 
 
 def _remove(container: Any) -> None:
+    from docker.errors import NotFound
+
     try:
         container.remove(force=True)
+    except NotFound:  # gone already: its run removed it between our look and this call
+        pass
     except Exception as exc:  # logged: a leftover container is named for the operator
         log.error("could not remove container %s: %s", container.name, type(exc).__name__)

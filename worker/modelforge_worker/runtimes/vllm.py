@@ -268,7 +268,7 @@ def launch(spec: ServeSpec) -> VllmServer:
         image = _pinned_image(client, spec.image_id)
         # One container per server id: what an ended run of it left goes first.
         for old in client.containers.list(
-            all=True, filters={"label": f"{LABEL_SERVER_ID}={spec.server_id}"}
+            all=True, ignore_removed=True, filters={"label": f"{LABEL_SERVER_ID}={spec.server_id}"}
         ):
             _remove(old)
         try:
@@ -315,7 +315,9 @@ def running() -> list[VllmServer]:
     """Every vLLM container of this node's servers still running (from before a restart)."""
     client = _docker()
     try:
-        found = client.containers.list(filters={"label": LABEL_SERVER_ID, "status": "running"})
+        found = client.containers.list(
+            ignore_removed=True, filters={"label": LABEL_SERVER_ID, "status": "running"}
+        )
         servers = [_adopted(container.attrs) for container in found]
         return [server for server in servers if server is not None]
     finally:
