@@ -31,7 +31,9 @@ from tests.harness.old_schema import downgrade
 
 from .test_backup_restore import NODES, Host, admin_answer
 
-pytestmark = pytest.mark.postgres
+# every_python: the one PostgreSQL module the other CPythons run too (scripts/lib/pythons.sh),
+# so psycopg2's compiled module for each of them meets the real server.
+pytestmark = [pytest.mark.postgres, pytest.mark.every_python]
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNBOOK = ROOT / "docs" / "runbooks" / "backup-restore.md"
