@@ -32,6 +32,30 @@ def clean_log(text: str) -> str:
     return _UNPRINTABLE.sub("\ufffd", text)[-WORK_LOG_TAIL_MAX_CHARS:]
 
 
+def remove_container(container: Any) -> None:
+    """Remove ``container`` (running or not). One already gone (its own run removed it
+    meanwhile) counts as removed; any other failure is logged with the container's name,
+    so a leftover is named for the operator."""
+    from docker.errors import NotFound
+
+    try:
+        container.remove(force=True)
+    except NotFound:
+        pass
+    except Exception as exc:
+        log.error("could not remove container %s: %s", container.name, type(exc).__name__)
+
+
+def remove_labelled(client: Any, label: str) -> int:
+    """Remove every container labelled ``label`` ("key=value"); how many were found. The
+    SDK inspects each container it lists, so one removed between the list and its look is
+    left out (ignore_removed) instead of raising NotFound."""
+    found = client.containers.list(all=True, ignore_removed=True, filters={"label": label})
+    for container in found:
+        remove_container(container)
+    return len(found)
+
+
 class CapabilityFailure(Exception):
     """The capability ran and failed (or could not start): a failed outcome, not a crash."""
 

@@ -33,7 +33,16 @@ from modelforge_contract import (
 from modelforge_contract import containers as fence
 from modelforge_contract.deployments import GPUS_UNAVAILABLE
 
-from . import CapabilityFailure, Outcome, RunContext, cancelled_failure, clean_log, succeeded
+from . import (
+    CapabilityFailure,
+    Outcome,
+    RunContext,
+    cancelled_failure,
+    clean_log,
+    remove_container,
+    remove_labelled,
+    succeeded,
+)
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +277,7 @@ def run(given: dict[str, Any], context: RunContext) -> Outcome:
         try:
             return _run_to_end(container, spec, context)
         finally:
-            _remove(container)
+            remove_container(container)
     finally:
         client.close()
 
@@ -278,12 +287,7 @@ def cancel_leftovers(work_id: str) -> int:
     by a worker that stopped mid-run); how many."""
     client = _client()
     try:
-        found = client.containers.list(
-            all=True, ignore_removed=True, filters={"label": f"{LABEL_WORK_ID}={work_id}"}
-        )
-        for container in found:
-            _remove(container)
-        return len(found)
+        return remove_labelled(client, f"{LABEL_WORK_ID}={work_id}")
     finally:
         client.close()
 
@@ -368,14 +372,3 @@ def _run_to_end(container: Any, spec: dict[str, Any], context: RunContext) -> Ou
             CONTAINER_FAILED, f"the container exited with {exit_code}", result=result, log=log_tail
         )
     return succeeded(result, log_tail)
-
-
-def _remove(container: Any) -> None:
-    from docker.errors import NotFound
-
-    try:
-        container.remove(force=True)
-    except NotFound:  # gone already: its run removed it between our look and this call
-        pass
-    except Exception as exc:  # logged: a leftover container is named for the operator
-        log.error("could not remove container %s: %s", container.name, type(exc).__name__)

@@ -31,7 +31,7 @@ from modelforge_contract import IMAGE_ID_MISMATCH, IMAGE_NOT_FOUND, deployments
 from modelforge_contract import containers as fence
 from modelforge_contract.deployments import RUNTIME_LAUNCH_FAILED, RUNTIME_VLLM
 
-from ..capabilities import clean_log
+from ..capabilities import clean_log, remove_container, remove_labelled
 from . import LaunchFailed, ServeSpec
 
 log = logging.getLogger(__name__)
@@ -228,17 +228,6 @@ def _create_arguments(spec: ServeSpec) -> dict[str, Any]:
     }
 
 
-def _remove(container: Any) -> None:
-    from docker.errors import NotFound
-
-    try:
-        container.remove(force=True)
-    except NotFound:
-        pass
-    except Exception as exc:  # logged: a leftover container is named for the operator
-        log.error("could not remove container %s: %s", container.name, type(exc).__name__)
-
-
 def launch(spec: ServeSpec) -> VllmServer:
     """Start the server's container; LaunchFailed (IMAGE_NOT_FOUND, IMAGE_ID_MISMATCH,
     RUNTIME_LAUNCH_FAILED) with nothing left running when it cannot."""
@@ -267,10 +256,7 @@ def launch(spec: ServeSpec) -> VllmServer:
     try:
         image = _pinned_image(client, spec.image_id)
         # One container per server id: what an ended run of it left goes first.
-        for old in client.containers.list(
-            all=True, ignore_removed=True, filters={"label": f"{LABEL_SERVER_ID}={spec.server_id}"}
-        ):
-            _remove(old)
+        remove_labelled(client, f"{LABEL_SERVER_ID}={spec.server_id}")
         try:
             container = client.containers.create(image.id, **_create_arguments(spec))
         except APIError as exc:
@@ -283,7 +269,7 @@ def launch(spec: ServeSpec) -> VllmServer:
         except APIError as exc:
             # e.g. 'could not select device driver "" with capabilities: [[gpu]]' on a node
             # without the NVIDIA container runtime.
-            _remove(container)
+            remove_container(container)
             raise LaunchFailed(
                 RUNTIME_LAUNCH_FAILED,
                 f"dockerd could not start the container: {str(exc.explanation or exc)[:500]}",
