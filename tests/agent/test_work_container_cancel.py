@@ -22,7 +22,7 @@ pytestmark = pytest.mark.docker
 def probe_image(docker_client, tmp_path_factory):
     image = build_test_image(docker_client, tmp_path_factory.mktemp("image"))
     yield image
-    docker_client.images.remove(image.id, force=True)
+    docker_client.images.remove(image.tag, force=True)  # by tag: another build may share the id
 
 
 @pytest.fixture

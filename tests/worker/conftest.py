@@ -25,4 +25,4 @@ def test_image(docker_client, tmp_path_factory):
     """A tiny local image built from a file tree (a static binary, FROM scratch): no pull."""
     image = build_test_image(docker_client, tmp_path_factory.mktemp("image"))
     yield image
-    docker_client.images.remove(image.id, force=True)
+    docker_client.images.remove(image.tag, force=True)  # by tag: another build may share the id
