@@ -75,7 +75,7 @@ LAUNCHER_MODULE = "modelforge_launcher"
 # setuptools. NO_SQLITE=1 keeps it pure Python (its optional C extension would
 # embed build paths and is not used by ModelForge).
 SDIST_ONLY = ("peewee",)
-# Import packages and where setup.cfg keeps them.
+# Import packages and their folders (pyproject.toml finds them under the same roots).
 SOURCE_DIRS = {
     "modelforge_contract": ROOT / "contract" / "modelforge_contract",
     "modelforge_appliance": ROOT / "appliance" / "modelforge_appliance",

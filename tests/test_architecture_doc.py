@@ -33,7 +33,7 @@ SCANNED_DIRS = (
     "systemd",
     "docs",
 )
-SCANNED_FILES = ("README.md", "pyproject.toml", "setup.cfg")
+SCANNED_FILES = ("README.md", "pyproject.toml")
 SCANNED_GLOBS = ("docker-compose*.yml",)
 SKIPPED_DIRS = {"__pycache__", "vendor", "node_modules"}
 

@@ -1,6 +1,6 @@
 # Sourced by scripts/run and scripts/test: make ./.venv with the pinned dependencies.
 # Usage: ensure_venv EXTRAS   (e.g. "appliance,agent" or "appliance,agent,test")
-# A virtualenv already holding more extras for the same pyproject.toml/setup.cfg is reused
+# A virtualenv already holding more extras for the same pyproject.toml is reused
 # as it is: scripts/run after scripts/test installs nothing.
 ensure_venv() {
     local extras="$1" py stamp hash
@@ -14,7 +14,7 @@ ensure_venv() {
         "$py" -m venv .venv
     fi
     stamp=.venv/.modelforge-installed
-    hash=$(sha256sum pyproject.toml setup.cfg | sha256sum | cut -c1-16)
+    hash=$(sha256sum pyproject.toml | sha256sum | cut -c1-16)
     if ! venv_has_extras "$stamp" "$hash" "$extras"; then
         echo "==> installing pinned dependencies ($extras) into .venv" >&2
         .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$extras]" \

@@ -153,13 +153,21 @@ def _check(
             names = word.split("|")
             if all(re.fullmatch(r"[a-z][a-z-]*", n) for n in names):
                 for name in names:
-                    sub = command.commands.get(name)
+                    sub = _subcommands(command).get(name)
                     if sub is None:
                         problems.append(f"{path}: no command {name!r}")
                     else:
                         where = f"{path} {name}"
                         _check(sub, args[index + 1 :], where, problems, params, named)
                 return
+
+
+def _subcommands(group) -> dict:
+    """A group's commands by name, loading those it loads lazily (the root of modelforge)."""
+    import click
+
+    ctx = click.Context(group)
+    return {name: group.get_command(ctx, name) for name in group.list_commands(ctx)}
 
 
 def _documented_commands(docs: list[Path]) -> tuple[int, list[str], set[str]]:
@@ -200,7 +208,7 @@ def _command_paths(command, path: str) -> set[str]:
     if not isinstance(command, click.Group):
         return {path}
     found = set() if not command.invoke_without_command else {path}
-    for name, sub in command.commands.items():
+    for name, sub in _subcommands(command).items():
         found |= _command_paths(sub, f"{path} {name}")
     return found
 

@@ -126,7 +126,7 @@ def test_no_command_prints_a_traceback(tmp_path, busy_port, group):
 def test_every_group_is_covered():
     from modelforge_appliance.cli.main import main
 
-    assert set(COMMANDS) == set(main.commands)
+    assert set(COMMANDS) == set(main.list_commands(None))
 
 
 def test_debug_shows_the_trace(tmp_path):

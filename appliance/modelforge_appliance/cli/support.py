@@ -13,10 +13,9 @@ from modelforge_contract import EXIT_CHECK_FAILED, EXIT_USAGE
 from modelforge_contract.logs import configure_logging
 
 from ..core.settings import Settings, load_settings
-from ..runtime.server import open_store
 from ..store import statelock
 from ..store.backup import clear_interrupted_restore
-from ..store.database import Store
+from ..store.database import Store, open_store
 from . import locate
 from .ownership import require_state_owner
 

@@ -9,6 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 
+class OperatorError(Exception):
+    """Something the operator must put right before a command can run (a wrong setting, a
+    store from a newer program, a refused restore, the state lock held): the CLI prints the
+    message as one line and exits 2. Declared here, below every layer that raises one, so the
+    CLI's one handler catches them without importing the store."""
+
+
 class ApiError(Exception):
     status = 400
     code = "BAD_REQUEST"

@@ -20,6 +20,8 @@ from modelforge_contract import containers as fence
 from modelforge_contract.envfile import read_env_file
 from modelforge_contract.settings import SettingSpec, SettingTable
 
+from .errors import OperatorError
+
 # Prefixes that belong to other ModelForge programs (the agent, the worker,
 # compose files); the control plane leaves them alone.
 FOREIGN_PREFIXES = (
@@ -262,7 +264,7 @@ SETTINGS: tuple[SettingSpec, ...] = (
 )
 
 
-class ConfigError(Exception):
+class ConfigError(OperatorError):
     """A setting is wrong; the CLI prints the one-line message and exits 2."""
 
     exit_code = EXIT_USAGE

@@ -32,7 +32,6 @@ from waitress.task import ThreadedTaskDispatcher
 
 from modelforge_contract import REQUEST_MALFORMED
 
-from ..core.clock import Clock
 from ..core.errors import Invalid
 from ..core.settings import ConfigError, Settings
 from ..relay.endpoint import TunnelEndpoint
@@ -58,14 +57,6 @@ MAINTENANCE_SECONDS = 1
 # client's connection takes the bytes, so this is about one tunnel window (1 MiB): a client
 # that stops reading costs about a window here and a window on the tunnel.
 OUTBUF_HIGH_WATERMARK = 1 << 20
-
-
-def open_store(settings: Settings, clock: Clock | None = None) -> Store:
-    """The store for these settings, migrated to this program's schema."""
-    settings.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    store = Store(settings.database_url, clock or Clock())
-    store.migrate()
-    return store
 
 
 def waitress_options(settings: Settings) -> dict[str, Any]:

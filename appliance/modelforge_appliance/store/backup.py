@@ -44,6 +44,7 @@ from modelforge_contract.files import fsync_directory, write_atomically
 
 from ..core import sealing
 from ..core.clock import Clock
+from ..core.errors import OperatorError
 from ..core.settings import ConfigError, Settings
 from . import audit, finality, statelock
 from .database import (
@@ -59,7 +60,7 @@ from .migrations import MIGRATIONS
 log = logging.getLogger(__name__)
 
 
-class RestoreRefused(Exception):
+class RestoreRefused(OperatorError):
     """The backup or restore cannot run now, or from or to this file; nothing was changed."""
 
 

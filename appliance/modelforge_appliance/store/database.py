@@ -19,6 +19,8 @@ from urllib.parse import quote, unquote, urlsplit
 import peewee as pw
 
 from ..core.clock import Clock
+from ..core.errors import OperatorError
+from ..core.settings import Settings
 from . import tables
 from .migrations import MIGRATIONS, SCHEMA_VERSION
 
@@ -48,7 +50,7 @@ class _Job:
     error: BaseException | None = None
 
 
-class StoreVersionError(Exception):
+class StoreVersionError(OperatorError):
     """The store was written by a newer program (or is otherwise unusable)."""
 
 
@@ -309,3 +311,12 @@ def redact_url(url: str) -> str:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
     return parts._replace(netloc=netloc).geturl()
+
+
+def open_store(settings: Settings, clock: Clock | None = None) -> Store:
+    """The store for these settings, migrated to this program's schema (the state directory
+    made first, for the user alone)."""
+    settings.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    store = Store(settings.database_url, clock or Clock())
+    store.migrate()
+    return store

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import peewee as pw
 
+from ..core.errors import OperatorError
 from ..core.settings import Settings
 from .database import open_database, redact_url
 
@@ -28,7 +29,7 @@ LOCK_NAME = "modelforge.lock"
 ADVISORY_KEY = 0x4D465354
 
 
-class StateBusy(Exception):
+class StateBusy(OperatorError):
     """Another process holds the state lock in a way that excludes this command."""
 
 
