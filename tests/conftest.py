@@ -7,6 +7,7 @@ import pytest
 
 from modelforge_appliance.core.clock import ManualClock
 from tests.harness.control_plane import fresh_postgres_database, make_settings, serve, unavailable
+from tests.parts import HEAVY_MARKERS
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -92,3 +93,17 @@ def tiny_gguf(tmp_path_factory):
     from tests.harness.tiny_gguf import write_tiny_gguf
 
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+# pytest-timeout's limit is [tool.pytest.ini_options] timeout (600 s) for a quick test; a heavy
+# one may first build what its session shares (the release images, Debian roots, the probe
+# image), so it gets longer. Still well inside CI's limit: a hang fails with its traceback.
+HEAVY_TIMEOUT_SECONDS = 1800
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("timeout") is None and any(
+            item.get_closest_marker(marker) for marker in HEAVY_MARKERS
+        ):
+            item.add_marker(pytest.mark.timeout(HEAVY_TIMEOUT_SECONDS))

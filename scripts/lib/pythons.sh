@@ -54,23 +54,19 @@ find_python() {
     return 1
 }
 
-# The suite runs in two parts. The tests marked slow, docker or browser (fleets of a thousand
-# agents, image builds, Debian roots under qemu, Chromium), and checkout (they change this
-# checkout's own .venv, which every run shares), run once, on .venv's CPython, with the
-# machine to themselves. Everything else is the quick part: it runs on every supported
-# CPython, the runs side by side (MF_TEST_PARALLEL at a time, default all of them): most of a
-# run is waiting on the processes and sockets its tests start, so on two cores four runs at
-# once take about as long as two in a row. Each writes build/test-logs/pytest-pyX.Y.log,
-# printed whole when it ends. They share only PostgreSQL (every test makes its own database)
-# and pip's download cache; each has its own temporary directories and archive build
-# directory.
-HEAVY_MARKERS="slow or docker or browser or checkout"
-QUICK_MARKERS="not slow and not docker and not browser and not checkout"
-# On the other CPythons the quick part leaves out the PostgreSQL variants of the tests (a
-# sixth of its time): the SQL is the same peewee builds on every interpreter, and what does
-# differ, psycopg2's compiled module for that CPython, is still driven against the real
-# server by the tests marked every_python (tests/appliance/test_restore_postgres.py).
-OTHER_QUICK_MARKERS="$QUICK_MARKERS and (not postgres or every_python)"
+# The suite runs in three parts, chosen by marker (tests/parts.py says which; tests/test_parts.py
+# checks that every test is in one). The heavy part (fleets of a thousand agents, image builds,
+# Debian roots under qemu, Chromium, and the tests that change this checkout's own .venv) runs
+# once, on .venv's CPython, with the machine to themselves. The quick part (everything else)
+# runs once, on .venv's CPython too. The portable part, what depends on the interpreter (every
+# module compiled and imported, the wire contract, the archives and their launcher, the
+# operators' verifiers, an enrollment and heartbeat end to end, psycopg2 against the real
+# server), runs on each other supported CPython. The quick and portable runs go side by side
+# (MF_TEST_PARALLEL at a time, default all of them): most of a run waits on the processes and
+# sockets its tests start. Each writes build/test-logs/pytest-pyX.Y.log, printed whole when it
+# ends. They share only PostgreSQL (every test makes its own database), pip's download cache
+# and the archives built once before them (MF_TEST_ARCHIVES, tests/harness/archives.py).
+part_markers() { .venv/bin/python -m tests.parts "$1"; }
 # How many runs (heavy and quick) selected at least one test; scripts/test fails when none did.
 RUNS_WITH_TESTS=0
 
@@ -89,9 +85,10 @@ os.execv(sys.executable, [sys.executable, "-m", "pytest", *sys.argv[1:]])' "$@"
 
 # run_heavy_tests [PYTEST ARGS]: the heavy part on .venv's CPython.
 run_heavy_tests() {
-    local code=0
-    log "pytest on $(.venv/bin/python --version 2>&1) (-m '$HEAVY_MARKERS')"
-    pytest_run .venv/bin/python -m "$HEAVY_MARKERS" "$@" || code=$?
+    local code=0 markers
+    markers=$(part_markers heavy)
+    log "pytest on $(.venv/bin/python --version 2>&1), the heavy part (-m '$markers')"
+    pytest_run .venv/bin/python -m "$markers" "$@" || code=$?
     case $code in
         0) RUNS_WITH_TESTS=$((RUNS_WITH_TESTS + 1)) ;;
         5) log "no test marked slow, docker, browser or checkout among those selected" ;;
@@ -99,12 +96,12 @@ run_heavy_tests() {
     esac
 }
 
-# run_quick_tests EXTRAS [PYTEST ARGS]: the quick part on .venv's CPython and on every other
-# supported one, each of those installed with EXTRAS into .venv-pyX.Y. MF_TEST_PYTHONS lists
+# run_quick_tests EXTRAS [PYTEST ARGS]: the quick part on .venv's CPython and the portable part
+# on every other supported one, each of those installed with EXTRAS into .venv-pyX.Y. MF_TEST_PYTHONS lists
 # the other versions. Returns non-zero when any run failed or, with CI=true, when a version
 # is missing.
 run_quick_tests() {
-    local extras="$1" version python venv stamp want status=0 main versions i
+    local extras="$1" version python venv stamp want status=0 main versions i part
     local parallel=${MF_TEST_PARALLEL:-0} logs=build/test-logs pids=() pythons=() ready=() markers
     shift
     main=$(.venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -153,9 +150,10 @@ run_quick_tests() {
             finish_quick_run "${ready[i - parallel]}" "${pids[i - parallel]}" "$logs" || status=1
         fi
         version=${ready[i]}
-        markers=$QUICK_MARKERS
-        [ "$version" = "$main" ] || markers=$OTHER_QUICK_MARKERS
-        log "pytest on $("${pythons[i]}" --version 2>&1) (-m '$markers') in the background: $logs/pytest-py$version.log"
+        part=quick
+        [ "$version" = "$main" ] || part=portable
+        markers=$(part_markers "$part")
+        log "pytest on $("${pythons[i]}" --version 2>&1), the $part part (-m '$markers') in the background: $logs/pytest-py$version.log"
         (
             started=$SECONDS code=0
             pytest_run "${pythons[i]}" -q -p no:cacheprovider -m "$markers" "$@" || code=$?
@@ -175,14 +173,14 @@ run_quick_tests() {
 finish_quick_run() {
     local version="$1" pid="$2" logs="$3" code=0
     wait "$pid" || code=$?
-    echo "---- CPython $version, quick part ($logs/pytest-py$version.log) ----" >&2
+    echo "---- CPython $version ($logs/pytest-py$version.log) ----" >&2
     cat "$logs/pytest-py$version.log" >&2
     case $code in
         0)
             RUNS_WITH_TESTS=$((RUNS_WITH_TESTS + 1))
             log "CPython $version: passed ($(tail -n 1 "$logs/pytest-py$version.log" | tr -d '()'))"
             ;;
-        5) log "CPython $version: no quick test among those selected" ;;
+        5) log "CPython $version: no test of its part among those selected" ;;
         *)
             RUNS_WITH_TESTS=$((RUNS_WITH_TESTS + 1))
             log "CPython $version: FAILED"

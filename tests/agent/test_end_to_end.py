@@ -20,6 +20,8 @@ from tests.harness.agent_process import AgentProcess, agent_env, nvml_env, run_a
 from tests.harness.control_plane import free_port
 from tests.harness.nvml import h100_80g_x8
 
+pytestmark = pytest.mark.every_python  # tests/parts.py: on every CPython
+
 
 def nvidia_agent_env(cp, fake_nvml_dir, tmp_path, token, state="state"):
     return agent_env(

@@ -18,7 +18,7 @@ from modelforge_contract import (
     EXIT_STORE_UNREACHABLE,
     EXIT_USAGE,
 )
-from tests.harness.control_plane import clean_env, free_port, run_cli, unavailable
+from tests.harness.control_plane import clean_env, free_port, invoke_cli, run_cli, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 # /sys takes no new files, not even from root (EACCES, or EROFS where it is mounted read-only).
@@ -71,7 +71,7 @@ def prepared(tmp_path: Path, condition: str) -> tuple[dict[str, str], dict[str, 
         env["MODELFORGE_STATE_DIR"] = str(tmp_path / "no" / "such" / "dir")
         backup = tmp_path / "no-such-dir" / "backup.sqlite3"
     elif condition == "unwritable path":
-        assert run_cli("init", env=env).returncode == 0
+        assert invoke_cli("init", env=env).returncode == 0
         try:
             UNWRITABLE.mkdir()
         except OSError:
@@ -87,7 +87,7 @@ def prepared(tmp_path: Path, condition: str) -> tuple[dict[str, str], dict[str, 
     elif condition == "wrong user":
         if os.geteuid() != 0:
             unavailable("needs root to give the state directory to another user")
-        assert run_cli("init", env=env).returncode == 0
+        assert invoke_cli("init", env=env).returncode == 0
         for path in (state, *state.iterdir()):
             os.chown(path, 65534, 65534)  # nobody
     return env, {"backup": str(backup), "record": str(backup.with_suffix(".json"))}
@@ -104,7 +104,9 @@ def test_no_command_prints_a_traceback(tmp_path, busy_port, group):
         env, holes = prepared(work, condition)
         holes["busy"] = f"127.0.0.1:{busy_port}"
         args = [part.format(**holes) for part in COMMANDS[group]]
-        result = run_cli(*args, env=env)
+        # In process, as the operator's output is the same; serve as its own process, since
+        # it sets the process's signal handlers.
+        result = (run_cli if group == "serve" else invoke_cli)(*args, env=env)
         where = f"{group} under {condition}: exit {result.returncode}\n{result.stderr}"
         assert "Traceback" not in result.stderr + result.stdout, where
         assert result.returncode in DOCUMENTED, where

@@ -21,7 +21,7 @@ from tests.harness.control_plane import (
     clean_env,
     free_port,
     fresh_postgres_database,
-    run_cli,
+    invoke_cli,
     unavailable,
 )
 
@@ -50,14 +50,14 @@ def serving(env: dict[str, str], log: Path, *args: str):
 @pytest.fixture
 def state_env(tmp_path) -> dict[str, str]:
     env = clean_env(MODELFORGE_STATE_DIR=str(tmp_path / "state"))
-    assert run_cli("init", env=env).returncode == 0
+    assert invoke_cli("init", env=env).returncode == 0
     return env
 
 
 def test_enroll_locks_tokens_to_the_origin_serve_really_serves(tmp_path, state_env):
     # --listen with port 0: only the running server knows the port it got.
     with serving(state_env, tmp_path / "serve.log", "--listen", "127.0.0.1:0") as (_, record):
-        minted = run_cli("enroll", "--name", "gpu", "--json", env=state_env)
+        minted = invoke_cli("enroll", "--name", "gpu", "--json", env=state_env)
         assert minted.returncode == 0, minted.stderr
         assert json.loads(minted.stdout)["api_origin"] == f"http://127.0.0.1:{record['port']}"
         assert f"modelforge: store {state_env['MODELFORGE_STATE_DIR']}/modelforge.sqlite3" in (
@@ -66,10 +66,10 @@ def test_enroll_locks_tokens_to_the_origin_serve_really_serves(tmp_path, state_e
         joins = json.loads(minted.stdout)["join_commands"]
         assert set(joins) == {"systemd", "checkout", "container"}
         assert all(f"join http://127.0.0.1:{record['port']} " in c for c in joins.values())
-        text = run_cli("enroll", "--name", "gpu", env=state_env)
+        text = invoke_cli("enroll", "--name", "gpu", env=state_env)
         assert f"pid {record['pid']}" in text.stdout
     assert not (Path(state_env["MODELFORGE_STATE_DIR"]) / "serving.json").exists()
-    stopped = run_cli("enroll", "--name", "gpu", "--json", env=state_env)
+    stopped = invoke_cli("enroll", "--name", "gpu", "--json", env=state_env)
     assert json.loads(stopped.stdout)["api_origin"] == "http://127.0.0.1:8000"
 
 
@@ -79,20 +79,22 @@ def test_a_wildcard_address_never_becomes_a_tokens_origin(tmp_path, state_env):
     log = tmp_path / "serve.log"
     with serving(env, log) as _:
         assert "without MODELFORGE_PUBLIC_API_ORIGIN" in log.read_text()
-        refused = run_cli("enroll", "--name", "gpu", env=env)
+        refused = invoke_cli("enroll", "--name", "gpu", env=env)
         assert refused.returncode == EXIT_USAGE
         assert "MODELFORGE_PUBLIC_API_ORIGIN" in refused.stderr and refused.stdout == ""
         # Even the CLI without MODELFORGE_LISTEN knows: it reads what serve bound.
-        assert run_cli("enroll", "--name", "gpu", env=state_env).returncode == EXIT_USAGE
-        wildcard = run_cli("enroll", "--name", "gpu", "--origin", f"http://0.0.0.0:{port}", env=env)
+        assert invoke_cli("enroll", "--name", "gpu", env=state_env).returncode == EXIT_USAGE
+        wildcard = invoke_cli(
+            "enroll", "--name", "gpu", "--origin", f"http://0.0.0.0:{port}", env=env
+        )
         assert wildcard.returncode == EXIT_USAGE
-        chosen = run_cli(
+        chosen = invoke_cli(
             "enroll", "--name", "gpu", "--origin", "http://10.0.0.5:8000", "--json", env=env
         )
         assert json.loads(chosen.stdout)["api_origin"] == "http://10.0.0.5:8000"
 
         admin = json.loads(
-            run_cli("admin-token", "create", "--name", "t", "--json", env=env).stdout
+            invoke_cli("admin-token", "create", "--name", "t", "--json", env=env).stdout
         )
         for host in (f"0.0.0.0:{port}", f"[::]:{port}"):
             answer = requests.post(
@@ -103,14 +105,14 @@ def test_a_wildcard_address_never_becomes_a_tokens_origin(tmp_path, state_env):
             )
             assert answer.status_code == 400, answer.text
             assert answer.json()["error"]["code"] == "HOST_INVALID"
-        doctor = run_cli("doctor", "--json", "--listen", f"0.0.0.0:{free_port()}", env=env)
+        doctor = invoke_cli("doctor", "--json", "--listen", f"0.0.0.0:{free_port()}", env=env)
         checks = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}
         assert checks["origin"]["warning"] is True and checks["origin"]["ok"] is True
 
     public = {**env, "MODELFORGE_PUBLIC_API_ORIGIN": "http://192.168.1.20:8000"}
     with serving(public, tmp_path / "public.log") as _:
         # The CLI has no origin setting of its own here; the running server's applies.
-        minted = run_cli("enroll", "--name", "gpu", "--json", env=env)
+        minted = invoke_cli("enroll", "--name", "gpu", "--json", env=env)
         assert minted.returncode == 0, minted.stderr
         assert json.loads(minted.stdout)["api_origin"] == "http://192.168.1.20:8000"
 
@@ -124,38 +126,40 @@ def test_behind_a_reverse_proxy_the_listen_address_is_no_origin(tmp_path, state_
         assert "behind a reverse proxy" in log.read_text()
         assert record["behind_proxy"] is True
         # The CLI without the setting knows too: it reads what the running serve recorded.
-        refused = run_cli("enroll", "--name", "gpu", env=state_env)
+        refused = invoke_cli("enroll", "--name", "gpu", env=state_env)
         assert refused.returncode == EXIT_USAGE and refused.stdout == ""
         assert "MODELFORGE_PUBLIC_API_ORIGIN" in refused.stderr
-        chosen = run_cli("enroll", "--name", "gpu", "--origin", "https://cp.lan", "--json", env=env)
+        chosen = invoke_cli(
+            "enroll", "--name", "gpu", "--origin", "https://cp.lan", "--json", env=env
+        )
         assert json.loads(chosen.stdout)["api_origin"] == "https://cp.lan"
-    doctor = run_cli("doctor", "--json", "--listen", f"127.0.0.1:{free_port()}", env=env)
+    doctor = invoke_cli("doctor", "--json", "--listen", f"127.0.0.1:{free_port()}", env=env)
     checks = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}
     assert checks["origin"]["warning"] is True and "proxy" in checks["origin"]["fix"]
     public = {**env, "MODELFORGE_PUBLIC_API_ORIGIN": "https://cp.lan"}
-    minted = run_cli("enroll", "--name", "gpu", "--json", env=public)
+    minted = invoke_cli("enroll", "--name", "gpu", "--json", env=public)
     assert json.loads(minted.stdout)["api_origin"] == "https://cp.lan"
 
 
 def test_only_init_and_serve_create_a_store(tmp_path):
     env = clean_env(MODELFORGE_STATE_DIR=str(tmp_path / "state"))
     for args in (("nodes",), ("enroll", "--name", "x", "--origin", "http://cp:1"), ("audit",)):
-        result = run_cli(*args, env=env)
+        result = invoke_cli(*args, env=env)
         assert result.returncode == EXIT_USAGE, result.stderr
         assert f"no ModelForge store at {tmp_path}/state/modelforge.sqlite3" in result.stderr
         assert not (tmp_path / "state").exists()
-    assert run_cli("init", env=env).returncode == 0
-    assert run_cli("nodes", env=env).returncode == 0
+    assert invoke_cli("init", env=env).returncode == 0
+    assert invoke_cli("nodes", env=env).returncode == 0
 
 
 @pytest.mark.postgres
 def test_an_empty_postgresql_database_is_no_store(tmp_path):
     with fresh_postgres_database() as url:
         env = clean_env(MODELFORGE_STATE_DIR=str(tmp_path / "s"), MODELFORGE_DATABASE_URL=url)
-        refused = run_cli("nodes", env=env)
+        refused = invoke_cli("nodes", env=env)
         assert refused.returncode == EXIT_USAGE and "no ModelForge store" in refused.stderr
-        assert run_cli("init", env=env).returncode == 0
-        assert run_cli("nodes", env=env).returncode == 0
+        assert invoke_cli("init", env=env).returncode == 0
+        assert invoke_cli("nodes", env=env).returncode == 0
 
 
 def test_files_left_by_another_user_are_named_with_the_fix(tmp_path, state_env):
@@ -164,7 +168,7 @@ def test_files_left_by_another_user_are_named_with_the_fix(tmp_path, state_env):
     store = Path(state_env["MODELFORGE_STATE_DIR"]) / "modelforge.sqlite3"
     os.chown(store, 65534, 65534)
     for args in (("nodes",), ("backup", str(tmp_path / "b.sqlite3")), ("init",)):
-        result = run_cli(*args, env=state_env)
+        result = invoke_cli(*args, env=state_env)
         assert result.returncode == EXIT_USAGE, result.stderr
         assert "modelforge.sqlite3 (nobody)" in result.stderr
         assert f"chown -R root: {store.parent}" in result.stderr

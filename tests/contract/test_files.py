@@ -12,6 +12,8 @@ import pytest
 from modelforge_contract import files
 from modelforge_contract.files import write_atomically
 
+pytestmark = pytest.mark.every_python  # tests/parts.py: on every CPython
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

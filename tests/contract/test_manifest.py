@@ -21,6 +21,8 @@ from modelforge_contract.manifest import (
 )
 from tests.harness.manifest_entries import sample_config
 
+pytestmark = pytest.mark.every_python  # tests/parts.py: on every CPython
+
 VERSION = "1.3.0-rc.1"
 
 

@@ -3,8 +3,12 @@ without hop-by-hop headers or the client's key, and error codes a RESET can carr
 
 from __future__ import annotations
 
+import pytest
+
 from modelforge_contract import relay
 from modelforge_contract.tunnel import json_of, reset_frame
+
+pytestmark = pytest.mark.every_python  # tests/parts.py: on every CPython
 
 
 def test_only_the_three_client_routes_are_relayed_and_only_by_post():

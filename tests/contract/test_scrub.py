@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from modelforge_contract.scrub import MAX_HELD_BYTES, SseScrubber, scrub_body
 
+pytestmark = pytest.mark.every_python  # tests/parts.py: on every CPython
+
 ROOT = "/var/lib/modelforge-artifacts"
 MODEL_DIR = f"{ROOT}/models/0a1b2c3d"
 MODEL_FILE = f"{MODEL_DIR}/tiny-llama.Q4_K_M.gguf"

@@ -10,6 +10,8 @@ from modelforge_contract.settings import SettingSpec, SettingTable
 from modelforge_node_agent import settings as agent_settings
 from modelforge_worker import settings as worker_settings
 
+pytestmark = pytest.mark.every_python  # tests/parts.py: on every CPython
+
 
 class Refused(Exception):
     pass

@@ -48,6 +48,8 @@ from modelforge_contract.tunnel import (
     window_of,
 )
 
+pytestmark = pytest.mark.every_python  # tests/parts.py: on every CPython
+
 HEADERS = [("Content-Type", "application/json"), ("Accept", "text/event-stream")]
 
 

@@ -1,7 +1,8 @@
-"""Session-scoped pyz builds shared by the packaging tests (one build per archive).
+"""The archives the packaging tests share: those scripts/test built once for the whole run
+(tests/harness/archives.py), or one session build of each when run by hand.
 
-The reproducibility test builds each archive a second time and compares; every
-other test reuses these builds, so the suite pays for two builds of each.
+The reproducibility test builds them a second time and compares; every other test reuses
+the first build.
 """
 
 from __future__ import annotations
@@ -19,22 +20,15 @@ from types import ModuleType
 
 import pytest
 
+from tests.harness.archives import OUTPUTS, prebuilt, run_build
 from tests.harness.control_plane import IN_CI, clean_env, wait_until_answering
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "packaging" / "build_pyz.py"
 AGENT_ENTRY = ROOT / "agent" / "modelforge_node_agent" / "main.py"
-# Any fixed value: two builds of the same tree with the same epoch must match.
-SOURCE_DATE_EPOCH = "1767225600"
 # The control-plane archive for this machine (`uname -m`), and the other one.
 HOST_MACHINE = platform.machine()
 OTHER_MACHINE = "aarch64" if HOST_MACHINE == "x86_64" else "x86_64"
-OUTPUTS = {
-    "appliance-x86_64": "modelforge-x86_64.pyz",
-    "appliance-aarch64": "modelforge-aarch64.pyz",
-    "agent": "modelforge-node-agent.pyz",
-    "worker": "modelforge-runtime-worker.pyz",
-}
 
 
 def load_packaging_module(name: str) -> ModuleType:
@@ -62,28 +56,16 @@ def require_agent() -> None:
 
 def build_pyz(target: str, dist: Path, work_dir: Path, source_root: Path = ROOT) -> Path:
     """Run packaging/build_pyz.py for one target; fail the test with its output."""
-    env = {**os.environ, "SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH}
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(source_root / "packaging" / "build_pyz.py"),
-            target,
-            "--dist",
-            str(dist),
-            "--work-dir",
-            str(work_dir),
-            "--pip-cache",
-            str(ROOT / "build" / "pyz" / "pip-cache"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    result = run_build([target], dist, work_dir, source_root)
     if result.returncode != 0:
         pytest.fail(f"building the {target} pyz failed:\n{result.stdout}{result.stderr}")
     return dist / OUTPUTS[target]
+
+
+def archive(target: str, dist: Path) -> Path:
+    """The archive scripts/test built once for this run (tests/harness/archives.py), or, in a
+    run without one, a build of this session's own."""
+    return prebuilt(target) or build_pyz(target, dist, WORK_DIR)
 
 
 @pytest.fixture(scope="session")
@@ -91,33 +73,33 @@ def pyz_dist(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("dist")
 
 
-# Build tools per interpreter (scripts/test runs the suite on several): no rebuilding them
-# each time another CPython runs the tests. pip's download cache is shared.
+# Build tools per interpreter (the archives of a run by hand): no rebuilding them each time
+# another CPython runs the tests. pip's download cache is shared.
 WORK_DIR = ROOT / "build" / f"pyz-py{sys.version_info[0]}.{sys.version_info[1]}"
 
 
 @pytest.fixture(scope="session")
 def appliance_pyz(pyz_dist) -> Path:
     """The control-plane archive for the machine the tests run on."""
-    return build_pyz(f"appliance-{HOST_MACHINE}", pyz_dist, WORK_DIR)
+    return archive(f"appliance-{HOST_MACHINE}", pyz_dist)
 
 
 @pytest.fixture(scope="session")
 def foreign_appliance_pyz(pyz_dist) -> Path:
     """The control-plane archive for the other supported machine."""
-    return build_pyz(f"appliance-{OTHER_MACHINE}", pyz_dist, WORK_DIR)
+    return archive(f"appliance-{OTHER_MACHINE}", pyz_dist)
 
 
 @pytest.fixture(scope="session")
 def agent_pyz(pyz_dist) -> Path:
     require_agent()
-    return build_pyz("agent", pyz_dist, WORK_DIR)
+    return archive("agent", pyz_dist)
 
 
 @pytest.fixture(scope="session")
 def worker_pyz(pyz_dist) -> Path:
     """The runtime worker's archive (architecture-free, like the agent's)."""
-    return build_pyz("worker", pyz_dist, WORK_DIR)
+    return archive("worker", pyz_dist)
 
 
 def unit_directives(unit: str) -> dict[str, list[str]]:

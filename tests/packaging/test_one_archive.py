@@ -10,6 +10,8 @@ import pytest
 
 from .conftest import load_packaging_module
 
+pytestmark = pytest.mark.every_python  # tests/parts.py: on every CPython
+
 build = load_packaging_module("build_pyz")
 merge = load_packaging_module("wheel_merge")
 launcher = load_packaging_module("pyz_launcher")

@@ -19,6 +19,8 @@ from modelforge_release.archive import ArchiveError, read_archive
 from modelforge_release.rootfs import Tree, write_layer
 from tests.harness.release_images import raw_entry
 
+pytestmark = pytest.mark.every_python  # tests/parts.py: on every CPython
+
 TAG = "modelforge-node-agent:1.0.0"
 BASE_DIR, APP_DIR = "a" * 64, "b" * 64
 

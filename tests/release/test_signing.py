@@ -18,6 +18,8 @@ from modelforge_release.signing import NAMESPACE, verify_sums_signature
 from tests.harness.control_plane import unavailable
 from tests.harness.release_cli import release
 
+pytestmark = pytest.mark.every_python  # tests/parts.py: on every CPython
+
 SUMS = b"0" * 64 + b"  modelforge-1.0.0-images.tar\n"
 PASSPHRASE = "correct horse battery staple"
 

@@ -22,6 +22,8 @@ from tests.harness.release_cli import (
     sha256sum,
 )
 
+pytestmark = pytest.mark.every_python  # tests/parts.py: on every CPython
+
 NAMES = list(RELEASE_FILES)
 
 
