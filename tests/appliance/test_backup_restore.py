@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from modelforge_appliance.cli.serve import SERVE_LOCK_NAME
-from tests.harness.control_plane import clean_env, free_port, new_identity, run_cli, serving
+from tests.harness.control_plane import clean_env, free_port, invoke_cli, new_identity, serving
 
 NODES = "/api/v1/admin/hardware/nodes"
 AGENT = {"X-ModelForge-Agent-Protocol": "1"}
@@ -59,7 +59,7 @@ class Host:
         self.admin = {"X-ModelForge-Admin-Token": admin_token}
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return run_cli(*args, env=self.env, check=check)
+        return invoke_cli(*args, env=self.env, check=check)
 
     def start_cli_stopping_at(self, stage: str, action: str, *args: str) -> subprocess.Popen:
         """The CLI run as a child that SIGKILLs itself or pauses at a named restore stage."""

@@ -16,7 +16,7 @@ from modelforge_appliance.store import backup, finality, tables
 from modelforge_appliance.store.database import Store
 from modelforge_appliance.store.migrations import MIGRATIONS
 from modelforge_appliance.store.tables import Finality
-from tests.harness.control_plane import clean_env, make_settings, new_identity, run_cli
+from tests.harness.control_plane import clean_env, invoke_cli, make_settings, new_identity
 from tests.harness.old_schema import downgrade
 
 ORIGIN = "http://127.0.0.1:8000"
@@ -171,7 +171,7 @@ def test_chained_restores_of_backups_from_before_the_record(tmp_path):
 
 
 def cli(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return run_cli(*args, env=env)
+    return invoke_cli(*args, env=env)
 
 
 def test_save_and_restore_finality_from_the_command_line(tmp_path):

@@ -104,9 +104,7 @@ def test_no_command_prints_a_traceback(tmp_path, busy_port, group):
         env, holes = prepared(work, condition)
         holes["busy"] = f"127.0.0.1:{busy_port}"
         args = [part.format(**holes) for part in COMMANDS[group]]
-        # In process, as the operator's output is the same; serve as its own process, since
-        # it sets the process's signal handlers.
-        result = (run_cli if group == "serve" else invoke_cli)(*args, env=env)
+        result = invoke_cli(*args, env=env)
         where = f"{group} under {condition}: exit {result.returncode}\n{result.stderr}"
         assert "Traceback" not in result.stderr + result.stdout, where
         assert result.returncode in DOCUMENTED, where

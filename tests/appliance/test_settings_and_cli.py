@@ -17,13 +17,13 @@ from modelforge_appliance.identity import admin_tokens
 from modelforge_appliance.store.database import SCHEMA_VERSION, Store
 from modelforge_appliance.store.migrations import MIGRATIONS
 from modelforge_appliance.store.tables import AdminToken
-from tests.harness.control_plane import clean_env, run_cli, serve
+from tests.harness.control_plane import clean_env, invoke_cli, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def modelforge(*args: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
-    return run_cli(*args, env=clean_env(**env), timeout=timeout)
+    return invoke_cli(*args, env=clean_env(**env), timeout=timeout)
 
 
 @pytest.fixture

@@ -145,14 +145,17 @@ def invoke_cli(
     the same exit code, standard output and standard error, in a fraction of the time. The
     environment is ENV exactly, standard input empty unless STDIN is given. For what only a
     process shows (signals, a terminal, the entry points, the import of a missing extra) the
-    tests use run_cli. TIMEOUT is run_cli's; a command in process has no other thread to
-    watch it, and pytest-timeout stands in."""
+    tests use run_cli, and ``serve`` runs as run_cli runs it. In process, TIMEOUT is left to
+    pytest-timeout: no other thread watches the command."""
     from click.testing import CliRunner
 
     from modelforge_appliance.cli.completion import PROG
     from modelforge_appliance.cli.main import main
 
-    del timeout
+    if args and args[0] == "serve":
+        # Its own process still: serve sets the process's signal handlers and holds the state
+        # directory's serve lock for as long as the process lives.
+        return run_cli(*args, env=env, stdin=stdin, timeout=timeout, check=check)
     replaced = {name: None for name in os.environ if name not in env} | dict(env)
     with _process_state_kept():
         result = CliRunner(env=replaced).invoke(
