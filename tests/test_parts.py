@@ -98,3 +98,17 @@ def test_a_hung_test_fails_with_its_traceback_and_the_run_goes_on(tmp_path):
     assert "Timeout" in result.stdout and "threading.Event().wait()" in result.stdout
     assert "FAILED test_hang.py::test_waits_for_ever" in result.stdout
     assert "PASSED test_hang.py::test_after_it" in result.stdout
+
+
+def test_the_quick_part_s_shards_take_every_file_once():
+    from tests.harness.shard import parse_shard, shard_of
+
+    files = [f"tests/f{i}.py" for i in range(7)] + ["tests/f0.py"]
+    shards = [shard_of(files, k, 3) for k in (1, 2, 3)]
+    assert set().union(*shards) == set(files)
+    assert sum(len(s) for s in shards) == 7 and all(shards)
+    assert shard_of(files, 1, 1) == set(files)
+    assert parse_shard("2/2") == (2, 2)
+    for bad in ("0/2", "3/2", "x", "1/"):
+        with pytest.raises(ValueError, match="MF_TEST_SHARD"):
+            parse_shard(bad)

@@ -96,13 +96,36 @@ run_heavy_tests() {
     esac
 }
 
-# run_quick_tests EXTRAS [PYTEST ARGS]: the quick part on .venv's CPython and the portable part
-# on every other supported one, each of those installed with EXTRAS into .venv-pyX.Y. MF_TEST_PYTHONS lists
-# the other versions. Returns non-zero when any run failed or, with CI=true, when a version
-# is missing.
+# QUICK_SHARDS: how many runs side by side share the quick part on .venv's CPython (each takes
+# every QUICK_SHARDS-th test file, tests/harness/shard.py): its tests mostly wait on the
+# processes and sockets they start, so two runs on two cores take little more than one.
+QUICK_SHARDS=${MF_TEST_QUICK_SHARDS:-2}
+
+# make_python_venv VERSION PYTHON EXTRAS: .venv-pyVERSION with EXTRAS installed (editable),
+# made again only when pyproject.toml or EXTRAS changed.
+make_python_venv() {
+    local version="$1" python="$2" extras="$3" venv stamp want
+    venv=".venv-py$version"
+    stamp="$venv/.modelforge-installed"
+    want="$(sha256sum pyproject.toml | sha256sum | cut -c1-16) $extras"
+    if [ ! -x "$venv/bin/python" ] || [ ! -f "$stamp" ] || ! grep -qxF "$want" "$stamp"; then
+        log "making $venv with $("$python" --version 2>&1)"
+        rm -rf "$venv"
+        "$python" -m venv "$venv"
+        "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+            -e ".[$extras]" 2> >(grep -v '^WARNING: Location' >&2)
+        echo "$want" > "$stamp"
+    fi
+}
+
+# run_quick_tests EXTRAS [PYTEST ARGS]: the quick part on .venv's CPython (in QUICK_SHARDS
+# runs) and the portable part on every other supported one, each of those installed with
+# EXTRAS into .venv-pyX.Y. MF_TEST_PYTHONS lists the other versions. Returns non-zero when any
+# run failed or, with CI=true, when a version is missing.
 run_quick_tests() {
-    local extras="$1" version python venv stamp want status=0 main versions i part
-    local parallel=${MF_TEST_PARALLEL:-0} logs=build/test-logs pids=() pythons=() ready=() markers
+    local extras="$1" version python status=0 main versions i shard
+    local parallel=${MF_TEST_PARALLEL:-0} logs=build/test-logs pids=() names=() made=()
+    local pythons=() parts=() shards=() others=()
     shift
     main=$(.venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
     versions=${MF_TEST_PYTHONS-$(for v in $SUPPORTED_PYTHONS; do [ "$v" = "$main" ] || echo "$v"; done)}
@@ -110,14 +133,20 @@ run_quick_tests() {
         echo "MF_TEST_PYTHONS is empty: with CI=true every supported CPython must run" >&2
         return 1
     fi
-    case "$parallel" in
+    case "$parallel$QUICK_SHARDS" in
         '' | *[!0-9]*)
-            echo "MF_TEST_PARALLEL must be a whole number of runs (0 or unset: all at once), not '$parallel'" >&2
+            echo "MF_TEST_PARALLEL and MF_TEST_QUICK_SHARDS must be whole numbers, not '$parallel' and '$QUICK_SHARDS'" >&2
             return 1
             ;;
     esac
-    ready=("$main")
-    pythons=(.venv/bin/python)
+    [ "$QUICK_SHARDS" -ge 1 ] || QUICK_SHARDS=1
+    for ((shard = 1; shard <= QUICK_SHARDS; shard++)); do
+        names+=("$main-quick-$shard")
+        pythons+=(.venv/bin/python)
+        parts+=(quick)
+        shards+=("$shard/$QUICK_SHARDS")
+    done
+    # The other CPythons' virtualenvs, made side by side (pip mostly unpacks and writes).
     for version in $versions; do
         [ "$version" != "$main" ] || continue
         if ! python=$(find_python "$version"); then
@@ -129,61 +158,67 @@ run_quick_tests() {
             fi
             continue
         fi
-        venv=".venv-py$version"
-        stamp="$venv/.modelforge-installed"
-        want="$(sha256sum pyproject.toml | sha256sum | cut -c1-16) $extras"
-        if [ ! -x "$venv/bin/python" ] || [ ! -f "$stamp" ] || ! grep -qxF "$want" "$stamp"; then
-            log "making $venv with $("$python" --version 2>&1)"
-            rm -rf "$venv"
-            "$python" -m venv "$venv"
-            "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-                -e ".[$extras]" 2> >(grep -v '^WARNING: Location' >&2)
-            echo "$want" > "$stamp"
-        fi
-        ready+=("$version")
-        pythons+=("$venv/bin/python")
+        make_python_venv "$version" "$python" "$extras" &
+        made+=("$!")
+        others+=("$version")
     done
-    [ "$parallel" -gt 0 ] || parallel=${#ready[@]}
-    mkdir -p "$logs"
-    for ((i = 0; i < ${#ready[@]}; i++)); do
-        if [ "$i" -ge "$parallel" ]; then
-            finish_quick_run "${ready[i - parallel]}" "${pids[i - parallel]}" "$logs" || status=1
+    for ((i = 0; i < ${#made[@]}; i++)); do
+        if ! wait "${made[i]}"; then
+            echo "making .venv-py${others[i]} failed" >&2
+            return 1
         fi
-        version=${ready[i]}
-        part=quick
-        [ "$version" = "$main" ] || part=portable
-        markers=$(part_markers "$part")
-        log "pytest on $("${pythons[i]}" --version 2>&1), the $part part (-m '$markers') in the background: $logs/pytest-py$version.log"
-        (
-            started=$SECONDS code=0
-            pytest_run "${pythons[i]}" -q -p no:cacheprovider -m "$markers" "$@" || code=$?
-            echo "(ran for $((SECONDS - started)) s)"
-            exit "$code"
-        ) > "$logs/pytest-py$version.log" 2>&1 &
+        names+=("${others[i]}")
+        pythons+=(".venv-py${others[i]}/bin/python")
+        parts+=(portable)
+        shards+=("1/1")
+    done
+    [ "$parallel" -gt 0 ] || parallel=${#names[@]}
+    mkdir -p "$logs"
+    for ((i = 0; i < ${#names[@]}; i++)); do
+        if [ "$i" -ge "$parallel" ]; then
+            finish_quick_run "${names[i - parallel]}" "${pids[i - parallel]}" "$logs" || status=1
+        fi
+        start_quick_run "${names[i]}" "${pythons[i]}" "${parts[i]}" "${shards[i]}" "$logs" "$@"
         pids+=("$!")
     done
-    for ((i = ${#ready[@]} - parallel; i < ${#ready[@]}; i++)); do
+    for ((i = ${#names[@]} - parallel; i < ${#names[@]}; i++)); do
         [ "$i" -ge 0 ] || continue
-        finish_quick_run "${ready[i]}" "${pids[i]}" "$logs" || status=1
+        finish_quick_run "${names[i]}" "${pids[i]}" "$logs" || status=1
     done
     return "$status"
 }
 
-# finish_quick_run VERSION PID LOGS: wait for one run, print its log and a summary line.
+# start_quick_run NAME PYTHON PART SHARD LOGS [PYTEST ARGS]: one run in the background ($! is
+# its pid), writing LOGS/pytest-pyNAME.log.
+start_quick_run() {
+    local name="$1" python="$2" part="$3" shard="$4" logs="$5" markers
+    shift 5
+    markers=$(part_markers "$part")
+    log "pytest on $("$python" --version 2>&1), the $part part${shard:+ (files $shard)} (-m '$markers') in the background: $logs/pytest-py$name.log"
+    (
+        started=$SECONDS code=0
+        MF_TEST_SHARD=$shard pytest_run "$python" -q -p no:cacheprovider -p tests.harness.shard \
+            -m "$markers" "$@" || code=$?
+        echo "(ran for $((SECONDS - started)) s)"
+        exit "$code"
+    ) > "$logs/pytest-py$name.log" 2>&1 &
+}
+
+# finish_quick_run NAME PID LOGS: wait for one run, print its log and a summary line.
 finish_quick_run() {
-    local version="$1" pid="$2" logs="$3" code=0
+    local name="$1" pid="$2" logs="$3" code=0
     wait "$pid" || code=$?
-    echo "---- CPython $version ($logs/pytest-py$version.log) ----" >&2
-    cat "$logs/pytest-py$version.log" >&2
+    echo "---- CPython $name ($logs/pytest-py$name.log) ----" >&2
+    cat "$logs/pytest-py$name.log" >&2
     case $code in
         0)
             RUNS_WITH_TESTS=$((RUNS_WITH_TESTS + 1))
-            log "CPython $version: passed ($(tail -n 1 "$logs/pytest-py$version.log" | tr -d '()'))"
+            log "CPython $name: passed ($(tail -n 1 "$logs/pytest-py$name.log" | tr -d '()'))"
             ;;
-        5) log "CPython $version: no test of its part among those selected" ;;
+        5) log "CPython $name: no test of its part among those selected" ;;
         *)
             RUNS_WITH_TESTS=$((RUNS_WITH_TESTS + 1))
-            log "CPython $version: FAILED"
+            log "CPython $name: FAILED"
             return 1
             ;;
     esac
