@@ -191,10 +191,11 @@ run_quick_tests() {
 # start_quick_run NAME PYTHON PART SHARD LOGS [PYTEST ARGS]: one run in the background ($! is
 # its pid), writing LOGS/pytest-pyNAME.log.
 start_quick_run() {
-    local name="$1" python="$2" part="$3" shard="$4" logs="$5" markers
+    local name="$1" python="$2" part="$3" shard="$4" logs="$5" markers files=
     shift 5
     markers=$(part_markers "$part")
-    log "pytest on $("$python" --version 2>&1), the $part part${shard:+ (files $shard)} (-m '$markers') in the background: $logs/pytest-py$name.log"
+    [ "${shard#*/}" = 1 ] || files=" (test files $shard)"
+    log "pytest on $("$python" --version 2>&1), the $part part$files (-m '$markers') in the background: $logs/pytest-py$name.log"
     (
         started=$SECONDS code=0
         MF_TEST_SHARD=$shard pytest_run "$python" -q -p no:cacheprovider -p tests.harness.shard \
