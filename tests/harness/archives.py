@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from .caches import machine_cache
+
 ROOT = Path(__file__).resolve().parents[2]
 ARCHIVES_ENV = "MF_TEST_ARCHIVES"
 # Any fixed value: two builds of the same tree with the same epoch must match.
@@ -28,16 +30,8 @@ OUTPUTS = {
 
 
 def pip_cache() -> Path:
-    """The wheels the archives are made of, kept between runs (and clones): /var/cache when
-    writable, else the tree's build/."""
-    preferred = Path(os.environ.get("MF_TEST_CACHE", "/var/cache/modelforge-test"))
-    try:
-        preferred.mkdir(parents=True, exist_ok=True)
-        if os.access(preferred, os.W_OK):
-            return preferred / "pyz-pip"
-    except OSError:
-        pass
-    return ROOT / "build" / "pyz" / "pip-cache"
+    """The wheels the archives are made of, kept between runs and clones."""
+    return machine_cache("pyz-pip")
 
 
 def run_build(

@@ -107,6 +107,13 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+    return _checked(result, args, check)
+
+
+def _checked(
+    result: subprocess.CompletedProcess, args: tuple[str, ...], check: bool
+) -> subprocess.CompletedProcess:
+    """RESULT; with CHECK, a non-zero exit fails the test with what the command printed."""
     if check:
         assert result.returncode == 0, (
             f"modelforge {' '.join(args)} exited {result.returncode}:\n"
@@ -166,12 +173,7 @@ def invoke_cli(
     answer = subprocess.CompletedProcess(
         [PROG, *args], result.exit_code, result.stdout, result.stderr
     )
-    if check:
-        assert answer.returncode == 0, (
-            f"modelforge {' '.join(args)} exited {answer.returncode}:\n"
-            f"{answer.stdout}{answer.stderr}"
-        )
-    return answer
+    return _checked(answer, args, check)
 
 
 @contextlib.contextmanager

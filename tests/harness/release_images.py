@@ -25,6 +25,7 @@ from typing import Any
 from modelforge_contract.manifest import IMAGE_NAMES
 from modelforge_release.names import release_names
 
+from .caches import machine_cache
 from .control_plane import clean_env
 from .release_cli import RELEASE
 
@@ -34,15 +35,8 @@ SOURCE_DATE_EPOCH = "1767225600"
 
 
 def cache_dir() -> Path:
-    """Downloads kept between runs (.deb files, wheels): /var/cache when writable."""
-    preferred = Path("/var/cache/modelforge-test")
-    try:
-        preferred.mkdir(parents=True, exist_ok=True)
-        if os.access(preferred, os.W_OK):
-            return preferred / "release"
-    except OSError:
-        pass
-    return ROOT / "build" / "test-cache" / "release"
+    """Downloads kept between runs (.deb files, wheels)."""
+    return machine_cache("release")
 
 
 def unique(prefix: str = "mf-test") -> str:
