@@ -107,23 +107,37 @@ CONTEXT_LENGTH_MAX = 1 << 22
 SERVE_LEASE_SECONDS = 30  # the default MODELFORGE_SERVE_LEASE_SECONDS
 # Arguments the worker sets itself: an extra argument may not move the address, the port,
 # the served name or the model (a runtime on 0.0.0.0 would bypass the control plane), nor
-# make the runtime fetch anything.
+# make the runtime fetch anything or dial out (a hub, a URL, a registry, an RPC helper).
 RESERVED_ARGS = frozenset(
     {
         "--host", "--port", "--alias", "-a", "-m", "--model", "-mu", "--model-url", "-hf",
         "--hf-repo", "-hfr", "--hf-file", "-hff", "--path", "--api-key", "--api-key-file",
         "--ssl-key-file", "--ssl-cert-file", "--served-model-name", "--download-dir", "--uds",
         "--ssl-keyfile", "--ssl-certfile",
+        # llama.cpp's other fetching and dialling options: the draft, vocoder and projector
+        # models from a hub or a URL, a hub token, a Docker Hub repository, RPC helpers
+        "-hfd", "-hfrd", "--hf-repo-draft", "-hfv", "-hfrv", "--hf-repo-v", "-hffv",
+        "--hf-file-v", "-hft", "--hf-token", "-mmu", "--mmproj-url", "-dr", "--docker-repo",
+        "--rpc",
     }
 )  # fmt: skip
 
 
-def reserved_arg(args: list[str] | tuple[str, ...]) -> str | None:
-    """The first argument the worker sets itself (``--port``, ``--host=…``), or None."""
+def arg_name(arg: str) -> str:
+    """The option an argument names, as the reserved sets spell it: ``--api_key=x`` is
+    ``--api-key`` (vLLM and llama.cpp read both spellings of a long option)."""
+    name = arg.split("=", 1)[0]
+    return name.replace("_", "-") if name.startswith("--") else name
+
+
+def reserved_arg(
+    args: list[str] | tuple[str, ...], reserved: frozenset[str] = RESERVED_ARGS
+) -> str | None:
+    """The first argument the worker sets itself (``--port``, ``--host=…``, ``--api_key``) as
+    it was given, or None."""
     for arg in args:
-        name = arg.split("=", 1)[0]
-        if name in RESERVED_ARGS:
-            return name
+        if arg_name(arg) in reserved:
+            return arg.split("=", 1)[0]
     return None
 
 

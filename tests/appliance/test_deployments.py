@@ -137,6 +137,8 @@ def test_a_deploy_is_refused_with_the_reason_and_nothing_is_made(control_plane, 
         (deploy(cp, "x", [ready], runtime="tgi"), 400, "FIELD_CHOICE"),
         (deploy(cp, "x", [ready], settings={"args": ["--host", "0.0.0.0"]}), 400, "FIELD_FORMAT"),
         (deploy(cp, "x", [ready], settings={"args": ["--port=9"]}), 400, "FIELD_FORMAT"),
+        (deploy(cp, "x", [ready], settings={"args": ["--api_key", "k"]}), 400, "FIELD_FORMAT"),
+        (deploy(cp, "x", [ready], settings={"args": ["--rpc", "h:1"]}), 400, "FIELD_FORMAT"),
         (deploy(cp, "x", [ready], runtime="vllm"), 400, "FIELD_FORMAT"),  # no image_id
         (deploy(cp, "x", [ready], model="no-gguf"), 400, "MODEL_FORMAT_UNSUPPORTED"),
         (deploy(cp, "x", [ready], gpu_count=1), 409, "GPUS_UNAVAILABLE"),  # a node without GPUs

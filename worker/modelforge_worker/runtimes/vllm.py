@@ -98,11 +98,9 @@ def available() -> str | None:
 
 
 def reserved_arg(args: tuple[str, ...]) -> str | None:
-    """The first argument the worker sets itself (``--port``, ``--host=…``), or None."""
-    for arg in args:
-        if arg.split("=", 1)[0] in RESERVED_ARGS:
-            return arg.split("=", 1)[0]
-    return None
+    """The first argument the worker sets itself (``--port``, ``--host=…``, ``--api_key``), or
+    None: the contract's check with vLLM's own spellings added."""
+    return deployments.reserved_arg(args, RESERVED_ARGS)
 
 
 def command(spec: ServeSpec) -> list[str]:
