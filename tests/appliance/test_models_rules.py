@@ -13,8 +13,10 @@ import sys
 import threading
 import time
 
+import pytest
 import requests
 
+from modelforge_appliance.core.errors import ApiError
 from modelforge_appliance.store.tables import Model, ModelReplica, Node
 from modelforge_contract import HEADER_AGENT_PROTOCOL, PROTOCOL_VERSION
 from modelforge_contract.models import PATH_ADMIN_MODELS, blob_path
@@ -384,3 +386,39 @@ def test_a_download_slower_than_the_request_timeout_is_not_cut(tmp_path):
                 time.sleep(0.1)  # 32 chunks: over 3 s, past the 1 s request deadline
         assert time.monotonic() - began > 2 * settings.request_timeout_seconds
         assert got.hexdigest() == hashlib.sha256(data).hexdigest()
+
+
+def test_a_range_of_any_length_is_read_without_a_500():
+    """A Range with more digits than CPython turns into an int (4,300) answered 500 with a
+    traceback: a start past any file is 416, an end or a suffix past it is the whole file."""
+    from modelforge_appliance.api.agent_models import byte_range
+
+    huge = "9" * 5000
+    with pytest.raises(ApiError) as refused:
+        byte_range(f"bytes={huge}-", 1000)
+    assert refused.value.status == 416
+    assert byte_range(f"bytes=10-{huge}", 1000) == (10, 999)
+    assert byte_range(f"bytes=-{huge}", 1000) == (0, 999)
+    assert byte_range(f"bytes={'0' * 5000}7-9", 1000) == (7, 9)
+    assert byte_range("bytes=5-3", 1000) is None
+
+
+def test_a_range_header_of_thousands_of_digits_is_416_in_the_error_shape(
+    sqlite_control_plane, tmp_path
+):
+    cp = sqlite_control_plane
+    source = make_model_dir(tmp_path / "m", {"a.bin": b"a" * 1000})
+    model = import_model(cp, "m", source).json()
+    member = node(cp)
+    cp.admin("POST", f"{MODELS}/m/replicas", json={"node_ids": [member.node_id]})
+    answer = requests.get(
+        cp.url + blob_path(model["files"][0]["sha256"]),
+        headers={
+            HEADER_AGENT_PROTOCOL: str(PROTOCOL_VERSION),
+            "Authorization": f"Bearer {member.credential}",
+            "Range": f"bytes={'9' * 5000}-",
+        },
+        timeout=30,
+    )
+    assert (answer.status_code, error_code(answer)) == (416, "RANGE_NOT_SATISFIABLE")
+    assert answer.headers["Content-Range"] == "bytes */1000"

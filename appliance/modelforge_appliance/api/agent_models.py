@@ -43,17 +43,28 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
         return None
     first, last = match.group(1), match.group(2)
     if not first:  # bytes=-n: the last n bytes
-        count = int(last)
+        count = _position(last)
         if count == 0 or size == 0:
             raise _unsatisfiable(size)
         return max(0, size - count), size - 1
-    start = int(first)
-    end = size - 1 if not last else min(int(last), size - 1)
-    if last and int(last) < start:
+    start = _position(first)
+    end = size - 1 if not last else min(_position(last), size - 1)
+    if last and _position(last) < start:
         return None  # invalid: ignored
     if start >= size:
         raise _unsatisfiable(size)
     return start, end
+
+
+# Past any file's size; a longer number is read as this, not parsed (CPython refuses to turn
+# more than 4,300 digits into an int, and a Range header may hold any number of them).
+_BEYOND_ANY_FILE = 1 << 64
+
+
+def _position(digits: str) -> int:
+    """A byte position or count of a Range header, at most _BEYOND_ANY_FILE."""
+    significant = digits.lstrip("0")
+    return int(significant or "0") if len(significant) < 20 else _BEYOND_ANY_FILE
 
 
 def _unsatisfiable(size: int) -> ApiError:
