@@ -58,7 +58,7 @@ def _need_module(module: str, command: str) -> None:
         )
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name=PROG)
 @click.option("-v", "--verbose", is_flag=True, help="Log each file hashed, with its timing.")
 def main(verbose: bool) -> None:

@@ -232,6 +232,20 @@ def test_every_command_is_in_the_docs():
     assert missing == [], f"docs/cli.md does not name: {missing}"
 
 
+def test_every_command_of_every_program_takes_dash_h():
+    """The README's promise: every command takes -h (modelforge-release -h once failed)."""
+    from click.testing import CliRunner
+
+    for program in ("modelforge", "modelforge-node-agent", "modelforge-release",
+                    "modelforge-runtime-worker"):  # fmt: skip
+        root = _programs()[program]
+        for path in sorted(_command_paths(root, program) | {program}):
+            words = path.split()[1:]
+            result = CliRunner().invoke(root, [*words, "-h"], prog_name=program)
+            assert result.exit_code == 0, f"{path} -h: {result.output}"
+            assert result.output.startswith("Usage: "), path
+
+
 def test_the_docs_command_check_catches_a_wrong_command_or_flag():
     problems: list[str] = []
     appliance = _programs()["modelforge"]
