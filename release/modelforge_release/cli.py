@@ -24,6 +24,7 @@ from modelforge_contract.manifest import (
     parse_manifest,
 )
 
+from .names import RELEASE_PRINCIPAL
 from .sums import (
     SumsError,
     check_version,
@@ -419,8 +420,17 @@ def sign(key_path: Path, passphrase_fd: int | None, directory: Path) -> None:
     help="An allowed_signers file (docs/release-verification.md): check SHA256SUMS.sig "
     "against it first, with the host's ssh-keygen.",
 )
+@click.option(
+    "--principal",
+    default=RELEASE_PRINCIPAL,
+    show_default=True,
+    help="With --signers: the principal whose key must have signed, as ssh-keygen -Y verify -I "
+    "takes it (a line of the file for another principal, or one negating it, does not count).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
-def verify_bundle_command(directory: Path, signers: Path | None, as_json: bool) -> None:
+def verify_bundle_command(
+    directory: Path, signers: Path | None, principal: str, as_json: bool
+) -> None:
     """Check a release directory without a daemon: with --signers the signature over
     SHA256SUMS first; then SHA256SUMS (exactly the release's files, in order, each
     matching, and nothing else in the directory); then the images tarball against the
@@ -433,7 +443,7 @@ def verify_bundle_command(directory: Path, signers: Path | None, as_json: bool) 
     """
     from .verify import verify_bundle
 
-    report = verify_bundle(directory, progress=sys.stderr, signers=signers)
+    report = verify_bundle(directory, progress=sys.stderr, signers=signers, principal=principal)
     if as_json:
         click.echo(json.dumps(report.as_json(), indent=2, sort_keys=True))
     else:

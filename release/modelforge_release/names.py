@@ -57,3 +57,8 @@ def tarball_name(version: str) -> str:
 
 def manifest_name(version: str) -> str:
     return f"modelforge-{version}-manifest.json"
+
+
+# Who signs ModelForge's releases: the principal an allowed_signers line must name, exactly as
+# the documented ``ssh-keygen -Y verify -I releases@modelforge`` requires.
+RELEASE_PRINCIPAL = "releases@modelforge"

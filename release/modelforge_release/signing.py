@@ -32,7 +32,7 @@ from pathlib import Path
 
 from modelforge_contract.files import write_atomically
 
-from .names import SIGNATURE_NAME, SUMS_NAME
+from .names import RELEASE_PRINCIPAL, SIGNATURE_NAME, SUMS_NAME
 
 NAMESPACE = "modelforge-release"
 HASH_ALGORITHM = "sha512"
@@ -188,9 +188,13 @@ def sign_sums(
     return target, public_key_line(key)
 
 
-def verify_sums_signature(directory: Path, signers: Path) -> SignatureCheck:
-    """``ssh-keygen -Y find-principals`` then ``-Y verify`` of SHA256SUMS.sig, namespace
-    ``modelforge-release``, against an ``allowed_signers`` file."""
+def verify_sums_signature(
+    directory: Path, signers: Path, principal: str = RELEASE_PRINCIPAL
+) -> SignatureCheck:
+    """``ssh-keygen -Y verify -I PRINCIPAL`` of SHA256SUMS.sig, namespace
+    ``modelforge-release``, against an ``allowed_signers`` file: only a key the file trusts
+    for the release principal counts (a line for another principal, or one that negates it,
+    does not). ``-Y find-principals`` first, to say whose key signed when it is not."""
     sums, sig = directory / SUMS_NAME, directory / SIGNATURE_NAME
     if not sig.is_file():
         return SignatureCheck(False, None, f"{SIGNATURE_NAME} is missing: the release is unsigned")
@@ -218,16 +222,22 @@ def verify_sums_signature(directory: Path, signers: Path) -> SignatureCheck:
         message = sums.read_bytes()
     except OSError as exc:
         return SignatureCheck(False, None, f"SHA256SUMS cannot be read ({exc.strerror or exc})")
-    for principal in principals:
-        checked = subprocess.run(
-            [keygen, "-Y", "verify", "-f", str(signers), "-I", principal, "-n", NAMESPACE]
-            + ["-s", str(sig)],
-            input=message,
-            capture_output=True,
-            check=False,
+    checked = subprocess.run(
+        [keygen, "-Y", "verify", "-f", str(signers), "-I", principal, "-n", NAMESPACE]
+        + ["-s", str(sig)],
+        input=message,
+        capture_output=True,
+        check=False,
+    )
+    if checked.returncode == 0:
+        return SignatureCheck(True, principal, f"signed by {principal}")
+    if principal not in principals:
+        return SignatureCheck(
+            False,
+            None,
+            f"{SIGNATURE_NAME} is signed by a key {signers.name} gives to "
+            f"{', '.join(principals)}, not to the release principal {principal}",
         )
-        if checked.returncode == 0:
-            return SignatureCheck(True, principal, f"signed by {principal}")
     detail = _first_line(checked.stderr.decode("utf-8", "replace"))
     return SignatureCheck(
         False,

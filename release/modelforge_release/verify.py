@@ -23,7 +23,13 @@ from modelforge_contract.manifest import (
 )
 
 from .digest import sha256_file
-from .names import CONTROL_PLANE_ARCHIVES, LABEL_PYZ, SIGNATURE_NAME, SUMS_NAME
+from .names import (
+    CONTROL_PLANE_ARCHIVES,
+    LABEL_PYZ,
+    RELEASE_PRINCIPAL,
+    SIGNATURE_NAME,
+    SUMS_NAME,
+)
 from .sums import SumsError, display_name, parse_sums
 
 log = logging.getLogger(__name__)
@@ -223,9 +229,13 @@ def _stray_files(directory: Path, expected_names: list[str]) -> list[Finding]:
 
 
 def verify_bundle(
-    directory: Path, progress: TextIO | None = None, signers: Path | None = None
+    directory: Path,
+    progress: TextIO | None = None,
+    signers: Path | None = None,
+    principal: str | None = None,
 ) -> BundleReport:
-    """The signature first (with ``signers``, an ``allowed_signers`` file), then
+    """The signature first (with ``signers``, an ``allowed_signers`` file, by the release
+    principal or PRINCIPAL), then
     SHA256SUMS (exactly the release's files, in order, each matching, nothing else in the
     directory), then the image tarball against the manifest, image by image: tag,
     architecture, os, every label, the runtime configuration and the RootFS layers, whose
@@ -238,7 +248,7 @@ def verify_bundle(
     if signers is None:
         report.signature = NOT_SIGNED_CHECKED
     else:
-        check = verify_sums_signature(directory, signers)
+        check = verify_sums_signature(directory, signers, principal or RELEASE_PRINCIPAL)
         report.signature, report.signed_by = check.message, check.principal
         if not check.ok:
             report.findings.append(Finding(SIGNATURE_NAME, check.message))

@@ -102,7 +102,7 @@ def test_a_signature_ssh_keygen_made_is_checked_the_same_way(keygen, release_dir
         capture_output=True,
     )
     signers = signers_file(tmp_path / "allowed_signers", ("stock@modelforge", key))
-    assert verify_sums_signature(release_dir, signers).ok
+    assert verify_sums_signature(release_dir, signers, "stock@modelforge").ok
 
 
 def test_a_changed_sums_file_a_foreign_key_a_wrong_namespace_or_no_signature_fail(
@@ -270,3 +270,23 @@ def read_until(fd: int, marker: bytes, limit: float = 60.0) -> bytes:
             break
         data += chunk
     return data
+
+
+def test_only_the_release_principal_s_key_counts(keygen, release_dir, tmp_path):
+    """verify-bundle --signers took any principal of the file, and a negated one: now the key
+    must be trusted for the release principal, as ssh-keygen -Y verify -I says."""
+    key = mint_key(keygen, tmp_path / "keys", "release")
+    assert release("sign", "--key", key, release_dir).returncode == 0
+    public = key.with_suffix(".pub").read_text().strip()
+    other = signers_file(tmp_path / "other", ("someone@example", key))
+    refused = verify_sums_signature(release_dir, other)
+    assert not refused.ok
+    assert "someone@example, not to the release principal releases@modelforge" in refused.message
+    assert verify_sums_signature(release_dir, other, "someone@example").ok
+    negated = tmp_path / "negated"
+    negated.write_text(f'!releases@modelforge,* namespaces="{NAMESPACE}" {public}\n')
+    assert not verify_sums_signature(release_dir, negated).ok
+    assert stock_verify(keygen, release_dir, negated, "releases@modelforge").returncode != 0
+    # the command line says the same, exit 1
+    result = release("verify-bundle", "--signers", other, release_dir)
+    assert result.returncode == 1 and b"not to the release principal" in result.stderr
