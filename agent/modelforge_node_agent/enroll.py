@@ -53,9 +53,10 @@ def token_is_spent(settings: AgentSettings, state: NodeState) -> bool:
     return spent is not None and token_id(settings.enrollment_token) == spent
 
 
-def token_removable() -> str:
+def token_removable(subject: str = "it") -> str:
+    """'SUBJECT is used up and can be removed: <how>' (said once, whoever says it)."""
     return (
-        "it is used up and can be removed: "
+        f"{subject} is used up and can be removed: "
         f"{runtime.remove_token_step()} {see(SECTION_REMOVE_TOKEN)}"
     )
 
@@ -163,5 +164,5 @@ def ensure_enrolled(
     how = "re-enrolled (same identity; the previous credential is revoked)"
     log.info("%s as node %s", how if answer.get("reenrolled") else "enrolled", node_id)
     if announce_spent_token:
-        log.info("the enrollment token is used up; %s", token_removable())
+        log.info("%s", token_removable("the enrollment token"))
     return Enrolled(state, checked_interval(answer.get("heartbeat_interval_seconds")))

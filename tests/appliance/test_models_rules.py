@@ -22,7 +22,9 @@ from modelforge_contract import HEADER_AGENT_PROTOCOL, PROTOCOL_VERSION
 from modelforge_contract.models import PATH_ADMIN_MODELS, blob_path
 from tests.harness.control_plane import (
     APPLIANCE_CLI,
+    clean_env,
     error_code,
+    invoke_cli,
     make_settings,
     run_cli,
     serve,
@@ -422,3 +424,13 @@ def test_a_range_header_of_thousands_of_digits_is_416_in_the_error_shape(
     )
     assert (answer.status_code, error_code(answer)) == (416, "RANGE_NOT_SATISFIABLE")
     assert answer.headers["Content-Range"] == "bytes */1000"
+
+
+def test_the_cli_counts_one_file_as_one_file(tmp_path):
+    env = clean_env(MODELFORGE_STATE_DIR=str(tmp_path / "state"))
+    assert invoke_cli("init", env=env).returncode == 0
+    source = make_model_dir(tmp_path / "one", {"a.bin": b"a" * 10})
+    imported = invoke_cli("models", "import", "one", str(source), env=env, check=True)
+    assert ": 1 file, " in imported.stdout, imported.stdout
+    shown = invoke_cli("models", "show", "one", env=env, check=True)
+    assert " in 1 file\n" in shown.stdout, shown.stdout

@@ -38,6 +38,10 @@ _NEXT_STEPS = {
 }
 
 
+def _files(count: int) -> str:
+    return "1 file" if count == 1 else f"{count} files"
+
+
 def _size(count: int) -> str:
     value = float(count)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -83,7 +87,7 @@ def import_command(obj: Context, name: str, path: str, revision: str | None, as_
     emit(
         as_json,
         view,
-        f"{note} {view['name']} revision {view['revision']}: {view['file_count']} files, "
+        f"{note} {view['name']} revision {view['revision']}: {_files(view['file_count'])}, "
         f"{_size(view['size_bytes'])}, {view['digest']}",
     )
 
@@ -136,7 +140,7 @@ def show_command(obj: Context, name: str, revision: str | None, as_json: bool) -
     view["replicas"] = replicas.list_replicas(store, [model])
     lines = [
         f"model {view['name']} revision {view['revision']}: {view['digest']}",
-        f"  size:      {_size(view['size_bytes'])} in {view['file_count']} files",
+        f"  size:      {_size(view['size_bytes'])} in {_files(view['file_count'])}",
         f"  source:    {view['source']}",
         f"  imported:  {view['created_at']} by {view['created_by']}",
         "  revisions: " + ", ".join(r["revision"] for r in view["revisions"]),
