@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import unicodedata
 from typing import Any
 
 from . import API_PREFIX
@@ -121,9 +122,16 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+# Characters no path may hold: C0 and C1 controls and DEL (Cc), format characters such as the
+# bidi overrides U+202E and U+2066-2069 and zero-width ones (Cf), line and paragraph
+# separators (Zl, Zp), and lone surrogates (Cs).
+_UNSAFE = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+
+
 def check_relative_path(path: object) -> str:
     """A manifest path: relative, '/'-separated, normalised, no '.', '..', NUL or
-    backslash; what an agent may join under its model directory."""
+    backslash, and nothing a terminal acts on or shows reordered (controls, DEL, bidi and
+    other format characters); what an agent may join under its model directory."""
     if not isinstance(path, str) or not path or len(path) > PATH_MAX_CHARS:
         raise ManifestError(f"path {path!r} is empty, too long or not text")
     if path.startswith("/") or "\\" in path or "\x00" in path:
@@ -131,8 +139,12 @@ def check_relative_path(path: object) -> str:
     parts = path.split("/")
     if any(part in ("", ".", "..") for part in parts):
         raise ManifestError(f"path {path!r} is not normalised (empty, '.' or '..' parts)")
-    if any(ord(char) < 32 for char in path):
-        raise ManifestError(f"path {path!r} holds a control character")
+    unsafe = next((char for char in path if unicodedata.category(char) in _UNSAFE), None)
+    if unsafe is not None:
+        raise ManifestError(
+            f"path {path!r} holds U+{ord(unsafe):04X}, a control, format or separator "
+            "character (a terminal would act on it, or show the name reordered)"
+        )
     return path
 
 

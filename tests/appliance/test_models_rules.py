@@ -434,3 +434,15 @@ def test_the_cli_counts_one_file_as_one_file(tmp_path):
     assert ": 1 file, " in imported.stdout, imported.stdout
     shown = invoke_cli("models", "show", "one", env=env, check=True)
     assert " in 1 file\n" in shown.stdout, shown.stdout
+
+
+def test_an_imported_file_name_with_a_bidi_override_is_refused(tmp_path):
+    """`models show` printed such names raw: U+202E shows 'model‮fdp.exe' as 'modelexe.pdf'."""
+    env = clean_env(MODELFORGE_STATE_DIR=str(tmp_path / "state"))
+    assert invoke_cli("init", env=env).returncode == 0
+    source = make_model_dir(tmp_path / "m", {"ok.bin": b"a", "model\u202efdp.exe": b"b"})
+    refused = invoke_cli("models", "import", "m", str(source), env=env)
+    assert refused.returncode != 0
+    assert "MODEL_SOURCE_INVALID" in refused.stderr and "U+202E" in refused.stderr
+    listed = invoke_cli("models", "list", "--json", env=env, check=True)
+    assert json.loads(listed.stdout)["models"] == []

@@ -108,7 +108,12 @@ def _checked(path: str, where: Path) -> str:
     try:
         return check_relative_path(path)
     except ManifestError as exc:
-        raise _invalid(f"{where}: {exc}") from None
+        raise Invalid(
+            f"{where}: {exc}",
+            code=MODEL_SOURCE_INVALID,
+            next_step="Rename the file (or leave it out of the folder) and import again: a "
+            "model's file names are shown and sent to nodes as they are.",
+        ) from None
 
 
 def _walk(
