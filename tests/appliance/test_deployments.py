@@ -184,6 +184,10 @@ def test_model_missing_names_the_nodes_and_replicate_first_waits_for_presence(
     assert (again.status_code, error_code(again)) == (409, "DEPLOYMENT_EXISTS")
     gone = cp.admin("DELETE", f"{PATH_ADMIN_MODELS}/tiny")
     assert (gone.status_code, error_code(gone)) == (409, "MODEL_IN_USE")
+    assert (
+        gone.json()["error"]["next_step"]
+        == "Undeploy them first: modelforge undeploy tiny-chat --wait."
+    )
     kept = cp.admin("DELETE", f"{PATH_ADMIN_MODELS}/tiny/replicas/{a.node_id}")
     assert (kept.status_code, error_code(kept)) == (409, "MODEL_IN_USE")
 

@@ -174,6 +174,9 @@ def test_import_replicate_pull_and_report_present(control_plane, tmp_path):
     refused = cp.admin("DELETE", f"{MODELS}/tiny")
     assert (refused.status_code, error_code(refused)) == (409, "MODEL_REPLICATED")
     assert refused.json()["node_ids"] == [member.node_id]
+    assert refused.json()["error"]["next_step"] == (
+        f"Remove them first: modelforge models remove tiny --node {member.node_id}."
+    )
     removed = cp.admin("DELETE", f"{MODELS}/tiny/replicas/{member.node_id}")
     assert removed.status_code == 202, removed.text
     assert [r["state"] for r in removed.json()["replicas"]] == ["removing"]

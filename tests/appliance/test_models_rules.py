@@ -446,3 +446,11 @@ def test_an_imported_file_name_with_a_bidi_override_is_refused(tmp_path):
     assert "MODEL_SOURCE_INVALID" in refused.stderr and "U+202E" in refused.stderr
     listed = invoke_cli("models", "list", "--json", env=env, check=True)
     assert json.loads(listed.stdout)["models"] == []
+
+
+def test_a_next_step_names_every_command_up_to_five():
+    from modelforge_appliance.models.catalog import _each
+
+    assert _each(["a"]) == "a."
+    assert _each(["a", "b"]) == "a; b."
+    assert _each([str(i) for i in range(7)]) == "0; 1; 2; 3; 4; and 2 more like it."

@@ -274,7 +274,11 @@ def replicas_command(obj: Context, name: str, revision: str | None, as_json: boo
 def remove_command(
     obj: Context, name: str, node: str | None, revision: str | None, as_json: bool
 ) -> None:
-    """Remove model NAME (its replicas first), or with --node its replica on that node."""
+    """Remove model NAME from the seed cache, or with --node its replica on that node.
+
+    NAME goes only once no deployment uses it and no node holds a replica: remove each
+    replica first (--node), and the refusal names the commands that do.
+    """
     store = obj.store()
     try:
         if node is not None:

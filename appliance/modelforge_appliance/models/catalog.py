@@ -240,6 +240,17 @@ def revision_summary(model: Model) -> dict[str, Any]:
     }
 
 
+# How many commands a next step spells out before it says how many more there are.
+NEXT_STEP_COMMANDS = 5
+
+
+def _each(commands: list[str]) -> str:
+    """'a; b; c.' for a next step, the first NEXT_STEP_COMMANDS of them and a count of the rest."""
+    shown = "; ".join(commands[:NEXT_STEP_COMMANDS])
+    more = len(commands) - NEXT_STEP_COMMANDS
+    return f"{shown}; and {more} more like it." if more > 0 else f"{shown}."
+
+
 def refuse_in_use(name: str, deployments: Any) -> None:
     """409 MODEL_IN_USE while a deployment (even one still stopping) runs the model."""
     using = sorted(d.name for d in deployments)
@@ -247,7 +258,8 @@ def refuse_in_use(name: str, deployments: Any) -> None:
         raise Conflict(
             f"model {name} is used by deployment(s) {', '.join(using)}",
             code=MODEL_IN_USE,
-            next_step=f"Undeploy them first: modelforge undeploy {using[0]} --wait.",
+            next_step="Undeploy them first: "
+            + _each([f"modelforge undeploy {d} --wait" for d in using]),
             extra={"deployments": using},
         )
 
@@ -269,11 +281,13 @@ def delete_model(
         )
         if replicated:
             shown = ", ".join(sorted({r.node.display_name for r in replicated}))
+            node_ids = sorted({r.node.node_id for r in replicated})
             raise Conflict(
                 f"model {name} has replicas on {shown}",
                 code=MODEL_REPLICATED,
-                next_step=f"Remove them first: modelforge models remove {name} --node NODE.",
-                extra={"node_ids": sorted({r.node.node_id for r in replicated})},
+                next_step="Remove them first: "
+                + _each([f"modelforge models remove {name} --node {n}" for n in node_ids]),
+                extra={"node_ids": node_ids},
             )
         try:
             Model.delete().where(Model.model_id.in_(ids)).execute()
