@@ -155,6 +155,19 @@ def test_client_errors_and_the_models_list(cp, relay):
         missing.status == 404
         and json.loads(missing.read())["error"]["code"] == "MODEL_NOT_DEPLOYED"
     )
+    # What the client may have meant: a typo's nearest deployment, the deployment serving a
+    # model of that name, or that the field is missing or not a name.
+    typo = json.loads(relay.request({"model": "svd"}).read())["error"]
+    assert "did you mean 'svc'?" in typo["message"]
+    by_model = relay.request({"model": "tiny"})
+    error = json.loads(by_model.read())["error"]
+    assert by_model.status == 404 and error["code"] == "MODEL_NOT_DEPLOYED"
+    assert "is a model, not a deployment: deployment(s) svc serve it" in error["message"]
+    assert '"model": "svc"' in error["next_step"]
+    for body, code in (({}, "FIELD_REQUIRED"), ({"model": ""}, "FIELD_REQUIRED"),
+                       ({"model": 7}, "FIELD_TYPE")):  # fmt: skip
+        refused = relay.request(body)
+        assert (refused.status, json.loads(refused.read())["error"]["code"]) == (400, code)
     unknown_key = relay.request({"model": "svc"}, key="mfk_0123456789abcdef_" + "x" * 43)
     assert unknown_key.status == 401
     no_key = relay.request({"model": "svc"}, key=False)

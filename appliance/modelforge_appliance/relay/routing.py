@@ -4,15 +4,17 @@ flight."""
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
+from modelforge_contract import FIELD_REQUIRED, FIELD_TYPE
 from modelforge_contract.deployments import SERVER_RUNNING
 from modelforge_contract.relay import MODEL_NOT_DEPLOYED, NO_RUNNING_SERVER
 
-from ..core.errors import ApiError, NotFound
+from ..core.errors import ApiError, Invalid, NotFound
 from ..store.database import Store
-from ..store.tables import Deployment, DeploymentServer
+from ..store.tables import Deployment, DeploymentServer, Model
 from .hub import Hub
 
 
@@ -47,21 +49,56 @@ _PICK_SQL = (
 
 
 def pick(store: Store, hub: Hub, model: object) -> Target:
-    """The server for ``model``: 404 MODEL_NOT_DEPLOYED, 503 NO_RUNNING_SERVER."""
-    name = model if isinstance(model, str) else ""
-    with store.connection():
-        rows = store.db.execute_sql(_PICK_SQL.replace("?", store.db.param), (name,)).fetchall()
-    if not rows or any(stopping for stopping, _, _ in rows):
-        raise NotFound(
-            f"no deployment named {name[:64]!r} serves clients here",
-            code=MODEL_NOT_DEPLOYED,
-            next_step="Name a deployment as `model`: GET /v1/models lists them.",
+    """The server for ``model``: 400 when the request names none, 404 MODEL_NOT_DEPLOYED,
+    503 NO_RUNNING_SERVER."""
+    if model is None or model == "":
+        raise Invalid(
+            "the request names no `model`: it must name the deployment to call",
+            code=FIELD_REQUIRED,
+            next_step='Send "model": "<deployment>"; GET /v1/models lists them.',
         )
+    if not isinstance(model, str):
+        raise Invalid(
+            "`model` must be a string: the name of a deployment",
+            code=FIELD_TYPE,
+            next_step='Send "model": "<deployment>"; GET /v1/models lists them.',
+        )
+    with store.connection():
+        rows = store.db.execute_sql(_PICK_SQL.replace("?", store.db.param), (model,)).fetchall()
+    if not rows or any(stopping for stopping, _, _ in rows):
+        raise not_deployed(store, model)
     reachable = [(sid, nid) for _, sid, nid in rows if sid is not None and hub.connected(nid)]
     if not reachable:
-        raise unreachable(name)
+        raise unreachable(model)
     server_id, node_id = min(reachable, key=lambda s: (hub.in_flight(s[0]), s[0]))
-    return Target(name, server_id, node_id)
+    return Target(model, server_id, node_id)
+
+
+def not_deployed(store: Store, name: str) -> NotFound:
+    """404 MODEL_NOT_DEPLOYED, saying what the client may have meant: the deployments that
+    serve a model of that name, or the deployment names closest to it (off the hot path: only
+    a request that found nothing pays for these reads)."""
+    with store.connection():
+        live = Deployment.select(Deployment.name).where(Deployment.stopping == False)  # noqa: E712 - peewee's expression
+        names = sorted(d.name for d in live)
+        serving = sorted(
+            d.name for d in live.join(Model).where(Model.name == name).order_by(Deployment.name)
+        )
+    shown = repr(name[:64])
+    if serving:
+        return NotFound(
+            f"{shown} is a model, not a deployment: deployment(s) {', '.join(serving)} serve it",
+            code=MODEL_NOT_DEPLOYED,
+            next_step=f'Send "model": "{serving[0]}" (a deployment\'s name, as GET /v1/models '
+            "lists them).",
+        )
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    return NotFound(
+        f"no deployment named {shown} serves clients here{hint}",
+        code=MODEL_NOT_DEPLOYED,
+        next_step="Name a deployment as `model`: GET /v1/models lists them.",
+    )
 
 
 def unreachable(name: str) -> ApiError:
