@@ -204,9 +204,10 @@ def make_bundle(
     result.seconds["save"] = time.monotonic() - started
     say(f"saved {size / (1 << 20):.1f} MiB in {result.seconds['save']:.1f}s")
 
-    write_atomically(
+    write_atomically(  # public, as SHA256SUMS and every other file of the release is
         out / manifest_name(version),
         (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode(),
+        mode=0o644,
     )
     for name, path in {**pyz_sources, **deployment}.items():
         if path.resolve() != (out / name).resolve():

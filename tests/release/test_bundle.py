@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 import subprocess
 import tarfile
 
@@ -62,6 +63,10 @@ def test_the_bundle_holds_exactly_the_release_files_and_sha256sum_accepts_it(
     assert checked.stdout.count(": OK") == len(release_names(release_version))
     manifest = parse_manifest(bundle_files(release_bundle)["manifest"].read_text())
     assert sorted(manifest["images"]) == sorted(IMAGE_NAMES)
+    # Readable by everyone, the manifest as much as the rest (it was 0600 alone).
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in release_bundle.iterdir()}
+    assert modes[bundle_files(release_bundle)["manifest"].name] == 0o644
+    assert modes["SHA256SUMS"] == 0o644
     for entry in manifest["images"].values():
         attrs = docker_client.api.inspect_image(entry["tag"])
         assert entry["rootfs_layers"] == attrs["RootFS"]["Layers"]
