@@ -234,7 +234,12 @@ def _tunnel(health: dict[str, Any] | None) -> Check:
     """The agent's tunnel, as its last heartbeat reported it (docs/architecture.md §12)."""
     state = (health or {}).get("tunnel")
     if state is None:
-        return Check("tunnel", True, "not reported (an agent from before the relay)")
+        return Check(
+            "tunnel",
+            True,
+            "not reported yet: an agent reports it once its first tunnel attempt has ended "
+            "(one from before the relay never does)",
+        )
     if state != "up":
         return Check(
             "tunnel",
