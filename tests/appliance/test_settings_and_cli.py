@@ -178,6 +178,14 @@ def test_cli_enroll_and_nodes(state_env):
     assert body["production_eligible"] is False
     assert body["token"] not in body["env_file"]
     assert body["token"] not in body["start_command"]
+    # The text answer carries the compose files' modelforge-node.env too, with no token in it.
+    text = modelforge("enroll", "--name", "GPU 8", env=state_env)
+    assert text.returncode == 0, text.stderr
+    saved = text.stdout.split("save this as modelforge-node.env beside them (no secret in it):")
+    assert len(saved) == 2, text.stdout
+    shown = [line.removeprefix("    ") for line in saved[1].strip("\n").splitlines()]
+    assert shown == body["env_file"].rstrip("\n").splitlines()
+    assert "mfe_" not in saved[1]
     too_long = modelforge("enroll", "--name", "x", "--expires", "2d", env=state_env)
     assert too_long.returncode == 2
     nodes = modelforge("nodes", "--json", env=state_env)

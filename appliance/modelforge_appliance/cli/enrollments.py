@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import textwrap
 
 import click
 
@@ -84,7 +85,10 @@ def enroll(
         f"{join_commands.describe(response['join_commands'])}\n"
         "The node is ready only while its Runtime Worker answers beside the agent "
         "(docs/work.md). From a checkout, start it first:\n\n"
-        f"    {join_commands.checkout_worker_command(accelerator)}",
+        f"    {join_commands.checkout_worker_command(accelerator)}\n\n"
+        f"For the compose files (docs/node-agent.md), save this as {response['env_file_name']} "
+        "beside them (no secret in it):\n\n"
+        + textwrap.indent(response["env_file"].rstrip("\n"), "    "),
     )
 
 
