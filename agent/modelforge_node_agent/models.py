@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 # A download that keeps failing without moving a byte gives up after this many tries.
 MAX_TRIES_WITHOUT_PROGRESS = 8
+# A blob started again from its first byte (416, an ignored range, more bytes than its size)
+# this many times in a row fails: the control plane cannot serve it as its manifest says.
+MAX_RESTARTS = 3
 CONNECT_TIMEOUT = 5.0
 
 # What a transfer can fail with on the network side (an OSError from the file is not one).
@@ -306,7 +309,7 @@ class ModelLoop:
         """Fetch one blob into partial/ (resuming), verify and commit it; ModelFailed, or
         OSError (ENOSPC) from the disk."""
         backoff = Backoff(self.steps)
-        tries = 0
+        tries = restarts = 0
         while True:
             if self.stop.is_set():
                 raise Stopped()
@@ -319,9 +322,23 @@ class ModelLoop:
                 if have < size:
                     try:
                         self._transfer(digest, hex_digest, size, total, handle, hasher, have)
-                    except _Restart:
+                    except _Restart as restart:
                         handle.close()
                         self.store.discard_partial(hex_digest)
+                        restarts += 1
+                        if restarts > MAX_RESTARTS:
+                            raise ModelFailed(
+                                contract.DOWNLOAD_FAILED,
+                                f"blob {hex_digest}: {restart} ({restarts} times from the "
+                                "start); the control plane's copy does not match its manifest: "
+                                "import the model again there",
+                            ) from None
+                        if restarts > 1:  # the first may be a stale partial; then back off
+                            step, delay = backoff.next_step()
+                            log.warning("blob %s: %s; starting again in %s (backoff %s)",
+                                        hex_digest, restart, seconds(step), backoff.span)  # fmt: skip
+                            if self.stop.wait(delay):
+                                raise Stopped() from None
                         continue
                     except (*_NETWORK_ERRORS, _Retry) as exc:
                         handle.close()
@@ -366,8 +383,7 @@ class ModelLoop:
         try:
             status = response.status_code
             if status == 416:
-                log.info("blob %s: the partial is longer than the blob; restarting", hex_digest)
-                raise _Restart()
+                raise _Restart(f"HTTP 416 for bytes {have}- of {size}")
             if status in (401, 426):
                 self.refuse(Refused(status, "GET", path, *_fields(response)))
                 raise Stopped()
@@ -377,7 +393,7 @@ class ModelLoop:
                                   f"the control plane refused the blob: HTTP {status} "
                                   f"{code or ''}".strip())  # fmt: skip
             if status == 200 and have:
-                raise _Restart()  # the range was ignored: start the file again
+                raise _Restart(f"the control plane ignored the range from byte {have}")
             if status not in (200, 206):
                 raise _Retry(f"HTTP {status} on GET {path}")
             moved = 0
@@ -385,7 +401,7 @@ class ModelLoop:
                 if not chunk:
                     continue
                 if have + moved + len(chunk) > size:
-                    raise _Restart()
+                    raise _Restart(f"the control plane sent more than the blob's {size} bytes")
                 handle.write(chunk)
                 hasher.update(chunk)
                 moved += len(chunk)

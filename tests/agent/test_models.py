@@ -18,6 +18,7 @@ from modelforge_contract import EXIT_USAGE
 from modelforge_contract.models import (
     DIGEST_MISMATCH,
     DISK_FULL,
+    DOWNLOAD_FAILED,
     INSUFFICIENT_SPACE,
     PATH_ADMIN_MODELS,
 )
@@ -274,6 +275,30 @@ def test_a_tampered_cache_blob_fails_digest_mismatch_into_quarantine(cp, tmp_pat
         assert (root / "blobs" / "sha256" / weights).read_bytes() == FILES[
             "weights/model.safetensors"
         ]
+    finally:
+        node.close()
+
+
+def test_a_cache_blob_longer_than_its_manifest_fails_after_a_few_starts(cp, tmp_path, sockets):
+    """The agent pulled such a blob from the start again and again, with no pause and no end
+    (2,246 MiB in 12 s): now it backs off between starts and fails DOWNLOAD_FAILED."""
+    import_model(cp, "longer", FILES, tmp_path)
+    weights = sha(FILES["weights/model.safetensors"])
+    cached = cp.settings.state_dir / "models" / "blobs" / "sha256" / weights
+    os.chmod(cached, 0o644)
+    with cached.open("ab") as handle:
+        handle.write(b"more than the manifest says")
+    node = online_node(cp, tmp_path, sockets, "models-l")
+    try:
+        made = cp.admin("POST", f"{MODELS}/longer/replicas", json={"node_ids": [node.node_id]})
+        assert made.status_code == 202, made.text
+        shown = wait_for_states(cp, "longer", {node.node_id: "failed"})
+        error = shown[node.node_id]["error"]
+        assert error["code"] == DOWNLOAD_FAILED
+        assert "sent more than the blob's" in error["message"]
+        assert "4 times from the start" in error["message"]
+        root = node.state_volume / "artifacts"
+        assert not (root / "blobs" / "sha256" / weights).exists()
     finally:
         node.close()
 
