@@ -206,7 +206,13 @@ class ServeLoop:
                 self._fetch.set()
                 continue
             busy = any(h.state == SERVER_STARTING for h in self.held.values())
-            self._fetch.wait(TICK_SECONDS if busy else IDLE_TICK_SECONDS)
+            tick = TICK_SECONDS if busy else IDLE_TICK_SECONDS
+            if self.watch.current().usable:
+                self._fetch.wait(tick)
+            else:
+                # A fetch waits for the worker, so the event stays set until it answers:
+                # waiting on it would return at once and spin a core. Wait the tick instead.
+                self.stop.wait(tick)
 
     def stop_runtime(self, server_id: str) -> threading.Event:
         """Have the worker stop the server's runtime in the background: a runtime slow to
