@@ -184,7 +184,9 @@ def run_agent(
             return EXIT_OK
         # The work plane (issue 13): watch the local runtime worker, claim while it can run.
         # The watch outlives a re-enrollment; it stops with the agent.
-        worker = WorkerWatch(settings, preflight.mode, stop)
+        worker = WorkerWatch(
+            settings, preflight.mode, stop, on_change=recorder.worker if recorder else None
+        )
         worker.refresh()  # the first heartbeat already tells the truth about it
         worker.start()
         while True:

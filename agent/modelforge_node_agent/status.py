@@ -150,6 +150,16 @@ class StatusRecorder:
             )
             self._write()
 
+    def worker(self, state: Any) -> None:
+        """The runtime worker as the agent last found it (a WorkerState): the node is not
+        ready without a usable one, and `status` says so."""
+        with self._lock:
+            self.data["worker"] = {
+                "usable": bool(state.usable),
+                "problem": mask_secrets(state.problem)[:500] if state.problem else None,
+            }
+            self._write()
+
     def stopped(self, exit_status: int, message: str | None) -> None:
         with self._lock:
             self.data["stopped"] = {
@@ -286,6 +296,7 @@ def report(state: NodeState | None, recorded: dict[str, Any] | None, url: str | 
     ok_at, failed_at = beat.get("ok_at"), beat.get("failed_at")
     failing = failed_at is not None and (ok_at is None or failed_at > ok_at)
     stopped = recorded.get("stopped")
+    worker = recorded.get("worker") if isinstance(recorded.get("worker"), dict) else None
     problem = None
     if state is None or not state.node_id:
         problem = "this host has not joined a control plane yet"
@@ -314,6 +325,15 @@ def report(state: NodeState | None, recorded: dict[str, Any] | None, url: str | 
             "agent runs but does not heartbeat"
         )
         next_step = "see the agent's log, and restart the agent if it stays so"
+    elif worker is not None and not worker.get("usable"):
+        problem = (
+            "the node is NOT READY: the agent heartbeats, but its runtime worker is not usable"
+            f" ({worker.get('problem') or 'no reason given'})"
+        )
+        next_step = (
+            "start the runtime worker beside the agent on the socket the agent names, or fix "
+            "what it says (docs/work.md); the agent finds it again within seconds"
+        )
     else:
         next_step = None
     return {
@@ -330,6 +350,7 @@ def report(state: NodeState | None, recorded: dict[str, Any] | None, url: str | 
         "last_failure_at": failed_at if failing else None,
         "failing_since": (beat.get("failing_since") or failed_at) if failing else None,
         "stopped": stopped,
+        "worker": worker,
         "healthy": problem is None,
         "problem": problem,
         "next_step": next_step,

@@ -279,11 +279,18 @@ def state_from_info(info: dict[str, Any], expected_mode: str) -> WorkerState:
 class WorkerWatch:
     """Asks the worker for ``/v1/info`` every few seconds; logs when the answer changes."""
 
-    def __init__(self, settings: AgentSettings, expected_mode: str, stop: threading.Event) -> None:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        expected_mode: str,
+        stop: threading.Event,
+        on_change: Callable[[WorkerState], None] | None = None,
+    ) -> None:
         self.client = WorkerClient(settings.worker_socket)
         self.expected_mode = expected_mode
         self.interval = settings.worker_check_seconds
         self.stop = stop
+        self.on_change = on_change  # told each new state (status.json keeps it)
         self._state = WorkerState(False, problem="the runtime worker has not been asked yet")
         self._lock = threading.Lock()
 
@@ -313,6 +320,8 @@ class WorkerWatch:
                 )
             else:
                 log.warning("%s; not claiming work, reporting degraded health", state.problem)
+            if self.on_change is not None:
+                self.on_change(state)
         return state
 
     def run(self) -> None:

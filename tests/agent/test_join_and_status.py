@@ -26,6 +26,8 @@ from modelforge_node_agent import refusals, runtime
 from tests.harness.agent_process import AGENT_COMMAND, AgentProcess, agent_env, nvml_env, wait_until
 from tests.harness.control_plane import free_port
 from tests.harness.nvml import h100_80g_x8, without_devices
+from tests.harness.work_node import short_dir
+from tests.harness.worker_process import WorkerProcess, worker_env
 
 
 def join(
@@ -212,25 +214,40 @@ def test_join_in_nvidia_mode_runs_the_preflight_first(
 def test_status_follows_the_running_agent(restartable_control_plane, tmp_path):
     cp = restartable_control_plane
     where = tmp_path / "agent"
-    assert join(cp.url, cp.plane.mint()["token"], where).returncode == EXIT_OK
-    code, answer = status(where)
-    assert code == EXIT_CHECK_FAILED and answer["running"] is False
-    run = agent_env()
-    command = [*AGENT_COMMAND, "--env-file", str(where / "agent.env")]
-    with AgentProcess(run, tmp_path / "a.log", command) as agent:
-        wait_until(lambda: status(where)[0] == EXIT_OK, what="a healthy status")
+    with short_dir() as sockets:
+        socket_path = sockets / "worker.sock"
+        joined = join(cp.url, cp.plane.mint()["token"], where, "--worker-socket", str(socket_path))
+        assert joined.returncode == EXIT_OK, joined.stderr
         code, answer = status(where)
-        assert answer["node_id"] == cp.nodes()[0]["node_id"]
-        assert answer["control_plane_url"] == cp.url and answer["pid"] == agent.process.pid
-        assert answer["last_heartbeat_age_seconds"] is not None and answer["problem"] is None
-        cp.stop()
-        wait_until(lambda: status(where)[1]["last_failure"], what="a failed heartbeat")
-        code, answer = status(where)
-        assert code == EXIT_CHECK_FAILED
-        assert answer["last_failure"].startswith("ConnectError on POST /api/v1/agent/heartbeat")
-        assert "nothing listens" in answer["next_step"]
-        cp.start()
-        assert agent.terminate()[0] == EXIT_OK
+        assert code == EXIT_CHECK_FAILED and answer["running"] is False
+        run = agent_env()
+        command = [*AGENT_COMMAND, "--env-file", str(where / "agent.env")]
+        with AgentProcess(run, tmp_path / "a.log", command) as agent:
+            # Heartbeating without its worker, the node is not ready: status says so (it said
+            # healthy), and turns healthy once the worker answers.
+            wait_until(lambda: (status(where)[1]["worker"] or {}).get("usable") is False,
+                       what="the worker found missing")  # fmt: skip
+            code, answer = status(where)
+            assert code == EXIT_CHECK_FAILED and answer["running"] is True
+            assert answer["problem"].startswith("the node is NOT READY")
+            assert str(socket_path) in answer["problem"]
+            with WorkerProcess(worker_env(socket_path), tmp_path / "w.log"):
+                wait_until(lambda: status(where)[0] == EXIT_OK, what="a healthy status")
+                code, answer = status(where)
+                assert answer["node_id"] == cp.nodes()[0]["node_id"]
+                assert answer["control_plane_url"] == cp.url and answer["pid"] == agent.process.pid
+                assert answer["last_heartbeat_age_seconds"] is not None
+                assert answer["problem"] is None and answer["worker"]["usable"] is True
+                cp.stop()
+                wait_until(lambda: status(where)[1]["last_failure"], what="a failed heartbeat")
+                code, answer = status(where)
+                assert code == EXIT_CHECK_FAILED
+                assert answer["last_failure"].startswith(
+                    "ConnectError on POST /api/v1/agent/heartbeat"
+                )
+                assert "nothing listens" in answer["next_step"]
+                cp.start()
+                assert agent.terminate()[0] == EXIT_OK
     code, answer = status(where)
     assert code == EXIT_CHECK_FAILED and answer["running"] is False
     assert answer["stopped"]["exit_status"] == EXIT_OK
