@@ -516,3 +516,19 @@ def test_the_generated_script_verifies_a_really_loaded_image(docker_client, tmp_
         for name in (tag, worker, f"modelforge-runtime-worker:{version}"):
             with contextlib.suppress(docker.errors.ImageNotFound):
                 docker_client.images.remove(name, force=True)
+
+
+def test_the_wizards_bundle_steps_are_the_node_agent_docs_own_commands(tmp_path):
+    """The wizard's image step leads with the signature check, as docs/node-agent.md does,
+    and each command it shows is the documented one, word for word."""
+    import re
+
+    from modelforge_appliance.fleet.node_agent_image import bundle_steps
+    from tests.harness.control_plane import make_settings
+
+    steps = bundle_steps(make_settings(tmp_path / "state"))
+    assert [s["name"] for s in steps] == ["verify_signature", "verify_sums", "load_images"]
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "node-agent.md").read_text()
+    flat = re.sub(r"\s+", " ", docs)
+    for step in steps:
+        assert re.sub(r"\s+", " ", step["text"]) in flat, step["text"]

@@ -107,11 +107,18 @@ def release_version(settings: Settings) -> str:
 def bundle_steps(settings: Settings) -> list[dict[str, str]]:
     """What to run on the node before pasting the entry (no secrets)."""
     version = release_version(settings)
-    return [
+    return [  # as docs/node-agent.md runs them (a test holds them to it)
+        {
+            "name": "verify_signature",
+            "title": "In the release bundle's directory, check who wrote SHA256SUMS, against "
+            "the allowed_signers file you keep outside it with the release key's public line",
+            "text": "ssh-keygen -Y verify -f ~/.config/modelforge/allowed_signers "
+            "-I releases@modelforge \\\n    -n modelforge-release -s SHA256SUMS.sig < SHA256SUMS",
+        },
         {
             "name": "verify_sums",
-            "title": "In the release bundle's directory, check the checksums",
-            "text": "sha256sum -c SHA256SUMS",
+            "title": "Then the files",
+            "text": "sha256sum -c --strict SHA256SUMS",
         },
         {
             "name": "load_images",
