@@ -1,6 +1,6 @@
 """The one-port front: agents' tunnels and waitress on the control plane's one port.
 
-Every agent keeps one tunnel to the control plane (docs/architecture.md §11): a WebSocket
+Every agent keeps one tunnel to the control plane (docs/architecture.md §12): a WebSocket
 upgrade of ``GET /api/v1/agent/tunnel``. waitress cannot hand a connection over, so the
 front looks at each new connection first (``connections.Channel`` does the reading, on the
 event loop, before waitress's parser sees a byte):
