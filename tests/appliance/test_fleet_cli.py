@@ -302,3 +302,21 @@ def test_completion_scripts_and_node_completion(tmp_path, shell):
         assert "plain,gpu-1" in completed.stdout.splitlines()
         commands = run_cli(env={**env, "COMP_WORDS": "modelforge nod", "COMP_CWORD": "1"})
         assert "plain,nodes" in commands.stdout.splitlines()
+
+
+def test_a_node_is_named_by_its_display_name_too(tmp_path):
+    """`enroll --name gpu-01` then `nodes readiness gpu-01` said "no node 'gpu-01'", and
+    docs/install-unraid.md tells users to do exactly that."""
+    with fleet(tmp_path) as f:
+        node = f.enroll("box-a", name="gpu-01")
+        shown = f.cli("nodes", "show", "GPU-01", "--json")
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["node_id"] == node.node_id
+        other = f.enroll("box-b", name="gpu-01")
+        both = f.cli("nodes", "readiness", "gpu-01")
+        assert both.returncode == EXIT_USAGE
+        assert "names 2 nodes" in both.stderr
+        assert node.node_id in both.stderr and other.node_id in both.stderr
+        missing = f.cli("nodes", "show", "gpu-02")
+        assert missing.returncode == EXIT_NOT_FOUND
+        assert "(by id, id prefix, hostname or name)" in missing.stderr

@@ -17,7 +17,7 @@ from .support import JSON_OPTION, Context, emit
     "--node",
     metavar="NODE",
     shell_complete=complete_nodes,
-    help="Only events about this node (id, unique id prefix or hostname).",
+    help="Only events about this node (id, unique id prefix, hostname or name).",
 )
 @click.option("--limit", type=click.IntRange(1, 500), default=50, show_default=True)
 @click.option(

@@ -25,24 +25,32 @@ NODE_ARGUMENT = click.argument("node", metavar="NODE", shell_complete=complete_n
 
 
 def find_node(obj: Context, reference: str) -> Node:
-    """The node an id, unique id prefix or hostname names; NotFound or a usage error."""
+    """The node an id, unique id prefix, hostname or name (the NAME column, `enroll --name`)
+    names; NotFound, or a usage error when it names several."""
     store = obj.store()
     reference = reference.strip()
     with store.connection():
-        rows = list(Node.select(Node.node_id, Node.hostname, Node.decommissioned_at))
+        rows = list(
+            Node.select(Node.node_id, Node.hostname, Node.display_name, Node.decommissioned_at)
+        )
     if any(row.node_id == reference for row in rows):
         return nodes.get_node(store, reference)
     by_prefix = {
         row.node_id for row in rows if reference and row.node_id.startswith(reference.lower())
     }
-    named = [row for row in rows if row.hostname.lower() == reference.lower()]
+    wanted = reference.casefold()
+    named = [
+        row
+        for row in rows
+        if wanted and wanted in (row.hostname.casefold(), (row.display_name or "").casefold())
+    ]
     enabled = [row for row in named if row.decommissioned_at is None]
-    by_hostname = {row.node_id for row in (enabled or named)}
+    by_name = {row.node_id for row in (enabled or named)}
     node_id = only_match(
         reference,
-        sorted(by_prefix | by_hostname),
+        sorted(by_prefix | by_name),
         kind="node",
-        by="by id, id prefix or hostname",
+        by="by id, id prefix, hostname or name",
         listing="modelforge nodes",
     )
     return nodes.get_node(store, node_id)
