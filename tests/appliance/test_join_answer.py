@@ -137,6 +137,9 @@ def test_the_container_join_prepares_the_state_directory_for_the_image_user():
     assert "MODELFORGE_WORKER_ACCELERATOR_MODE=nvidia" in words
     assert words[-1].startswith("modelforge-runtime-worker:")
     assert "--rm -it --gpus all" in joining and " join http://cp.lan:8000 " in joining
+    # The join enrolls under the host's name, not the throw-away container's random id.
+    joining_words = shlex.split(joining)
+    assert joining_words[joining_words.index("--hostname") + 1] == "$(hostname)"
     assert f"--worker-socket {CONTAINER_WORKER_SOCKET}" in joining  # into the env file
     words = shlex.split(running)
     assert "--env-file" not in words[: words.index("python3")]  # not read on the host

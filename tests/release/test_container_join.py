@@ -17,6 +17,7 @@ import os
 import pty
 import select
 import signal
+import socket
 import time
 from typing import Any
 
@@ -147,6 +148,11 @@ def test_the_printed_container_join_ends_in_a_ready_node(
 
         readiness = wait_for("the joined node to be ready", ready, logs, timeout=120)
         assert {check["name"]: check["ok"] for check in readiness["checks"]}["worker"] is True
+        # Recorded under this host's name (it was the join container's random id).
+        [node] = requests.get(
+            url + "/api/v1/admin/hardware/nodes", headers=headers, timeout=30
+        ).json()["nodes"]
+        assert node["hostname"].lower() == socket.gethostname().lower()
         assert minted["token"] not in logs()
 
 

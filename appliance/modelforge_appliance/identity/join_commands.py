@@ -68,7 +68,8 @@ def join_commands(api_origin: str, accelerator_mode: str) -> dict[str, str]:
             f".venv/bin/modelforge-node-agent --env-file {CHECKOUT_ENV_FILE}"
         ),
         # The worker first, on its own socket volume, with the host's name; then the join, in
-        # a throw-away agent container; then the agent, in the worker's network namespace (a
+        # a throw-away agent container with the host's name too (the node is recorded under
+        # the name it enrolls with, not the container's random id); then the agent, in the worker's network namespace (a
         # runtime the worker starts listens on 127.0.0.1 there, where the agent polls it;
         # such a container takes the worker's host name and may not set one). The state and
         # artifact directories are the image user's; the worker mounts the artifact root
@@ -85,7 +86,7 @@ def join_commands(api_origin: str, accelerator_mode: str) -> dict[str, str]:
             f"-e MODELFORGE_WORKER_SOCKET={CONTAINER_WORKER_SOCKET} "
             f"-e MODELFORGE_WORKER_ACCELERATOR_MODE={accelerator_mode} -v {socket_volume} "
             f"-v {artifacts}:ro {worker_image(accelerator_mode)} && "
-            f"docker run --rm -it{gpus} -v {volume} {AGENT_IMAGE} "
+            f'docker run --rm -it{gpus} --hostname "$(hostname)" -v {volume} {AGENT_IMAGE} '
             f"python3 -m modelforge_node_agent.main {join} --env-file {container_env} "
             f"--worker-socket {CONTAINER_WORKER_SOCKET} && "
             f"docker run -d --name {AGENT_SERVICE} --restart unless-stopped "
