@@ -35,8 +35,18 @@ def test_template_maps_appdata_to_the_state_dir_and_the_listen_port():
     by_type: dict[str, list[ET.Element]] = {}
     for config in configs():
         by_type.setdefault(config.get("Type"), []).append(config)
-    (path,) = by_type["Path"]
+    path, models = by_type["Path"]
     assert path.text == "/mnt/user/appdata/modelforge"
+    # A models folder to import from, read-only, at the path the docs name.
+    assert (models.get("Name"), models.get("Target"), models.get("Mode")) == (
+        "Models",
+        "/models",
+        "ro",
+    )
+    assert (
+        "modelforge models import qwen /models/"
+        in (ROOT / "docs" / "install-unraid.md").read_text()
+    )
     state_dir = next(c for c in by_type["Variable"] if c.get("Target") == "MODELFORGE_STATE_DIR")
     assert path.get("Target") == state_dir.text
     (port,) = by_type["Port"]

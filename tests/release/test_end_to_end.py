@@ -283,11 +283,14 @@ def test_a_cpu_node_becomes_ready_against_the_unraid_templates_control_plane(
     appdata = tmp_path / "appdata"
     appdata.mkdir(mode=0o700)
     os.chown(appdata, 99, 100)
+    models = tmp_path / "models"  # the template's read-only models folder
+    models.mkdir()
     name, arguments, image = unraid_run_arguments(
         release_bundle / "modelforge-control-plane.xml",
         **{
             "API port": f"127.0.0.1:{deployment.port}",
             "Appdata": str(appdata),
+            "Models": str(models),
             "MODELFORGE_PUBLIC_API_ORIGIN": ORIGIN,
             "MODELFORGE_HEARTBEAT_INTERVAL_SECONDS": "1",
             "MODELFORGE_NODE_STALE_AFTER_SECONDS": "5",

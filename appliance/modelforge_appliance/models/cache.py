@@ -61,8 +61,9 @@ def _invalid(message: str) -> Invalid:
     return Invalid(
         message,
         code=MODEL_SOURCE_INVALID,
-        next_step="Name a readable regular file or a non-empty directory on the control-plane "
-        "host.",
+        next_step="Name a readable regular file or a non-empty directory as the control plane "
+        "sees it: on its host, or inside its container when it runs in one (the Unraid "
+        "template mounts a models folder at /models).",
     )
 
 
