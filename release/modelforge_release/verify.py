@@ -232,10 +232,10 @@ def verify_bundle(
     directory: Path,
     progress: TextIO | None = None,
     signers: Path | None = None,
-    principal: str | None = None,
+    principal: str = RELEASE_PRINCIPAL,
 ) -> BundleReport:
-    """The signature first (with ``signers``, an ``allowed_signers`` file, by the release
-    principal or PRINCIPAL), then
+    """The signature first (with ``signers``, an ``allowed_signers`` file, by PRINCIPAL's
+    key), then
     SHA256SUMS (exactly the release's files, in order, each matching, nothing else in the
     directory), then the image tarball against the manifest, image by image: tag,
     architecture, os, every label, the runtime configuration and the RootFS layers, whose
@@ -248,7 +248,7 @@ def verify_bundle(
     if signers is None:
         report.signature = NOT_SIGNED_CHECKED
     else:
-        check = verify_sums_signature(directory, signers, principal or RELEASE_PRINCIPAL)
+        check = verify_sums_signature(directory, signers, principal)
         report.signature, report.signed_by = check.message, check.principal
         if not check.ok:
             report.findings.append(Finding(SIGNATURE_NAME, check.message))

@@ -107,7 +107,7 @@ make_python_venv() {
     local version="$1" python="$2" extras="$3" venv stamp want
     venv=".venv-py$version"
     stamp="$venv/.modelforge-installed"
-    want="$(sha256sum pyproject.toml | sha256sum | cut -c1-16) $extras"
+    want="$(pyproject_hash) $extras"  # scripts/lib/venv.sh
     if [ ! -x "$venv/bin/python" ] || [ ! -f "$stamp" ] || ! grep -qxF "$want" "$stamp"; then
         log "making $venv with $("$python" --version 2>&1)"
         rm -rf "$venv"

@@ -14,7 +14,7 @@ ensure_venv() {
         "$py" -m venv .venv
     fi
     stamp=.venv/.modelforge-installed
-    hash=$(sha256sum pyproject.toml | sha256sum | cut -c1-16)
+    hash=$(pyproject_hash)
     if ! venv_has_extras "$stamp" "$hash" "$extras"; then
         echo "==> installing pinned dependencies ($extras) into .venv" >&2
         .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$extras]" \
@@ -36,4 +36,9 @@ venv_has_extras() {
         [ "$missing" = 0 ] && return 0
     done < "$stamp"
     return 1
+}
+
+# pyproject_hash: what a virtualenv's stamp records of pyproject.toml (its pins and extras).
+pyproject_hash() {
+    sha256sum pyproject.toml | sha256sum | cut -c1-16
 }

@@ -48,9 +48,10 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
             raise _unsatisfiable(size)
         return max(0, size - count), size - 1
     start = _position(first)
-    end = size - 1 if not last else min(_position(last), size - 1)
-    if last and _position(last) < start:
+    asked_end = _position(last) if last else None
+    if asked_end is not None and asked_end < start:
         return None  # invalid: ignored
+    end = size - 1 if asked_end is None else min(asked_end, size - 1)
     if start >= size:
         raise _unsatisfiable(size)
     return start, end

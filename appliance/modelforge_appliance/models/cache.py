@@ -57,14 +57,15 @@ class SourceFile:
     size: int
 
 
-def _invalid(message: str) -> Invalid:
-    return Invalid(
-        message,
-        code=MODEL_SOURCE_INVALID,
-        next_step="Name a readable regular file or a non-empty directory as the control plane "
-        "sees it: on its host, or inside its container when it runs in one (the Unraid "
-        "template mounts a models folder at /models).",
-    )
+_NAME_A_SOURCE = (
+    "Name a readable regular file or a non-empty directory as the control plane sees it: on "
+    "its host, or inside its container when it runs in one (the Unraid template mounts a "
+    "models folder at /models)."
+)
+
+
+def _invalid(message: str, next_step: str = _NAME_A_SOURCE) -> Invalid:
+    return Invalid(message, code=MODEL_SOURCE_INVALID, next_step=next_step)
 
 
 def hf_snapshot(source: Path) -> tuple[Path, str] | None:
@@ -109,9 +110,8 @@ def _checked(path: str, where: Path) -> str:
     try:
         return check_relative_path(path)
     except ManifestError as exc:
-        raise Invalid(
+        raise _invalid(
             f"{where}: {exc}",
-            code=MODEL_SOURCE_INVALID,
             next_step="Rename the file (or leave it out of the folder) and import again: a "
             "model's file names are shown and sent to nodes as they are.",
         ) from None

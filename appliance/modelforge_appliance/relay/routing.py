@@ -48,6 +48,9 @@ _PICK_SQL = (
 )
 
 
+_SEND_A_DEPLOYMENT = 'Send "model": "<deployment>"; GET /v1/models lists them.'
+
+
 def pick(store: Store, hub: Hub, model: object) -> Target:
     """The server for ``model``: 400 when the request names none, 404 MODEL_NOT_DEPLOYED,
     503 NO_RUNNING_SERVER."""
@@ -55,13 +58,13 @@ def pick(store: Store, hub: Hub, model: object) -> Target:
         raise Invalid(
             "the request names no `model`: it must name the deployment to call",
             code=FIELD_REQUIRED,
-            next_step='Send "model": "<deployment>"; GET /v1/models lists them.',
+            next_step=_SEND_A_DEPLOYMENT,
         )
     if not isinstance(model, str):
         raise Invalid(
             "`model` must be a string: the name of a deployment",
             code=FIELD_TYPE,
-            next_step='Send "model": "<deployment>"; GET /v1/models lists them.',
+            next_step=_SEND_A_DEPLOYMENT,
         )
     with store.connection():
         rows = store.db.execute_sql(_PICK_SQL.replace("?", store.db.param), (model,)).fetchall()
@@ -81,9 +84,7 @@ def not_deployed(store: Store, name: str) -> NotFound:
     with store.connection():
         live = Deployment.select(Deployment.name).where(Deployment.stopping == False)  # noqa: E712 - peewee's expression
         names = sorted(d.name for d in live)
-        serving = sorted(
-            d.name for d in live.join(Model).where(Model.name == name).order_by(Deployment.name)
-        )
+        serving = sorted(d.name for d in live.join(Model).where(Model.name == name))
     shown = repr(name[:64])
     if serving:
         return NotFound(
