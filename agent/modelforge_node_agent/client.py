@@ -21,6 +21,7 @@ import requests
 import urllib3
 
 import modelforge_contract as contract
+import modelforge_contract.deployments as deployments_contract
 from modelforge_contract import (
     COMPATIBILITY_NEXT_STEPS,
     HEADER_AGENT_PROTOCOL,
@@ -47,9 +48,13 @@ log = logging.getLogger(__name__)
 # that is not one of them is treated as part of the (unlogged) body.
 KNOWN_CODES = frozenset(
     value
-    for name, value in vars(contract).items()
+    for module in (contract, deployments_contract)
+    for name, value in vars(module).items()
     if isinstance(value, str) and name == value and name.isupper()
 )
+# 409s that are an answer, not a race: the lease ended, the server is not this node's to
+# start. Retrying one would repeat the same refusal forever (issue 34).
+FINAL_CONFLICTS = frozenset({contract.LEASE_LOST, deployments_contract.SERVER_NOT_CLAIMABLE})
 KNOWN_COMPATIBILITY = frozenset(COMPATIBILITY_NEXT_STEPS)
 
 # Status codes worth retrying: the control plane or a proxy in front of it is
@@ -103,7 +108,7 @@ class Refused(CallFailed):
 
     @property
     def transient(self) -> bool:
-        return self.status in TRANSIENT_STATUSES
+        return self.status in TRANSIENT_STATUSES and self.code not in FINAL_CONFLICTS
 
     @property
     def protocol_incompatible(self) -> bool:

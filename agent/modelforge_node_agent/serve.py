@@ -5,8 +5,14 @@ It fetches ``GET /agent/servers`` at start, whenever a heartbeat answer's
 listed it claims a serve lease, asks the local runtime worker to launch the runtime on the
 replicated model directory with exactly the lease's GPUs, polls the runtime's readiness on
 127.0.0.1 itself (the control plane never dials a node), and renews the lease while the
-server runs, each renewal carrying what it sees. A runtime that exits is started again with
-backoff, at most MODELFORGE_AGENT_SERVE_MAX_RESTARTS times, then reported failed.
+server runs, each renewal carrying what it sees. A runtime that exits, or never becomes
+ready, is started again after a backoff (5 s, 10 s, 20 s … at most 5 min), reported
+``backoff`` meanwhile, for as long as the control plane lists the server: only what needs a
+person (the model's files gone, a runtime this node cannot run) is reported ``failed``.
+
+A renewal refused ``409 LEASE_LOST`` ends that lease, never a transient error: ``restarted``
+stops the runtime and claims the server again afresh; ``expired`` (the node was away) and
+``replaced`` claim it again if it is still listed, adopting the runtime that still runs.
 
 The worker owns the runtimes, so an agent restart finds them again: a server the worker
 still runs is claimed again (adopted), never launched twice; one the control plane no
@@ -26,6 +32,8 @@ from typing import Any
 
 from modelforge_contract import LEASE_LOST
 from modelforge_contract.deployments import (
+    LEASE_END_EXPIRED,
+    LEASE_END_REPLACED,
     LEASE_END_RESTARTED,
     MODEL_NOT_ON_NODE,
     PATH_AGENT_SERVER_CLAIM,
@@ -35,6 +43,8 @@ from modelforge_contract.deployments import (
     RUNTIME_LAUNCH_FAILED,
     RUNTIME_LLAMA_CPP,
     RUNTIME_NOT_READY,
+    RUNTIME_UNSUPPORTED,
+    SERVER_BACKOFF,
     SERVER_FAILED,
     SERVER_PENDING,
     SERVER_RUNNING,
@@ -42,6 +52,7 @@ from modelforge_contract.deployments import (
     SERVER_STOPPED,
     WORKER_PATH_SERVER_STOP,
     WORKER_PATH_SERVERS,
+    backoff_seconds,
     server_path,
 )
 
@@ -60,7 +71,18 @@ IDLE_TICK_SECONDS = 1.0
 RENEW_MAX_SECONDS = 5.0
 READY_PROBE_TIMEOUT = 2.0
 LAUNCH_TIMEOUT = 60.0
-RESTART_BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+# The worker's launch refusals that no retry can mend: a person must change the node or the
+# deployment (every other refusal is tried again after a backoff: an image loaded meanwhile,
+# a port or a process limit that freed up).
+NEEDS_A_PERSON = frozenset(
+    {
+        MODEL_NOT_ON_NODE,
+        RUNTIME_UNSUPPORTED,
+        "GPUS_ON_CPU_NODE",
+        "IMAGE_ID_MISMATCH",
+        "WORK_INPUT_INVALID",
+    }
+)
 
 
 class ServeWorker(WorkerClient):
@@ -308,6 +330,9 @@ class ServeLoop:
         if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int | float):
             lease_seconds = 30.0
         held = Held(server_id, entry, lease["lease_id"], max(1.0, float(lease_seconds)))
+        restarts = entry.get("restarts")
+        if isinstance(restarts, int) and not isinstance(restarts, bool) and restarts > 0:
+            held.restarts = min(restarts, 10**6)  # counted across agent restarts
         self.held[server_id] = held
         if running is not None and running.get("exit") is None:
             held.port = running.get("port")
@@ -344,7 +369,10 @@ class ServeLoop:
         try:
             launched = self.worker.launch(body)
         except ServeRefused as refused:
-            self.fail(held, refused.code, refused.message)
+            if refused.code in NEEDS_A_PERSON:
+                self.fail(held, refused.code, refused.message)
+            else:
+                self.exited(held, f"could not be launched ({refused.code}: {refused.message})")
             return
         except WorkerUnavailable as unavailable:
             self.exited(held, f"the runtime worker did not launch it ({unavailable})")
@@ -405,36 +433,33 @@ class ServeLoop:
         assert held.launched_at is not None
         if now - held.launched_at > self.settings.serve_ready_seconds:
             self.stop_runtime(held.server_id)
-            self.fail(
+            self.exited(
                 held,
-                RUNTIME_NOT_READY,
-                f"the runtime did not answer its readiness check within "
+                f"did not answer its readiness check within "
                 f"{self.settings.serve_ready_seconds:g} s",
+                code=RUNTIME_NOT_READY,
             )
 
-    def exited(self, held: Held, reason: str, tail: object = None) -> None:
-        """The runtime ended on its own: start it again after a backoff, or fail."""
+    def exited(
+        self, held: Held, reason: str, tail: object = None, code: str = RUNTIME_EXITED
+    ) -> None:
+        """The runtime ended on its own (or never became ready): start it again after a
+        backoff that doubles each time, reported as ``backoff`` meanwhile."""
         last = ""
         if isinstance(tail, str) and tail.strip():
             last = ": " + tail.strip().splitlines()[-1][:300]
-        if held.restarts >= self.settings.serve_max_restarts:
-            with_restarts = f" after {held.restarts} restart(s)" if held.restarts else ""
-            self.fail(held, RUNTIME_EXITED, f"the runtime {reason}{with_restarts}{last}")
-            return
         held.restarts += 1
-        delay = RESTART_BACKOFF[min(held.restarts - 1, len(RESTART_BACKOFF) - 1)]
+        delay = backoff_seconds(held.restarts)
         held.error = {
-            "code": RUNTIME_EXITED,
-            "message": f"the runtime {reason}{last}; restart {held.restarts} of "
-            f"{self.settings.serve_max_restarts} in {delay:g} s",
+            "code": code,
+            "message": f"the runtime {reason}{last}; restart {held.restarts} in {delay:g} s",
         }
         held.launched_at = None
         held.relaunch_at = time.monotonic() + delay
-        held.state = SERVER_STARTING
+        held.state = SERVER_BACKOFF
         held.dirty = True
-        log.warning("server %s: the runtime %s; starting it again in %s (restart %d of %d)",
-                    held.server_id, reason, seconds(delay), held.restarts,
-                    self.settings.serve_max_restarts)  # fmt: skip
+        log.warning("server %s: the runtime %s; starting it again in %s (restart %d)",
+                    held.server_id, reason, seconds(delay), held.restarts)  # fmt: skip
 
     def fail(self, held: Held, code: str, message: str) -> None:
         held.state = SERVER_FAILED
@@ -457,6 +482,8 @@ class ServeLoop:
             "restarts": held.restarts,
             "error": held.error if held.state != SERVER_RUNNING else None,
         }
+        if held.state == SERVER_BACKOFF and held.relaunch_at is not None:
+            body["next_attempt_in"] = round(max(0.0, held.relaunch_at - time.monotonic()), 3)
         path = server_path(PATH_AGENT_SERVER_RENEW, held.server_id)
         try:
             answer = self._call("POST", path, body)
@@ -474,7 +501,7 @@ class ServeLoop:
             held.stopped = self.stop_runtime(held.server_id)
 
     def lost(self, held: Held, refusal: Refused) -> None:
-        """The lease is not ours any more: stop the runtime, and fetch again."""
+        """The lease is not ours any more: say how it ended, and fetch again."""
         self.held.pop(held.server_id, None)
         self._fetch.set()
         if refusal.code != LEASE_LOST or held.state in (SERVER_FAILED, SERVER_STOPPED):
@@ -483,11 +510,12 @@ class ServeLoop:
                 self.stop_runtime(held.server_id)
             return
         ended = refusal.details.get("lease_end")
-        if ended is None:
-            # Not told how it ended (a restored store): kept running, and claimed again if
-            # the control plane still lists it; stopped otherwise (sync).
-            log.warning("%s: server %s will be claimed again", refusal.describe(),
-                        held.server_id)  # fmt: skip
+        if ended in (None, LEASE_END_EXPIRED, LEASE_END_REPLACED):
+            # The node was away (or a restored store does not know this lease): the runtime
+            # keeps running and the server is claimed again, adopting it, if the control
+            # plane still lists it; the next fetch stops it otherwise.
+            log.warning("%s: server %s will be claimed again (lease %s)", refusal.describe(),
+                        held.server_id, printable(ended or "unknown"))  # fmt: skip
             return
         how = "restarted" if ended == LEASE_END_RESTARTED else printable(ended)
         log.info("server %s: its lease ended (%s); stopping its runtime", held.server_id, how)

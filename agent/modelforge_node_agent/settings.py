@@ -144,16 +144,10 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "a backoff. Lower it only for tests.",
     ),
     SettingSpec(
-        "MODELFORGE_AGENT_SERVE_MAX_RESTARTS",
-        "3",
-        "How many times a deployment's runtime that exits on its own is started again (after "
-        "1 s, 2 s, 4 s, … of backoff) before its server is reported failed (RUNTIME_EXITED).",
-    ),
-    SettingSpec(
         "MODELFORGE_AGENT_SERVE_READY_SECONDS",
         "600",
         "How long a launched runtime has to answer its readiness check (llama.cpp /health, "
-        "vLLM /v1/models) before its server is reported failed (RUNTIME_NOT_READY).",
+        "vLLM /v1/models) before it is stopped and started again after a backoff (RUNTIME_NOT_READY).",
     ),
     SettingSpec(
         "MODELFORGE_AGENT_TUNNEL_TRANSPORT",
@@ -173,7 +167,15 @@ class ConfigError(Exception):
 
 
 TABLE = SettingTable(
-    SETTINGS, prefixes=(PREFIX,), error=ConfigError, unknown_hint="see --help for the known names"
+    SETTINGS,
+    prefixes=(PREFIX,),
+    error=ConfigError,
+    unknown_hint="see --help for the known names",
+    retired={
+        "MODELFORGE_AGENT_SERVE_MAX_RESTARTS": "a runtime that exits is started again with "
+        "backoff (5 s, 10 s, 20 s … at most 5 min) for as long as its deployment asks, so it "
+        "never needs a person to come back",
+    },
 )
 
 
@@ -200,7 +202,6 @@ class AgentSettings:
     artifact_root: Path | None = None
     quarantine_root: Path | None = None
     model_stall_seconds: float = 30.0
-    serve_max_restarts: int = 3
     serve_ready_seconds: float = 600.0
     tunnel_transport: str = "auto"
     # Observed, not ours: the NVIDIA container toolkit sets it when GPUs are requested.
@@ -379,7 +380,6 @@ def load_settings(
         artifact_root=_path(env, "MODELFORGE_AGENT_ARTIFACT_ROOT"),
         quarantine_root=_path(env, "MODELFORGE_AGENT_QUARANTINE_ROOT"),
         model_stall_seconds=_float(env, "MODELFORGE_AGENT_MODEL_STALL_SECONDS", 0.1, 3600),
-        serve_max_restarts=int(_float(env, "MODELFORGE_AGENT_SERVE_MAX_RESTARTS", 0, 100)),
         serve_ready_seconds=_float(env, "MODELFORGE_AGENT_SERVE_READY_SECONDS", 1, 86400),
         tunnel_transport=transport,
     )

@@ -176,7 +176,8 @@ def execute_decommission(
             node_id,
             actor,
             NODE_DECOMMISSIONED,
-            "the node was decommissioned; deploy to another node",
+            "the node was decommissioned; add another node to the deployment "
+            "(modelforge deployments add-nodes NAME NODE) and remove this one",
         )
         Node.update(decommissioned_at=now, cordoned=True).where(Node.node_id == node_id).execute()
         audit.record(

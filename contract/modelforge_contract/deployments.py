@@ -18,9 +18,12 @@ How a server travels:
    runtime on the replicated files with exactly the lease's GPUs, polls the runtime's
    readiness on the node, and renews the lease while the server runs
    (``POST /agent/servers/{server_id}/renew``), each renewal carrying the state it sees.
-4. A lease that expires marks the server ``failed`` (``SERVER_LEASE_LOST``); a renewal of a
-   lease that is no longer held answers ``409 LEASE_LOST`` with ``lease_end`` saying how it
-   ended (``restarted``: stop the runtime and claim again; anything else: stop it).
+4. A lease that runs out puts the server ``waiting`` (its node is away) and it is listed
+   again, so the node's agent claims it again the moment it is back; a renewal of a lease
+   that is no longer held answers ``409 LEASE_LOST`` with ``lease_end`` saying how it ended
+   (``restarted``: stop the runtime and claim again; ``expired`` or ``replaced``: claim it
+   again if still listed, adopting a runtime that still runs; anything else: stop it).
+   A 409 LEASE_LOST ends that lease: it is never a transient error to retry.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from . import API_PREFIX
 PATH_ADMIN_DEPLOYMENTS = f"{API_PREFIX}/admin/deployments"
 PATH_ADMIN_DEPLOYMENT = f"{PATH_ADMIN_DEPLOYMENTS}/<name>"
 PATH_ADMIN_DEPLOYMENT_RESTART = f"{PATH_ADMIN_DEPLOYMENT}/restart"
+PATH_ADMIN_DEPLOYMENT_SERVERS = f"{PATH_ADMIN_DEPLOYMENT}/servers"
+PATH_ADMIN_DEPLOYMENT_SERVER = f"{PATH_ADMIN_DEPLOYMENT_SERVERS}/<node>"
 PATH_AGENT_SERVERS = f"{API_PREFIX}/agent/servers"
 PATH_AGENT_SERVER_CLAIM = f"{PATH_AGENT_SERVERS}/<server_id>/claim"
 PATH_AGENT_SERVER_RENEW = f"{PATH_AGENT_SERVERS}/<server_id>/renew"
@@ -50,15 +55,23 @@ RUNTIME_VLLM = "vllm"
 RUNTIMES = (RUNTIME_LLAMA_CPP, RUNTIME_VLLM)
 CAPABILITY_SERVE = "serve"  # what a worker with at least one runtime offers
 
-# -- server states ----------------------------------------------------------------
-# ``pending``: made, not yet claimed by its node's agent; ``starting``: claimed, the
-# runtime is launching or not ready yet (or restarting after a crash); ``running``: the
-# agent saw it ready; ``stopping``: asked to stop, the agent has not said it stopped;
-# ``stopped``; ``failed`` with ``{code, message}``.
+# -- server states (docs/deployments.md, "What each state means") ----------------------
+# A deployment is a desired state the control plane reconciles (docs/deployments.md): ``pending``:
+# to start, not yet claimed by its node's agent; ``starting``: claimed, the runtime is
+# launching or not ready yet; ``running``: the agent saw it ready; ``waiting``: its node is
+# away (offline, agent restarting, lease ran out), it starts again when the node is back;
+# ``backoff``: the runtime exited or never became ready, the agent starts it again at
+# ``next_attempt_at``; ``failed`` with ``{code, message}``: only what needs a person;
+# ``idle``: unloaded after ``idle_unload_seconds`` without a request, the next request
+# starts it; ``stopping``: asked to stop (undeploy, removal, unload), the agent has not
+# said it stopped; ``stopped``.
 
 SERVER_PENDING = "pending"
 SERVER_STARTING = "starting"
 SERVER_RUNNING = "running"
+SERVER_WAITING = "waiting"
+SERVER_BACKOFF = "backoff"
+SERVER_IDLE = "idle"
 SERVER_STOPPING = "stopping"
 SERVER_STOPPED = "stopped"
 SERVER_FAILED = "failed"
@@ -66,18 +79,57 @@ SERVER_STATES = (
     SERVER_PENDING,
     SERVER_STARTING,
     SERVER_RUNNING,
+    SERVER_WAITING,
+    SERVER_BACKOFF,
+    SERVER_IDLE,
     SERVER_STOPPING,
     SERVER_STOPPED,
     SERVER_FAILED,
 )
-SERVER_ACTIVE_STATES = (SERVER_PENDING, SERVER_STARTING, SERVER_RUNNING, SERVER_STOPPING)
+# States whose server holds its GPUs (a waiting one keeps them for its node's return; an
+# idle, failed or stopped one does not, and picks them again when it starts).
+SERVER_ACTIVE_STATES = (
+    SERVER_PENDING,
+    SERVER_STARTING,
+    SERVER_RUNNING,
+    SERVER_WAITING,
+    SERVER_BACKOFF,
+    SERVER_STOPPING,
+)
 # What an agent may report in a renewal.
-SERVER_REPORTED_STATES = (SERVER_STARTING, SERVER_RUNNING, SERVER_STOPPED, SERVER_FAILED)
+SERVER_REPORTED_STATES = (
+    SERVER_STARTING,
+    SERVER_RUNNING,
+    SERVER_BACKOFF,
+    SERVER_STOPPED,
+    SERVER_FAILED,
+)
+# Deployment states, from its servers' (plus ``stopping`` and ``stopped`` once undeployed).
+DEPLOYMENT_RUNNING = "running"  # every member runs
+DEPLOYMENT_DEGRADED = "degraded"  # some do
+DEPLOYMENT_STARTING = "starting"  # none yet, and none is away, backing off or failed
+DEPLOYMENT_DOWN = "down"  # none does
+DEPLOYMENT_IDLE = "idle"  # unloaded; the next request starts it
+# What a member is for (a server's ``goal``): run; unload to idle; leave the deployment.
+GOAL_RUN = "run"
+GOAL_IDLE = "idle"
+GOAL_REMOVE = "remove"
+# The agent's restart backoff for a runtime that exits or never becomes ready.
+BACKOFF_FIRST_SECONDS = 5.0
+BACKOFF_MAX_SECONDS = 300.0
+
+
+def backoff_seconds(restarts: int) -> float:
+    """The wait before restart number ``restarts`` (1, 2, …): 5, 10, 20 … at most 300 s."""
+    return min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** max(0, min(restarts - 1, 16)))
+
+
 # How a serve lease ended, as a 409 LEASE_LOST's ``lease_end`` says.
 LEASE_END_RESTARTED = "restarted"  # the admin restarted the deployment: claim again
 LEASE_END_REPLACED = "replaced"  # this node claimed the server again (an agent restart)
 LEASE_END_STOPPED = "stopped"
-LEASE_END_EXPIRED = "expired"
+LEASE_END_EXPIRED = "expired"  # it ran out (the node was away): claim again if listed
+LEASE_END_IDLE = "idle"  # unloaded: stop the runtime
 
 # -- error codes (docs/deployments.md says what each means and what to do) -------------
 
@@ -93,8 +145,12 @@ SERVER_NOT_CLAIMABLE = "SERVER_NOT_CLAIMABLE"  # 409 on claim: not this node's, 
 SERVER_LEASE_LOST = "SERVER_LEASE_LOST"  # the agent stopped renewing (node or agent down)
 NODE_OFFLINE = "NODE_OFFLINE"
 NODE_DECOMMISSIONED = "NODE_DECOMMISSIONED"
-RUNTIME_EXITED = "RUNTIME_EXITED"  # the runtime exited and its restarts are spent
+RUNTIME_EXITED = "RUNTIME_EXITED"  # the runtime exited on its own (backoff says when again)
 RUNTIME_NOT_READY = "RUNTIME_NOT_READY"  # never answered its readiness check in time
+NODE_STOPPING = "NODE_STOPPING"  # waiting: the node's agent stopped its servers to go
+LAST_MEMBER = "LAST_MEMBER"  # 409: removing the last member; undeploy instead
+NOT_A_MEMBER = "NOT_A_MEMBER"  # 404: the node is not a member of the deployment
+ALREADY_A_MEMBER = "ALREADY_A_MEMBER"  # 409: the node is already a member
 RUNTIME_LAUNCH_FAILED = "RUNTIME_LAUNCH_FAILED"  # the worker could not start it
 MODEL_NOT_ON_NODE = "MODEL_NOT_ON_NODE"  # the agent does not hold the model's files
 
@@ -104,6 +160,7 @@ DEPLOYMENT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 ARGS_MAX = 64  # extra runtime arguments per deployment
 ARG_MAX_CHARS = 512
 CONTEXT_LENGTH_MAX = 1 << 22
+IDLE_UNLOAD_MAX = 30 * 86400  # settings.idle_unload_seconds: at most 30 days
 SERVE_LEASE_SECONDS = 30  # the default MODELFORGE_SERVE_LEASE_SECONDS
 # Arguments the worker sets itself: an extra argument may not move the address, the port,
 # the served name or the model (a runtime on 0.0.0.0 would bypass the control plane), nor

@@ -14,6 +14,7 @@ parses its values with it; that module is the only one of the program that reads
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class SettingTable:
         unknown_hint: str,
         foreign_prefixes: tuple[str, ...] = (),
         foreign_names: Iterable[str] = (),
+        retired: Mapping[str, str] | None = None,
     ) -> None:
         self.specs = tuple(specs)
         self.names = frozenset(spec.name for spec in self.specs)
@@ -61,6 +65,9 @@ class SettingTable:
         self.unknown_hint = unknown_hint
         self.foreign_prefixes = foreign_prefixes
         self.foreign_names = frozenset(foreign_names)
+        # Names a release used and a later one dropped: ignored, with why, so an env file
+        # written for the older release still starts (an unknown name stays fatal).
+        self.retired = dict(retired or {})
 
     # -- names -------------------------------------------------------------------------
 
@@ -70,9 +77,13 @@ class SettingTable:
         return matches[0] if matches else None
 
     def check_names(self, env: Mapping[str, str]) -> None:
-        """Refuse the first (sorted) undeclared name of ours, with the nearest one as hint."""
+        """Refuse the first (sorted) undeclared name of ours, with the nearest one as hint;
+        a retired one is logged as ignored."""
         for name in sorted(env):
             if not name.startswith(self.prefixes) or name in self.names:
+                continue
+            if name in self.retired:
+                log.warning("%s is no longer used and is ignored: %s", name, self.retired[name])
                 continue
             if name.startswith(self.foreign_prefixes) or name in self.foreign_names:
                 continue

@@ -241,39 +241,66 @@ def test_agent_killed_and_restarted_adopts_its_runtime_without_a_duplicate(
         node.close()
 
 
-def test_a_runtime_killed_is_restarted_then_fails_with_its_exit_reason(
+def test_a_runtime_killed_comes_back_by_itself_and_is_never_failed(
     cp, tmp_path, sockets, model, llama_server_binary
 ):
-    node = serving_node(
-        cp, tmp_path, sockets, "serve-k", llama_server_binary, serve_max_restarts="1"
-    )
+    node = serving_node(cp, tmp_path, sockets, "serve-k", llama_server_binary)
     try:
         replicate(cp, [node])
         assert deploy(cp, "tiny-k", [node]).status_code == 201
         wait_servers(cp, "tiny-k", "running")
         [first] = worker_servers(node).values()
         os.kill(first["ident"]["pid"], signal.SIGKILL)
+        backing_off = wait_servers(cp, "tiny-k", "backoff", timeout=30)["servers"][0]
+        assert backing_off["error"]["code"] == RUNTIME_EXITED
+        assert "killed by signal 9" in backing_off["error"]["message"]
+        assert backing_off["next_attempt_at"] is not None and backing_off["restarts"] == 1
 
         def restarted():
-            shown = deployment(cp, "tiny-k")
-            server = shown["servers"][0]
+            server = deployment(cp, "tiny-k")["servers"][0]
             return server if server["restarts"] == 1 and server["state"] == "running" else None
 
-        wait_until(restarted, timeout=60, what="restarted once")
+        server = wait_until(restarted, timeout=60, what="running again")
+        assert server["error"] is None and server["next_attempt_at"] is None
         [second] = worker_servers(node).values()
         assert second["ident"] != first["ident"]
-        os.kill(second["ident"]["pid"], signal.SIGKILL)
-        shown = wait_servers(cp, "tiny-k", "failed")
-        error = shown["servers"][0]["error"]
-        assert error["code"] == RUNTIME_EXITED
-        assert "killed by signal 9" in error["message"] and "1 restart" in error["message"]
-        assert shown["state"] == "failed"
-        wait_until(lambda: worker_servers(node) == {}, timeout=30, what="runtime removed")
+        assert complete(second["port"], "tiny-k")
+        events = cp.admin("GET", "/api/v1/admin/audit-events?limit=500").json()["events"]
+        assert "server.failed" not in {e["action"] for e in events}
     finally:
         node.close()
 
 
-def test_an_agent_gone_past_its_lease_fails_the_server_and_its_runtime_is_stopped(
+def test_a_runtime_that_always_exits_backs_off_doubling_and_never_fails(
+    cp, tmp_path, sockets, model
+):
+    """Four launches of a runtime that exits at once take more than 35 s (5 + 10 + 20), not a
+    tight loop, and the server is ``backoff`` all along, never ``failed``."""
+    launches = tmp_path / "launches"
+    exits = tmp_path / "exiting-llama-server"
+    exits.write_text(f"#!/bin/sh\ndate +%s.%N >> {launches}\necho 'no such model' >&2\nexit 3\n")
+    exits.chmod(0o755)
+    node = serving_node(cp, tmp_path, sockets, "serve-x", exits)
+    try:
+        replicate(cp, [node])
+        assert deploy(cp, "tiny-x", [node]).status_code == 201
+
+        def launched(count):
+            times = launches.read_text().split() if launches.exists() else []
+            return [float(t) for t in times] if len(times) >= count else None
+
+        times = wait_until(lambda: launched(4), timeout=120, what="four launches")
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        assert [round(g) >= want for g, want in zip(gaps, (5, 10, 20), strict=True)] == [True] * 3
+        server = deployment(cp, "tiny-x")["servers"][0]
+        assert server["state"] in ("backoff", "starting") and server["restarts"] >= 3
+        assert server["error"]["code"] == RUNTIME_EXITED
+        assert "no such model" in server["error"]["message"]  # the runtime's last line
+    finally:
+        node.close()
+
+
+def test_an_agent_gone_past_its_lease_leaves_the_server_waiting_and_it_serves_again_on_return(
     cp, tmp_path, sockets, model, llama_server_binary
 ):
     node = serving_node(cp, tmp_path, sockets, "serve-l", llama_server_binary)
@@ -281,19 +308,52 @@ def test_an_agent_gone_past_its_lease_fails_the_server_and_its_runtime_is_stoppe
         replicate(cp, [node])
         assert deploy(cp, "tiny-l", [node]).status_code == 201
         wait_servers(cp, "tiny-l", "running")
+        [before] = worker_servers(node).values()
         node.agent.process.send_signal(signal.SIGKILL)
         node.agent.process.wait(timeout=10)
-        shown = wait_servers(cp, "tiny-l", "failed", timeout=60)
+        shown = wait_servers(cp, "tiny-l", "waiting", timeout=60)
+        assert shown["state"] == "down"
         assert shown["servers"][0]["error"]["code"] in (SERVER_LEASE_LOST, "NODE_OFFLINE")
         assert len(worker_servers(node)) == 1  # the worker still runs it, unwatched
         node.agent.close()
         node.agent = AgentProcess(node.agent.env, tmp_path / "serve-l" / "agent-2.log")
-        wait_until(lambda: worker_servers(node) == {}, timeout=60, what="orphan stopped")
-        assert deployment(cp, "tiny-l")["servers"][0]["state"] == "failed"
-        # Restart puts it back: a fresh launch.
-        again = cp.admin("POST", f"{DEPLOYMENTS}/tiny-l/restart")
+        # No admin call: the agent claims it again and adopts the runtime that still runs.
+        shown = wait_servers(cp, "tiny-l", "running", timeout=60)
+        assert shown["servers"][0]["error"] is None and shown["servers"][0]["restarts"] == 0
+        [after] = worker_servers(node).values()
+        assert after["ident"] == before["ident"]
+        assert llama_processes(llama_server_binary) == [before["ident"]["pid"]]
+        assert complete(after["port"], "tiny-l")
+    finally:
+        node.close()
+
+
+def test_restart_of_a_running_deployment_serves_again_with_a_fresh_runtime(
+    cp, tmp_path, sockets, model, llama_server_binary
+):
+    node = serving_node(cp, tmp_path, sockets, "serve-s", llama_server_binary)
+    try:
+        replicate(cp, [node])
+        assert deploy(cp, "tiny-s", [node]).status_code == 201
+        wait_servers(cp, "tiny-s", "running")
+        [before] = worker_servers(node).values()
+        again = cp.admin("POST", f"{DEPLOYMENTS}/tiny-s/restart")
         assert again.status_code == 200, again.text
-        wait_servers(cp, "tiny-l", "running")
+        assert again.json()["servers"][0]["state"] == "pending"
+
+        def fresh():
+            listed = list(worker_servers(node).values())
+            shown = deployment(cp, "tiny-s")["servers"][0]
+            if shown["state"] == "running" and listed and listed[0]["ident"] != before["ident"]:
+                return listed[0]
+            return None
+
+        after = wait_until(fresh, timeout=60, what="running again, a new runtime")
+        assert llama_processes(llama_server_binary) == [after["ident"]["pid"]]
+        assert complete(after["port"], "tiny-s")
+        # The agent took the 409 as the lease's end, once, never as a refusal to retry.
+        assert node.agent.log().count("its lease ended (restarted)") == 1
+        assert "the serve loop tries again" not in node.agent.log()
     finally:
         node.close()
 

@@ -362,7 +362,7 @@ def test_a_store_from_before_api_keys_migrates_and_keeps_its_record(tmp_path, da
     store.close()
     store = Store(database_url, ManualClock())
     try:
-        assert store.migrate() == [13]
+        assert store.migrate() == [13, 14]
         view, secret = api_keys.create_api_key(store, "new", "cli")
         api_keys.revoke_api_key(store, view["key_id"], "cli")
         kinds = {(e.kind, e.subject_id) for e in finality.read_store(store)}

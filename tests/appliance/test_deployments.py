@@ -169,7 +169,7 @@ def test_model_missing_names_the_nodes_and_replicate_first_waits_for_presence(
     assert made.status_code == 201, made.text
     view = made.json()
     assert [s["state"] for s in view["servers"]] == ["pending", "pending"]
-    assert view["settings"]["model_file"] == "tiny.gguf" and view["state"] == "pending"
+    assert view["settings"]["model_file"] == "tiny.gguf" and view["state"] == "starting"
     # a holds the model: its agent is told at once; b only once it reports the model present.
     generation = b.heartbeat_answer()["servers_generation"]
     assert [s["deployment"] for s in a.servers()] == ["tiny-chat"]
@@ -259,7 +259,7 @@ def test_the_serve_lease_from_claim_to_running_restart_and_stop(control_plane, t
         assert action in events, action
 
 
-def test_an_expired_serve_lease_fails_the_server_and_a_stopping_one_stops(
+def test_an_expired_serve_lease_leaves_the_server_waiting_for_its_node_and_a_stopping_one_stops(
     clocked_control_plane, clock, tmp_path
 ):
     cp = clocked_control_plane
@@ -276,12 +276,19 @@ def test_an_expired_serve_lease_fails_the_server_and_a_stopping_one_stops(
     clock.advance(cp.settings.serve_lease_seconds + 1)
     node.heartbeat_answer()  # online still: it is the lease, not the node, that ran out
     one = cp.admin("GET", f"{DEPLOYMENTS}/one").json()
-    assert one["state"] == "failed"
+    assert (one["state"], one["servers"][0]["state"]) == ("down", "waiting")
     assert one["servers"][0]["error"]["code"] == "SERVER_LEASE_LOST"
     assert cp.admin("GET", f"{DEPLOYMENTS}/two").status_code == 404  # stopped, so gone
-    late = node.renew_server(one["servers"][0]["server_id"], leases["one"]["lease_id"], "running")
-    assert late.json()["lease_end"] == "expired"
-    assert node.servers() == []  # a failed server is not started again until a restart
+    server_id = one["servers"][0]["server_id"]
+    late = node.renew_server(server_id, leases["one"]["lease_id"], "running")
+    assert late.status_code == 409 and late.json()["lease_end"] == "expired"
+    # Still listed to its node: its agent claims it again, with no person, and it runs.
+    assert [(s["server_id"], s["state"]) for s in node.servers()] == [(server_id, "waiting")]
+    again = node.claim_server(server_id).json()["lease"]
+    shown = cp.admin("GET", f"{DEPLOYMENTS}/one").json()["servers"][0]
+    assert (shown["state"], shown["error"]) == ("starting", None)
+    node.renew_server(server_id, again["lease_id"], "running")
+    assert cp.admin("GET", f"{DEPLOYMENTS}/one").json()["state"] == "running"
 
 
 def test_gpus_by_uuid_disjoint_unless_shared_and_freed_by_undeploy(control_plane, tmp_path):
@@ -336,7 +343,7 @@ def test_the_cli_deploys_lists_shows_restarts_and_undeploys(control_plane, tmp_p
     assert made.returncode == 0, made.stderr
     assert json.loads(made.stdout)["servers"][0]["node_id"] == node.node_id
     listed = cli(cp, "deployments")
-    assert listed.returncode == 0 and "cli-svc: pending" in listed.stdout
+    assert listed.returncode == 0 and "cli-svc: starting" in listed.stdout
     shown = cli(cp, "deployments", "show", "cli-svc")
     assert "tiny.gguf" in shown.stdout and "cli-a" in shown.stdout
     missing = cli(cp, "deployments", "show", "nope")

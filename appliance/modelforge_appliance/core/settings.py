@@ -227,6 +227,13 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "Beyond it a client gets 503 STREAM_LIMIT with Retry-After.",
     ),
     SettingSpec(
+        "MODELFORGE_RELAY_COLD_START_SECONDS",
+        "120",
+        "How long a client request for an unloaded (idle) deployment waits for its first "
+        "server to start and be ready before it is relayed; past it the client gets 503 "
+        "COLD_START_TIMEOUT with Retry-After (1-3600).",
+    ),
+    SettingSpec(
         "MODELFORGE_CONNECTION_LIMIT",
         "10000",
         "Client connections held open at once (every agent keeps one). Beyond it new "
@@ -312,6 +319,7 @@ class Settings:
     session_idle_seconds: int = 1800
     session_max_seconds: int = 43200
     release_manifest: Path | None = None
+    relay_cold_start_seconds: int = 120
     work_container_max_pids: int = 4096
     work_container_max_cpus: float = 64.0
     work_container_max_memory_bytes: int = 64 * 2**30
@@ -554,6 +562,7 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         work_claims_per_second=integer(env, "MODELFORGE_WORK_CLAIMS_PER_SECOND", 1, 10_000),
         threads=integer(env, "MODELFORGE_THREADS", 1, 256),
         relay_streams=integer(env, "MODELFORGE_RELAY_STREAMS", 0, 4096),
+        relay_cold_start_seconds=integer(env, "MODELFORGE_RELAY_COLD_START_SECONDS", 1, 3600),
         log_level=log_level,
         connection_limit=connection_limit,
         connections_per_address=per_address,

@@ -449,6 +449,10 @@ DEPLOYMENT_SETTINGS_FIELDS = {
     ),
     "image_id": Field(str, required=False, nullable=True, low=71, high=71),
     "model_file": Field(str, required=False, nullable=True, low=1, high=1024),
+    # Load on demand (deployments/idle.py): unloaded after this long without a request.
+    "idle_unload_seconds": Field(
+        int, required=False, nullable=True, low=1, high=deploy_contract.IDLE_UNLOAD_MAX
+    ),
 }
 
 DEPLOY_FIELDS = {
@@ -463,6 +467,12 @@ DEPLOY_FIELDS = {
     "replicate": Field(bool, required=False),
 }
 
+# POST /admin/deployments/{name}/servers: nodes that join a running deployment.
+DEPLOYMENT_MEMBERS_FIELDS = {
+    "node_ids": DEPLOY_FIELDS["node_ids"],
+    "replicate": Field(bool, required=False),
+}
+
 SERVER_CLAIM_FIELDS = {"node_id": _ID}
 
 SERVER_RENEW_FIELDS = {
@@ -471,4 +481,6 @@ SERVER_RENEW_FIELDS = {
     "state": Field(str, choices=deploy_contract.SERVER_REPORTED_STATES),
     "restarts": Field(int, required=False, low=0, high=10**6),
     "error": Field(dict, required=False, nullable=True, fields=MODEL_REPORT_ERROR_FIELDS),
+    # backoff: seconds until the agent starts the runtime again
+    "next_attempt_in": Field(float, required=False, nullable=True, low=0, high=86400),
 }

@@ -2,10 +2,14 @@
 
 A server is started by its node's agent under a long-lived lease it renews while the
 server runs (docs/architecture.md §11). Each renewal carries the state the agent sees
-(starting, running, stopped, failed) and answers whether the server should keep running.
-Every transition is a conditional ``UPDATE`` whose row count decides, as for work leases:
-a renewal racing an expiry or a restart changes the row once, and the loser is told how
-its lease ended (409 LEASE_LOST with ``lease_end``).
+(starting, running, backoff, stopped, failed) and answers whether the server should keep
+running. What each event makes of a server is reconcile.step's to say; this module reads the
+row, asks it, and writes the answer with a conditional ``UPDATE`` whose row count decides,
+as for work leases: a renewal racing an expiry or a restart changes the row once, and the
+loser is told how its lease ended (409 LEASE_LOST with ``lease_end``).
+
+A lease that runs out (the agent or its node went away) leaves the server ``waiting``,
+still listed to its node, so the agent claims it again when it is back (docs/deployments.md).
 """
 
 from __future__ import annotations
@@ -18,18 +22,18 @@ from typing import Any
 
 from modelforge_contract import LEASE_LOST
 from modelforge_contract.deployments import (
-    LEASE_END_EXPIRED,
+    GOAL_RUN,
     LEASE_END_REPLACED,
-    LEASE_END_STOPPED,
     NODE_OFFLINE,
+    NODE_STOPPING,
+    SERVER_BACKOFF,
     SERVER_FAILED,
     SERVER_LEASE_LOST,
     SERVER_NOT_CLAIMABLE,
-    SERVER_PENDING,
     SERVER_RUNNING,
     SERVER_STARTING,
     SERVER_STOPPED,
-    SERVER_STOPPING,
+    SERVER_WAITING,
 )
 
 from ..core.clock import isoformat
@@ -40,12 +44,10 @@ from ..models.replicas import shown_state
 from ..store import audit
 from ..store.database import Store
 from ..store.tables import Deployment, DeploymentServer, Model, ModelReplica, Node
-from . import placement
-from .servers import end_lease, reap
+from . import placement, reconcile
+from .servers import apply_outcome, member_of
 
 log = logging.getLogger(__name__)
-
-_RUNNABLE = (SERVER_PENDING, SERVER_STARTING, SERVER_RUNNING)
 
 
 def _actor(node_id: str) -> str:
@@ -62,7 +64,8 @@ def desired_for(store: Store, node_id: str) -> dict[str, Any]:
             .join(Model)
             .where(
                 (DeploymentServer.node == node_id)
-                & DeploymentServer.state.in_(_RUNNABLE)
+                & DeploymentServer.state.in_(reconcile.CLAIMABLE)
+                & (DeploymentServer.goal == GOAL_RUN)
                 & (Deployment.stopping == False)  # noqa: E712 - peewee's expression
             )
             .order_by(DeploymentServer.server_id)
@@ -91,6 +94,7 @@ def desired_for(store: Store, node_id: str) -> dict[str, Any]:
                 "settings": settings,
                 "gpus": json.loads(row.gpus),
                 "state": row.state,
+                "restarts": row.restarts,
             }
         )
     return {"servers": servers, "servers_generation": node.servers_generation}
@@ -115,7 +119,7 @@ class ServeLease:
 def _not_claimable(server_id: str) -> Conflict:
     return Conflict(
         f"server {server_id} is not one this node may start now: it is another node's, was "
-        "stopped, failed or removed",
+        "stopped, unloaded, failed or removed",
         code=SERVER_NOT_CLAIMABLE,
         next_step="Stop any runtime of this server and fetch GET /agent/servers again.",
     )
@@ -124,7 +128,8 @@ def _not_claimable(server_id: str) -> Conflict:
 def claim(store: Store, settings: Settings, caller: Caller, server_id: str) -> ServeLease:
     """A serve lease on one of this node's runnable servers. The same node claiming a
     server it already holds (its agent restarted) gets a new lease, and the old one ends
-    ``replaced``; the server's state is kept, so a runtime still running is adopted."""
+    ``replaced``; a starting or running server keeps its state, so a runtime still running
+    is adopted; a pending, waiting or backing-off one is ``starting``."""
     now = store.clock.now()
     lease_id = uuid.uuid4().hex
     expires_at = now + settings.serve_lease_seconds
@@ -138,8 +143,14 @@ def claim(store: Store, settings: Settings, caller: Caller, server_id: str) -> S
             )
             .first()
         )
-        if server is None or server.deployment.stopping or server.state not in _RUNNABLE:
+        if (
+            server is None
+            or server.deployment.stopping
+            or server.goal != GOAL_RUN
+            or server.state not in reconcile.CLAIMABLE
+        ):
             raise _not_claimable(server_id)
+        outcome = reconcile.step(member_of(server, server.deployment), reconcile.CLAIM)
         changes: dict[str, Any] = {
             "lease_id": lease_id,
             "lease_expires_at": expires_at,
@@ -147,8 +158,10 @@ def claim(store: Store, settings: Settings, caller: Caller, server_id: str) -> S
         }
         if server.lease_id is not None:
             changes.update(previous_lease_id=server.lease_id, previous_lease_end=LEASE_END_REPLACED)
-        if server.state == SERVER_PENDING:
-            changes.update(state=SERVER_STARTING, state_since=now)
+        if outcome.state != server.state:
+            changes.update(state=outcome.state, state_since=now)
+            if server.state == SERVER_WAITING:
+                changes["error"] = None  # the node is back: why it waited is over
         held = (
             (DeploymentServer.server_id == server_id)
             & (DeploymentServer.state == server.state)
@@ -169,7 +182,8 @@ def claim(store: Store, settings: Settings, caller: Caller, server_id: str) -> S
             server_id=server_id,
             deployment=server.deployment.name,
             lease_id=lease_id,
-            adopted=server.state != SERVER_PENDING,
+            adopted=server.state in (SERVER_STARTING, SERVER_RUNNING),
+            was=server.state,
         )
     return ServeLease(server_id, lease_id, expires_at, settings.serve_lease_seconds)
 
@@ -197,8 +211,14 @@ def renew(
     lease_id, reported = fields["lease_id"], fields["state"]
     expires_at = now + settings.serve_lease_seconds
     with store.write(flushed=reported in (SERVER_STOPPED, SERVER_FAILED)):
-        server = DeploymentServer.get_or_none(
-            (DeploymentServer.server_id == server_id) & (DeploymentServer.node == caller.node_id)
+        server = (
+            DeploymentServer.select(DeploymentServer, Deployment)
+            .join(Deployment)
+            .where(
+                (DeploymentServer.server_id == server_id)
+                & (DeploymentServer.node == caller.node_id)
+            )
+            .first()
         )
         live = (
             server is not None
@@ -213,89 +233,82 @@ def renew(
                 else None
             )
             raise _lease_lost(server_id, ended)
-        changes, event = _transition(server, reported, fields, now, expires_at)
+        deployment = server.deployment
+        outcome = reconcile.step(member_of(server, deployment), reconcile.REPORT, reported)
+        extra = _reported(server, reported, fields, now)
+        if outcome.end_lease is None:
+            extra["lease_expires_at"] = expires_at
+        if reported == SERVER_STOPPED and outcome.state == SERVER_WAITING:
+            extra["error"] = json.dumps(
+                {"code": NODE_STOPPING, "message": "the node's agent stopped it to go; it "
+                 "starts again when the agent is back"}, sort_keys=True)  # fmt: skip
         held = (DeploymentServer.server_id == server_id) & (DeploymentServer.lease_id == lease_id)
-        if DeploymentServer.update(**changes).where(held).execute() != 1:
+        gone = apply_outcome(store, server, outcome, now, held, **extra)
+        if gone is None:
             raise _lease_lost(server_id, None)
-        if event is not None:
-            deployment = Deployment.get_by_id(server.deployment_id)
+        if outcome.state != server.state:
             audit.record(
                 store,
                 _actor(caller.node_id),
-                event,
+                f"server.{outcome.state}",
                 node_id=caller.node_id,
                 server_id=server_id,
                 deployment=deployment.name,
-                state=changes.get("state", server.state),
+                state=outcome.state,
                 error_code=(fields.get("error") or {}).get("code"),
-                restarts=changes.get("restarts", server.restarts),
+                restarts=extra.get("restarts", server.restarts),
             )
-        state = changes.get("state", server.state)
-        if state == SERVER_STOPPED:
-            reap(store, server.deployment_id, _actor(caller.node_id))
-    desired = "run" if state in (SERVER_STARTING, SERVER_RUNNING) else "stop"
-    return {"expires_at": isoformat(expires_at), "desired": desired, "state": state}
+    return {
+        "expires_at": isoformat(expires_at),
+        "desired": reconcile.desired(outcome.state) if outcome.end_lease is None else "stop",
+        "state": outcome.state,
+    }
 
 
-def _transition(
-    server: DeploymentServer,
-    reported: str,
-    fields: dict[str, Any],
-    now: float,
-    expires_at: float,
-) -> tuple[dict[str, Any], str | None]:
-    """The columns a renewal changes, and the audit event when the state moved."""
-    changes: dict[str, Any] = {"lease_expires_at": expires_at}
+def _reported(
+    server: DeploymentServer, reported: str, fields: dict[str, Any], now: float
+) -> dict[str, Any]:
+    """The columns besides the state that a renewal's report changes."""
+    changes: dict[str, Any] = {}
     restarts = fields.get("restarts")
     if restarts is not None and restarts != server.restarts:
         changes["restarts"] = restarts
     error = fields.get("error")
-    if server.state == SERVER_STOPPING:
-        if reported in (SERVER_STOPPED, SERVER_FAILED):
-            return {
-                **changes,
-                **end_lease(server, LEASE_END_STOPPED),
-                "state": SERVER_STOPPED,
-                "state_since": now,
-            }, "server.stopped"
-        return changes, None  # still stopping: the answer says stop
-    if reported == SERVER_FAILED:
-        failure = error or {"code": "RUNTIME_EXITED", "message": "the agent reported a failure"}
-        return {
-            **changes,
-            **end_lease(server, SERVER_FAILED),
-            "state": SERVER_FAILED,
-            "state_since": now,
-            "error": json.dumps(failure, sort_keys=True),
-        }, "server.failed"
-    if reported == SERVER_STOPPED:  # stopped on its own (the agent's node is stopping)
-        return {
-            **changes,
-            **end_lease(server, LEASE_END_STOPPED),
-            "state": SERVER_PENDING,
-            "state_since": now,
-        }, "server.stopped"
-    if reported == server.state:
-        if error is not None and json.dumps(error, sort_keys=True) != server.error:
-            changes["error"] = json.dumps(error, sort_keys=True)
-        return changes, None
-    changes.update(state=reported, state_since=now)
     if reported == SERVER_RUNNING:
-        changes.update(started_at=now, error=None)
-        return changes, "server.running"
-    # back to starting: the runtime exited and the agent is restarting it
-    changes["error"] = json.dumps(error, sort_keys=True) if error else server.error
-    return changes, "server.restarting"
+        if server.state != SERVER_RUNNING:
+            changes.update(started_at=now, error=None, next_attempt_at=None)
+        return changes
+    if error is not None:
+        text = json.dumps(error, sort_keys=True)
+        if text != server.error:
+            changes["error"] = text
+    elif reported == SERVER_FAILED:
+        changes["error"] = json.dumps(
+            {"code": "RUNTIME_EXITED", "message": "the agent reported a failure"}, sort_keys=True
+        )
+    if reported == SERVER_BACKOFF:
+        wait = fields.get("next_attempt_in")
+        changes["next_attempt_at"] = now + float(wait) if wait is not None else None
+    elif server.next_attempt_at is not None:
+        changes["next_attempt_at"] = None
+    return changes
 
 
 _EXPIRED_SQL = (
     "SELECT server_id FROM deployment_server WHERE lease_id IS NOT NULL AND lease_expires_at <= ?"
 )
 
+_AWAY = {
+    SERVER_LEASE_LOST: "the node's agent stopped renewing the serve lease (the agent or its "
+    "node stopped, or lost the control plane); it starts again when the agent is back",
+    NODE_OFFLINE: "the node went offline; it starts again when the node is back online",
+}
+
 
 def expire_servers(store: Store, settings: Settings) -> list[str]:
-    """Fail every server whose lease ran out, or whose node is no longer online (a stopping
-    one just stops); called before agent fetches and admin reads, like work's expiry."""
+    """End every lease that ran out, or whose node is no longer online: the server waits
+    for its node (a stopping one lands where it was going); called before agent fetches
+    and admin reads, like work's expiry."""
     now = store.clock.now()
     with store.connection():
         expired = [
@@ -309,7 +322,7 @@ def expire_servers(store: Store, settings: Settings) -> list[str]:
             .join(Node)
             .where(
                 DeploymentServer.lease_id.is_null(False)
-                & DeploymentServer.state.in_((SERVER_STARTING, SERVER_RUNNING))
+                & DeploymentServer.state.in_(reconcile.RUNNING_ON_NODE)
             )
         )
         offline = [
@@ -321,52 +334,36 @@ def expire_servers(store: Store, settings: Settings) -> list[str]:
     done = []
     with store.write(flushed=False):
         for server_id in todo:
-            server = DeploymentServer.get_or_none(DeploymentServer.server_id == server_id)
+            server = (
+                DeploymentServer.select(DeploymentServer, Deployment)
+                .join(Deployment)
+                .where(DeploymentServer.server_id == server_id)
+                .first()
+            )
             if server is None or server.lease_id is None:
                 continue
             ran_out = server.lease_expires_at is not None and server.lease_expires_at <= now
             if not ran_out and server_id not in offline:
                 continue
-            if server.state == SERVER_STOPPING:
-                values = {"state": SERVER_STOPPED}
-            else:
-                code, message = (
-                    (
-                        SERVER_LEASE_LOST,
-                        "the node's agent stopped renewing the serve lease (the agent or its "
-                        "node stopped, or lost the control plane)",
-                    )
-                    if ran_out
-                    else (NODE_OFFLINE, "the node went offline while the server ran")
-                )
-                values = {
-                    "state": SERVER_FAILED,
-                    "error": json.dumps({"code": code, "message": message}, sort_keys=True),
-                }
-            changed = (
-                DeploymentServer.update(
-                    **end_lease(server, LEASE_END_EXPIRED), state_since=now, **values
-                )
-                .where(
-                    (DeploymentServer.server_id == server_id)
-                    & (DeploymentServer.lease_id == server.lease_id)
-                )
-                .execute()
+            outcome = reconcile.step(member_of(server, server.deployment), reconcile.EXPIRE)
+            extra: dict[str, Any] = {}
+            if outcome.state == SERVER_WAITING:
+                code = SERVER_LEASE_LOST if ran_out else NODE_OFFLINE
+                extra["error"] = json.dumps({"code": code, "message": _AWAY[code]}, sort_keys=True)
+            held = (DeploymentServer.server_id == server_id) & (
+                DeploymentServer.lease_id == server.lease_id
             )
-            if changed != 1:
+            if apply_outcome(store, server, outcome, now, held, **extra) is None:
                 continue
-            deployment = Deployment.get_by_id(server.deployment_id)
             audit.record(
                 store,
                 "control-plane",
                 "server.lease_expired",
                 node_id=server.node_id,
                 server_id=server_id,
-                deployment=deployment.name,
-                state=values["state"],
+                deployment=server.deployment.name,
+                state=outcome.state,
             )
-            if values["state"] == SERVER_STOPPED:
-                reap(store, server.deployment_id, "control-plane")
             done.append(server_id)
     if done:
         log.info("%d serve lease(s) expired", len(done))
@@ -374,30 +371,33 @@ def expire_servers(store: Store, settings: Settings) -> list[str]:
 
 
 def fail_node_servers(store: Store, node_id: str, actor: str, code: str, message: str) -> list[str]:
-    """Fail (or, when stopping, stop) every active server of a node taken out of service
-    (inside the caller's transaction); the node's agent can no longer renew."""
+    """Fail (or, when stopping, stop) every server of a node taken out of service (inside
+    the caller's transaction): only a person can choose where they run now."""
     now = store.clock.now()
     done = []
     rows = list(
-        DeploymentServer.select()
+        DeploymentServer.select(DeploymentServer, Deployment)
+        .join(Deployment)
         .where(
             (DeploymentServer.node == node_id)
-            & DeploymentServer.state.in_(_RUNNABLE + (SERVER_STOPPING,))
+            & DeploymentServer.state.not_in((SERVER_STOPPED, SERVER_FAILED))
         )
         .order_by(DeploymentServer.server_id)
     )
     for server in rows:
-        stopping = server.state == SERVER_STOPPING
-        DeploymentServer.update(
-            state=SERVER_STOPPED if stopping else SERVER_FAILED,
-            state_since=now,
-            error=None if stopping else json.dumps({"code": code, "message": message}),
-            **end_lease(server, LEASE_END_STOPPED if stopping else SERVER_FAILED),
-        ).where(DeploymentServer.server_id == server.server_id).execute()
+        outcome = reconcile.step(member_of(server, server.deployment), reconcile.DECOMMISSION)
+        extra: dict[str, Any] = {}
+        if outcome.state == SERVER_FAILED:
+            extra["error"] = json.dumps({"code": code, "message": message}, sort_keys=True)
+        held = DeploymentServer.server_id == server.server_id
+        apply_outcome(store, server, outcome, now, held, actor=actor, **extra)
         audit.record(
-            store, actor, "server.failed", node_id=node_id, server_id=server.server_id, code=code
+            store,
+            actor,
+            f"server.{outcome.state}",
+            node_id=node_id,
+            server_id=server.server_id,
+            code=code,
         )
-        if stopping:
-            reap(store, server.deployment_id, actor)
         done.append(server.server_id)
     return done

@@ -27,7 +27,7 @@ from ..core.settings import Settings
 from ..fleet.nodes import liveness_of
 from ..models.replicas import shown_state
 from ..store.database import Store
-from ..store.tables import DeploymentServer, Model, ModelReplica, Node
+from ..store.tables import Deployment, DeploymentServer, Model, ModelReplica, Node
 from ..work.placement import gpus_in_use_by_work, ineligibility, node_gpus, reported_by
 
 # What each claim reason (work/placement.py) means for a deployment's member.
@@ -123,6 +123,30 @@ def gpus_held(node_id: str) -> set[str]:
     ):
         held.update(json.loads(gpus))
     return held
+
+
+def idle_unload_seconds(deployment: Any) -> int | None:
+    """A deployment's ``settings.idle_unload_seconds`` (load on demand, idle.py), or None."""
+    value = (json.loads(deployment.settings) or {}).get("idle_unload_seconds")
+    return int(value) if isinstance(value, int) and value >= 1 else None
+
+
+def gpus_held_apart(node_id: str) -> tuple[set[str], set[str]]:
+    """The GPU UUIDs the node's active servers hold, apart: those of deployments that never
+    unload, and those of deployments that unload when idle (inside the caller's
+    transaction). Idle-capable deployments may name the same GPUs (idle.py)."""
+    hard: set[str] = set()
+    soft: set[str] = set()
+    rows = (
+        DeploymentServer.select(DeploymentServer.gpus, Deployment.settings)
+        .join(Deployment)
+        .where(
+            (DeploymentServer.node == node_id) & DeploymentServer.state.in_(SERVER_ACTIVE_STATES)
+        )
+    )
+    for row in rows:
+        (soft if idle_unload_seconds(row.deployment) else hard).update(json.loads(row.gpus))
+    return hard, soft
 
 
 def pick_gpus(node: Node, count: int | None, share: bool, held: set[str]) -> list[str]:

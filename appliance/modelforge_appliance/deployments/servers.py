@@ -22,18 +22,15 @@ from modelforge_contract.deployments import (
     DEPLOYMENT_NAME_RE,
     DEPLOYMENT_NOT_FOUND,
     DEPLOYMENT_STOPPING,
-    LEASE_END_RESTARTED,
-    LEASE_END_STOPPED,
+    GOAL_IDLE,
+    GOAL_RUN,
     MODEL_FORMAT_UNSUPPORTED,
     RUNTIME_LLAMA_CPP,
     RUNTIME_VLLM,
     SERVER_ACTIVE_STATES,
-    SERVER_FAILED,
+    SERVER_IDLE,
     SERVER_PENDING,
-    SERVER_RUNNING,
-    SERVER_STARTING,
     SERVER_STOPPED,
-    SERVER_STOPPING,
     reserved_arg,
 )
 
@@ -44,7 +41,7 @@ from ..models import catalog, replicas
 from ..store import audit
 from ..store.database import Store
 from ..store.tables import Deployment, DeploymentServer, Model, Node
-from . import placement
+from . import placement, reconcile
 
 _IMAGE_ID_LENGTH = 71
 
@@ -70,6 +67,8 @@ def server_view(server: DeploymentServer, node: Node) -> dict[str, Any]:
         "error": _load(server.error),
         "gpus": _load(server.gpus) or [],
         "restarts": server.restarts,
+        "next_attempt_at": isoformat(server.next_attempt_at),
+        "goal": server.goal,
         "lease_expires_at": isoformat(server.lease_expires_at),
         "started_at": isoformat(server.started_at),
     }
@@ -77,17 +76,7 @@ def server_view(server: DeploymentServer, node: Node) -> dict[str, Any]:
 
 def derived_state(deployment: Deployment, states: list[str]) -> str:
     """One word for the whole deployment, from its servers' states."""
-    if deployment.stopping:
-        return SERVER_STOPPED if all(s == SERVER_STOPPED for s in states) else SERVER_STOPPING
-    if states and all(s == SERVER_RUNNING for s in states):
-        return SERVER_RUNNING
-    if states and all(s == SERVER_FAILED for s in states):
-        return SERVER_FAILED
-    if SERVER_RUNNING in states and SERVER_FAILED in states:
-        return "degraded"
-    if states and all(s == SERVER_PENDING for s in states):
-        return SERVER_PENDING
-    return SERVER_STARTING
+    return reconcile.deployment_state(states, bool(deployment.stopping))
 
 
 def deployment_view(
@@ -108,6 +97,7 @@ def deployment_view(
             "args": settings.get("args") or [],
             "image_id": settings.get("image_id"),
             "model_file": settings.get("model_file"),
+            "idle_unload_seconds": settings.get("idle_unload_seconds"),
         },
         "state": derived_state(deployment, [s.state for s, _ in servers]),
         "created_at": isoformat(deployment.created_at),
@@ -236,6 +226,7 @@ def _settings_of(fields: dict[str, Any], model: Model) -> dict[str, Any]:
         "args": list(given.get("args") or []),
         "image_id": image_id,
         "model_file": model_file_for(model, runtime, given.get("model_file")),
+        "idle_unload_seconds": given.get("idle_unload_seconds"),
     }
 
 
@@ -252,6 +243,7 @@ def deploy(
     model = catalog.get_revision(store, fields["model"], fields.get("revision"))
     runtime = fields["runtime"]
     server_settings = _settings_of(fields, model)
+    idle_capable = server_settings.get("idle_unload_seconds") is not None
     node_ids = list(dict.fromkeys(fields["node_ids"]))
     now = store.clock.now()
     with store.connection():
@@ -265,12 +257,7 @@ def deploy(
         missing = placement.missing_on(store, model, members)
         # Checked before anything is replicated (and again where it decides, below).
         for node in members:
-            placement.pick_gpus(
-                node,
-                fields.get("gpu_count"),
-                bool(fields.get("share_gpus")),
-                placement.gpus_held(node.node_id) | placement.gpus_of_work(store, node.node_id),
-            )
+            place_server(store, node, fields, idle_capable)
     if missing and not fields.get("replicate"):
         placement.refuse_missing(model, missing)
     if missing:  # replicate first; each server starts once its node reports the model
@@ -288,15 +275,8 @@ def deploy(
                 )
         if Deployment.select().where(Deployment.name == name).exists():
             raise _exists(name)
-        chosen = {
-            node.node_id: placement.pick_gpus(
-                node,
-                fields.get("gpu_count"),
-                bool(fields.get("share_gpus")),
-                placement.gpus_held(node.node_id) | placement.gpus_of_work(store, node.node_id),
-            )
-            for node in members
-        }
+        placed = {node.node_id: place_server(store, node, fields, idle_capable) for node in members}
+        chosen = {node_id: gpus for node_id, (gpus, _) in placed.items()}
         try:
             Deployment.create(
                 deployment_id=deployment_id,
@@ -317,7 +297,8 @@ def deploy(
                 server_id=uuid.uuid4().hex,
                 deployment=deployment_id,
                 node=node.node_id,
-                state=SERVER_PENDING,
+                state=placed[node.node_id][1],
+                goal=GOAL_IDLE if placed[node.node_id][1] == SERVER_IDLE else GOAL_RUN,
                 state_since=now,
                 error=None,
                 gpus=_dump(chosen[node.node_id]),
@@ -341,6 +322,21 @@ def deploy(
     return get_deployment(store, name)
 
 
+def place_server(
+    store: Store, node: Node, fields: dict[str, Any], idle_capable: bool
+) -> tuple[list[str], str]:
+    """The GPUs a new server on ``node`` gets, and the state it starts in (inside the
+    caller's transaction): ``pending``; or ``idle`` for a deployment that unloads when idle
+    placed on GPUs another such deployment runs on now: the first request wakes it, and
+    that one unloads (idle.py). 409 GPUS_UNAVAILABLE when too few are free."""
+    share = bool(fields.get("share_gpus"))
+    hard, soft = placement.gpus_held_apart(node.node_id)
+    held = hard | placement.gpus_of_work(store, node.node_id) | (set() if idle_capable else soft)
+    gpus = placement.pick_gpus(node, fields.get("gpu_count"), share, held)
+    waits = idle_capable and not share and bool(set(gpus) & soft)
+    return gpus, SERVER_IDLE if waits else SERVER_PENDING
+
+
 def _exists(name: str) -> Conflict:
     return Conflict(
         f"a deployment named {name} exists",
@@ -355,7 +351,64 @@ def _bump(node_ids: list[str]) -> None:
     ).execute()
 
 
-# -- undeploy and restart -----------------------------------------------------------------
+# -- applying the state machine --------------------------------------------------------
+
+
+def member_of(server: DeploymentServer, deployment: Deployment) -> reconcile.Member:
+    return reconcile.Member(
+        state=server.state,
+        goal=server.goal,
+        leased=server.lease_id is not None,
+        undeploying=bool(deployment.stopping),
+    )
+
+
+def end_lease(server: DeploymentServer, how: str) -> dict[str, Any]:
+    """The columns that end the server's current lease, remembering how."""
+    if server.lease_id is None:
+        return {}
+    return {
+        "lease_id": None,
+        "lease_expires_at": None,
+        "lease_credential_id": None,
+        "previous_lease_id": server.lease_id,
+        "previous_lease_end": how,
+    }
+
+
+def apply_outcome(
+    store: Store,
+    server: DeploymentServer,
+    outcome: reconcile.Outcome,
+    now: float,
+    held: Any,
+    actor: str = "control-plane",
+    **extra: Any,
+) -> bool | None:
+    """Write what reconcile.step made of ``server`` (inside the caller's transaction), on
+    the rows ``held`` still matches: None when none did (someone else changed it first),
+    True when the row went (a removed member that stopped), False otherwise. A deployment
+    being undeployed goes with its last server."""
+    if outcome.delete:
+        if DeploymentServer.delete().where(held).execute() != 1:
+            return None
+        audit.record(
+            store, actor, "server.removed", server_id=server.server_id, node_id=server.node_id
+        )
+        _bump([server.node_id])
+        return True
+    changes: dict[str, Any] = dict(extra)
+    if outcome.state != server.state:
+        changes.update(state=outcome.state, state_since=now)
+    if outcome.goal != server.goal:
+        changes["goal"] = outcome.goal
+    if outcome.end_lease is not None:
+        changes.update(end_lease(server, outcome.end_lease))
+    if changes and DeploymentServer.update(**changes).where(held).execute() != 1:
+        return None
+    if outcome.state == SERVER_STOPPED:
+        reap(store, server.deployment_id, actor)
+    return False
 
 
 def reap(store: Store, deployment_id: str, actor: str) -> bool:
@@ -380,6 +433,9 @@ def reap(store: Store, deployment_id: str, actor: str) -> bool:
     return True
 
 
+# -- undeploy and restart -----------------------------------------------------------------
+
+
 def undeploy(store: Store, name: str, actor: str) -> dict[str, Any]:
     """Stop every server: one nobody runs stops at once, a leased one goes ``stopping``
     until its agent says it stopped (or its lease runs out). The deployment goes with its
@@ -393,26 +449,16 @@ def undeploy(store: Store, name: str, actor: str) -> dict[str, Any]:
         ).execute()
         deployment.stopping = True
         for server, _node in servers:
-            if server.state in (SERVER_STOPPED,):
-                continue
-            leased = server.lease_id is not None and server.state in (
-                SERVER_STARTING,
-                SERVER_RUNNING,
-                SERVER_STOPPING,
-            )
-            changes: dict[str, Any] = {"state": SERVER_STOPPING if leased else SERVER_STOPPED}
-            if changes["state"] != server.state:
-                changes["state_since"] = now
-            if not leased:
-                changes.update(end_lease(server, LEASE_END_STOPPED))
-            DeploymentServer.update(**changes).where(
-                DeploymentServer.server_id == server.server_id
-            ).execute()
+            outcome = reconcile.step(member_of(server, deployment), reconcile.UNDEPLOY)
+            held = DeploymentServer.server_id == server.server_id
+            apply_outcome(store, server, outcome, now, held, actor=actor)
         _bump([n.node_id for _, n in servers])
         audit.record(
             store, actor, "deployment.stopping", name=name, deployment_id=deployment.deployment_id
         )
-        gone = reap(store, deployment.deployment_id, actor)
+        gone = reap(store, deployment.deployment_id, actor) or not (
+            Deployment.select().where(Deployment.deployment_id == deployment.deployment_id).exists()
+        )
         servers = _servers_of([deployment.deployment_id])[deployment.deployment_id]
     view = deployment_view(deployment, deployment.model, servers)
     if gone:
@@ -420,24 +466,12 @@ def undeploy(store: Store, name: str, actor: str) -> dict[str, Any]:
     return view
 
 
-def end_lease(server: DeploymentServer, how: str) -> dict[str, Any]:
-    """The columns that end the server's current lease, remembering how."""
-    if server.lease_id is None:
-        return {}
-    return {
-        "lease_id": None,
-        "lease_expires_at": None,
-        "lease_credential_id": None,
-        "previous_lease_id": server.lease_id,
-        "previous_lease_end": how,
-    }
-
-
 def restart(store: Store, name: str, actor: str) -> dict[str, Any]:
-    """Every server back to ``pending`` (a running one's agent stops it at its next renewal
-    and claims it again); a failed one gets its restarts back, and GPUs picked again (its
-    old ones may have gone to another server meanwhile): 409 GPUS_UNAVAILABLE, with nothing
-    restarted, when too few are free."""
+    """Every server started afresh: a running one's lease ends ``restarted``, so its agent
+    stops the runtime at its next renewal and claims it again; one that holds no GPU now
+    (failed, idle) gets its restarts back and GPUs picked again (its old ones may have gone
+    to another server meanwhile): 409 GPUS_UNAVAILABLE, with nothing restarted, when too
+    few are free."""
     now = store.clock.now()
     with store.write():
         deployment = _get(name)
@@ -450,23 +484,19 @@ def restart(store: Store, name: str, actor: str) -> dict[str, Any]:
             )
         servers = _servers_of([deployment.deployment_id])[deployment.deployment_id]
         for server, node in servers:
-            changes: dict[str, Any] = {}
-            if server.state not in SERVER_ACTIVE_STATES:  # it holds no GPU now
+            outcome = reconcile.step(member_of(server, deployment), reconcile.RESTART)
+            extra: dict[str, Any] = {}
+            if outcome.state == SERVER_PENDING:
+                extra.update(error=None, restarts=0, started_at=None, next_attempt_at=None)
+            if outcome.state == SERVER_PENDING and server.state not in SERVER_ACTIVE_STATES:
                 wanted = len(_load(server.gpus) or [])
                 held = placement.gpus_held(node.node_id) | placement.gpus_of_work(
                     store, node.node_id
                 )
                 gpus = placement.pick_gpus(node, wanted, deployment.share_gpus, held)
-                changes["gpus"] = _dump(gpus)
-            DeploymentServer.update(
-                state=SERVER_PENDING,
-                state_since=now,
-                error=None,
-                restarts=0,
-                started_at=None,
-                **changes,
-                **end_lease(server, LEASE_END_RESTARTED),
-            ).where(DeploymentServer.server_id == server.server_id).execute()
+                extra["gpus"] = _dump(gpus)
+            row = DeploymentServer.server_id == server.server_id
+            apply_outcome(store, server, outcome, now, row, actor=actor, **extra)
         _bump([n.node_id for _, n in servers])
         audit.record(
             store, actor, "deployment.restarted", name=name, deployment_id=deployment.deployment_id

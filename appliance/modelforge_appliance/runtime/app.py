@@ -20,6 +20,7 @@ from ..api import (
 )
 from ..console import routes as console_routes
 from ..core.settings import Settings
+from ..deployments.idle import Unloader, Usage
 from ..fleet.heartbeats import HeartbeatBuffer
 from ..fleet.telemetry import TelemetryHistory
 from ..relay.hub import Hub
@@ -37,6 +38,7 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
 
     ``app.heartbeats`` is the heartbeat buffer; whoever serves the app starts and stops it
     (``server.run_until``), and writes ``app.refusals``' pending counts when it stops.
+    ``app.unloader`` unloads idle deployments (idle.py), started and stopped with it.
     ``app.hub`` holds the agents' tunnels the client API relays over (the server's front
     hands them to it, ``server.create_server``).
     """
@@ -45,6 +47,10 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
         store, heartbeat_interval=settings.heartbeat_interval_seconds
     )
     metrics = app.metrics = Metrics(store, settings)
+    # Load on demand: when each deployment was last called, and the thread that unloads
+    # the idle ones (started and stopped with the heartbeat buffer, server.run_until).
+    usage = app.usage = Usage(store)
+    app.unloader = Unloader(store, usage)
     app.default_error_handler = framework_error
     app.add_hook("after_request", security_headers)
     # A connection the database dropped (a restart, a terminated backend) is replaced before

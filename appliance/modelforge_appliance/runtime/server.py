@@ -231,6 +231,7 @@ def create_server(settings: Settings, store: Store, host: str, port: int) -> Ser
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
     server.app = app  # the bottle application (tests mount a failing route on it)
     server.heartbeats = app.heartbeats  # started and stopped by run_until
+    server.unloader = app.unloader  # likewise
     server.refusals = app.refusals  # its pending counts are written when run_until stops
     server.tunnel_front = front  # the relay registers its handler here
     endpoint = TunnelEndpoint(store, app.hub)
@@ -247,6 +248,9 @@ def run_until(server: Server, stop: threading.Event) -> None:
     """
     heartbeats = server.heartbeats
     heartbeats.start()
+    unloader = getattr(server, "unloader", None)
+    if unloader is not None:
+        unloader.start()
     loop = EventLoop(server._map)
     try:
         while not stop.is_set():
@@ -259,6 +263,8 @@ def run_until(server: Server, stop: threading.Event) -> None:
             front.close()
         loop.close()
         server.task_dispatcher.shutdown(timeout=5)
+        if unloader is not None:
+            unloader.stop()
         heartbeats.stop()  # acknowledged heartbeats reach the store before we exit
         try:
             server.refusals.flush()

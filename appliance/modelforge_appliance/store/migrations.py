@@ -397,6 +397,13 @@ _API_KEYS_POSTGRESQL = (
     'EXECUTE FUNCTION "api_key_final"()',
 )
 
+# 14: a deployment is a desired state (deployments/reconcile.py): what each member is for
+# (run, unload to idle, leave the deployment) and when a backing-off one starts again.
+_SERVER_GOALS = (
+    'ALTER TABLE "deployment_server" ADD COLUMN "goal" VARCHAR(8) NOT NULL DEFAULT \'run\'',
+    'ALTER TABLE "deployment_server" ADD COLUMN "next_attempt_at" {double}',
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
@@ -419,5 +426,6 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         13, "client API keys", _API_KEYS, sqlite=_API_KEYS_SQLITE, postgresql=_API_KEYS_POSTGRESQL
     ),
+    Migration(14, "server goals and backoff", _SERVER_GOALS),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

@@ -335,6 +335,10 @@ class DeploymentServer(BaseModel):
     previous_lease_id = pw.CharField(max_length=40, null=True)
     previous_lease_end = pw.CharField(max_length=16, null=True)
     started_at = pw.DoubleField(null=True)  # first seen running under the current lease
+    # What the member is for (migration 14): run, unload to idle, or leave the deployment;
+    # and, backing off, when its agent starts the runtime again.
+    goal = pw.CharField(max_length=8, default="run")
+    next_attempt_at = pw.DoubleField(null=True)
 
     class Meta:
         indexes = (
