@@ -183,7 +183,7 @@ def test_servers_follow_their_agents_a_failure_shows_as_text_restart_and_stop_co
     expect(card.get_by_test_id("deployment-model")).to_have_text("tiny-llama@r1")
     assert card.get_by_test_id("deployment-model").get_attribute("title") == model["digest"]
     expect(card.get_by_test_id("deployment-runtime")).to_have_text("llama.cpp")
-    expect(card.get_by_test_id("deployment-state")).to_have_text("pending")
+    expect(card.get_by_test_id("deployment-state")).to_have_text("starting")  # none runs yet
     expect(page.get_by_test_id("deployments-empty")).to_be_hidden()
     expect(page.get_by_test_id("deployment-list")).to_have_attribute("data-polling", "fast")
 
@@ -335,3 +335,94 @@ def test_two_deployments_on_one_node_get_disjoint_gpus_and_a_refused_restart_say
     expect(batch.get_by_test_id("deployment-restart")).to_be_disabled()
     assert deployment(cp, "tiny-batch")["state"] == "stopping"
     assert deployment(cp, "tiny-chat")["state"] == "degraded"  # the other one untouched
+
+
+def test_a_node_is_added_from_the_non_members_and_a_member_removed_after_a_second_click(
+    browser, still_plane, tmp_path
+):
+    cp = still_plane
+    model = import_gguf(cp, tmp_path, "tiny-llama")
+    alpha = ServingNode(cp, "gpu-alpha", gpus=[gpu(0)], mode="nvidia")
+    beta = ServingNode(cp, "cpu-beta", gpus=[], mode="cpu")
+    silent = WorkNode(cp, "never-heard", gpus=[], mode="cpu")  # enrolled, no heartbeat yet
+    replicate_present(cp, model, [alpha, beta])
+    body = {"name": "tiny-chat", "model": "tiny-llama", "runtime": "llama.cpp",
+            "node_ids": [alpha.node_id]}  # fmt: skip
+    made = cp.admin("POST", DEPLOYMENTS, json=body)
+    assert made.status_code == 201, made.text
+    lease_a = alpha.claim_server(made.json()["servers"][0]["server_id"])
+    alpha.renew_server(lease_a, "running")
+
+    page = browser.new_page()
+    requests_made: list[tuple[str, str, str | None]] = []
+    page.on(
+        "request",
+        lambda r: requests_made.append((r.method, r.url, r.headers.get("x-csrf-token"))),
+    )
+    sign_in(page, cp.url)
+    page.goto(f"{cp.url}/console/deployments")
+    card = page.locator('[data-testid="deployment-card"][data-deployment="tiny-chat"]')
+    expect(card.get_by_test_id("deployment-state")).to_have_text("running")
+
+    # The choices are the nodes that are not members; one never heard from cannot be chosen.
+    card.get_by_test_id("deployment-add-node").click()
+    select = card.get_by_test_id("add-node-select")
+    expect(select).to_be_visible()
+    options = select.locator("option")
+    expect(options).to_have_count(2)
+    values = {o.get_attribute("value"): o for o in options.all()}
+    assert set(values) == {beta.node_id, silent.node_id}  # alpha, a member, is not offered
+    assert values[silent.node_id].is_disabled() and "pending" in values[silent.node_id].inner_text()
+    assert select.input_value() == beta.node_id
+    card.get_by_test_id("add-node-submit").click()
+    row_b = card.locator(f'[data-testid="server-row"][data-node-id="{beta.node_id}"]')
+    expect(row_b).to_have_attribute("data-state", "pending", timeout=MOVED)
+    expect(card.get_by_test_id("add-node-picker")).to_be_hidden()
+    csrf = page.locator('meta[name="csrf-token"]').get_attribute("content")
+    added = [r for r in requests_made if r[0] == "POST" and r[1].endswith("/servers")]
+    assert len(added) == 1 and added[0][2] == csrf
+    assert set(server_states(cp, "tiny-chat")) == {alpha.node_id, beta.node_id}
+
+    # Beta's runtime exits: backing off, the page says why and when it tries again.
+    [server_b] = [s for s in deployment(cp, "tiny-chat")["servers"] if s["node_id"] == beta.node_id]
+    lease_b = beta.claim_server(server_b["server_id"])
+    error = {"code": RUNTIME_EXITED, "message": f"exited with status 3 {HOSTILE}"}
+    beta.renew_server(lease_b, "backoff", restarts=1, error=error, next_attempt_in=30)
+    expect(row_b).to_have_attribute("data-state", "backoff", timeout=MOVED)
+    expect(row_b.get_by_test_id("server-next-attempt")).to_have_text("in 30 s")
+    expect(row_b.get_by_test_id("server-restarts")).to_have_text("1")
+    expect(row_b.get_by_test_id("server-error")).to_have_text(
+        f"{RUNTIME_EXITED} exited with status 3 {HOSTILE}"
+    )
+    assert_nothing_injected(page)
+    browser.screenshot(page, "deployments-members")
+
+    # Remove asks for a second click; the leased member stops, then its row goes.
+    row_a = card.locator(f'[data-testid="server-row"][data-node-id="{alpha.node_id}"]')
+    remove = row_a.get_by_test_id("server-remove")
+    remove.click()
+    expect(remove).to_have_text("Click again to remove gpu-alpha")
+    assert server_states(cp, "tiny-chat")[alpha.node_id] == "running"
+    remove.click()
+    expect(row_a).to_have_attribute("data-state", "stopping", timeout=MOVED)
+    expect(row_a.get_by_test_id("server-note")).to_have_text(" leaving")
+    expect(row_a.get_by_test_id("server-remove")).to_be_disabled()
+    deletes = [r for r in requests_made if r[0] == "DELETE"]
+    assert len(deletes) == 1 and deletes[0][2] == csrf
+    assert deletes[0][1].endswith(f"{DEPLOYMENTS}/tiny-chat/servers/{alpha.node_id}")
+    assert alpha.renew_server(lease_a, "running")["desired"] == "stop"
+    alpha.renew_server(lease_a, "stopped")
+    expect(row_a).to_have_count(0, timeout=MOVED)
+    assert list(server_states(cp, "tiny-chat")) == [beta.node_id]
+
+    # The last member cannot go: the card says why and what to do instead.
+    last = row_b.get_by_test_id("server-remove")
+    last.click()
+    last.click()
+    expect(card.get_by_test_id("deployment-error")).to_contain_text("last member")
+    expect(card.get_by_test_id("deployment-error")).to_contain_text("modelforge undeploy")
+    assert list(server_states(cp, "tiny-chat")) == [beta.node_id]
+    events = cp.admin("GET", "/api/v1/admin/audit-events?limit=100").json()["events"]
+    actions = {e["action"]: e["actor"] for e in events if e["action"].startswith("deployment.")}
+    assert actions["deployment.members_added"].startswith("console:")
+    assert actions["deployment.member_removed"].startswith("console:")

@@ -1,4 +1,5 @@
-"""Admin deployment routes: deploy, list, show, restart, undeploy (docs/architecture.md §11)."""
+"""Admin deployment routes: deploy, list, show, restart, undeploy, and members joining and
+leaving (docs/architecture.md §11)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import bottle
 from modelforge_contract.deployments import (
     PATH_ADMIN_DEPLOYMENT,
     PATH_ADMIN_DEPLOYMENT_RESTART,
+    PATH_ADMIN_DEPLOYMENT_SERVER,
+    PATH_ADMIN_DEPLOYMENT_SERVERS,
     PATH_ADMIN_DEPLOYMENTS,
 )
 
 from ..core.clock import isoformat
-from ..core.validation import DEPLOY_FIELDS
-from ..deployments import leases, servers
+from ..core.validation import DEPLOY_FIELDS, DEPLOYMENT_MEMBERS_FIELDS
+from ..deployments import leases, members, servers
 from ..web.auth import ADMIN
 from ..web.http import ApiContext, json_response
 
@@ -51,3 +54,15 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     def restart(name: str, actor: str):
         settle()
         return json_response(servers.restart(store, name, actor))
+
+    @app.post(PATH_ADMIN_DEPLOYMENT_SERVERS, auth=ADMIN)
+    def add_members(name: str, actor: str):
+        fields = context.body(DEPLOYMENT_MEMBERS_FIELDS)
+        settle()
+        view = members.add_members(store, settings, name, fields, actor, context.heartbeats.pending)
+        return json_response(view)
+
+    @app.delete(PATH_ADMIN_DEPLOYMENT_SERVER, auth=ADMIN)
+    def remove_member(name: str, node: str, actor: str):
+        settle()
+        return json_response(members.remove_member(store, name, node, actor))

@@ -1,59 +1,110 @@
-"""``modelforge deploy``, ``modelforge deployments [show|restart]``, ``modelforge undeploy``
-(docs/deployments.md)."""
+"""``modelforge deploy``, ``modelforge deployments [show|restart|add-nodes|remove-nodes]``,
+``modelforge undeploy`` (docs/deployments.md)."""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import click
 
 from modelforge_contract import EXIT_CHECK_FAILED, EXIT_USAGE
 from modelforge_contract.deployments import (
+    GOAL_REMOVE,
+    IDLE_UNLOAD_MAX,
     RUNTIMES,
+    SERVER_BACKOFF,
     SERVER_FAILED,
+    SERVER_IDLE,
     SERVER_RUNNING,
     SERVER_STOPPED,
 )
 
 from ..core.errors import ApiError, NotFound
-from ..deployments import leases, servers
+from ..deployments import leases, members, servers
 from ..store import audit
 from .completion import complete_nodes
 from .errors import CliError, refused
-from .nodes import find_node
-from .support import JSON_OPTION, Context, emit
+from .nodes import ago, find_node
+from .support import JSON_OPTION, Context, duration_seconds, emit
 
+# What to do about a server's error code. Waiting and backing off end by themselves; only
+# a failed server needs a person (docs/deployments.md).
 _NEXT_STEPS = {
-    "RUNTIME_EXITED": "read the node's runtime worker log, fix the cause, then "
-    "`modelforge deployments restart NAME`",
-    "RUNTIME_NOT_READY": "check the node's runtime worker log (a large model may need a longer "
-    "MODELFORGE_AGENT_SERVE_READY_SECONDS), then restart",
+    "SERVER_LEASE_LOST": "nothing to do: it starts again by itself when the node's agent is back "
+    "(`modelforge nodes show NODE` says why it is away)",
+    "NODE_OFFLINE": "nothing to do: it starts again by itself when the node is back online",
+    "NODE_STOPPING": "nothing to do: it starts again by itself when the node's agent is back",
+    "RUNTIME_EXITED": "nothing to do: the agent starts it again by itself (5 s, 10 s, 20 s … up to "
+    "5 min apart); if it keeps exiting, read the node's runtime worker log and fix the cause",
+    "RUNTIME_NOT_READY": "nothing to do: the agent starts it again by itself; if it is never ready, "
+    "check the node's runtime worker log (a large model may need a longer "
+    "MODELFORGE_AGENT_SERVE_READY_SECONDS)",
     "RUNTIME_LAUNCH_FAILED": "check the runtime on the node (docs/deployments.md, 'Runtimes'), "
-    "then restart",
-    "SERVER_LEASE_LOST": "bring the node's agent back, then `modelforge deployments restart NAME`",
-    "NODE_OFFLINE": "bring the node back online, then restart",
+    "then `modelforge deployments restart NAME`",
+    "RUNTIME_UNSUPPORTED": "install the runtime on the node (docs/deployments.md, 'Runtimes'), "
+    "then restart, or move the server: `modelforge deployments remove-nodes NAME NODE`",
+    "MODEL_MISSING": "replicate the model to the node again, then restart",
     "MODEL_NOT_ON_NODE": "replicate the model to the node again, then restart",
+    "NODE_DECOMMISSIONED": "take the node out (`modelforge deployments remove-nodes NAME "
+    "NODE`) and add another (`modelforge deployments add-nodes NAME NODE`)",
     "GPUS_ON_CPU_NODE": "deploy with --gpus 0 to a CPU node",
 }
 
 
-def _server_line(s: dict[str, Any]) -> str:
+def next_step(code: str, name: str) -> str:
+    step = _NEXT_STEPS.get(code, "check the node, then restart the deployment")
+    return step.replace(" NAME", f" {name}")
+
+
+def parse_duration(text: str) -> int:
+    """``--idle-unload``: 90s, 10m, 1h, 2d or plain seconds, 1 s to 30 days."""
+    return duration_seconds(text, "--idle-unload", 1, IDLE_UNLOAD_MAX, "90s, 10m or 1h")
+
+
+def _state_words(s: dict[str, Any]) -> str:
+    if s.get("goal") == GOAL_REMOVE:
+        return f"{s['state']} (leaving the deployment)"
+    if s["state"] == SERVER_IDLE:
+        return f"{s['state']} (unloaded; the next request starts it)"
+    return s["state"]
+
+
+def _ago(stamp: str | None, now: float | None) -> str:
+    if stamp is None or now is None:
+        return ""
+    return f" ({ago(now, datetime.fromisoformat(stamp).timestamp())})"
+
+
+def _server_line(s: dict[str, Any], now: float | None = None, name: str = "") -> str:
+    """One server: its state and since when (with ``now``, how long ago too), GPUs,
+    restarts, when a backing-off one starts again, and why it is not running (with
+    ``name``, the next step)."""
     gpus = f" gpus {','.join(g[-8:] for g in s['gpus'])}" if s["gpus"] else ""
-    line = f"  {s['display_name']} ({s['node_id']}): {s['state']} since {s['state_since']}{gpus}"
-    if s["restarts"]:
-        line += f", {s['restarts']} restart(s)"
+    line = (
+        f"  {s['display_name']} ({s['node_id']}): {_state_words(s)} since {s['state_since']}"
+        f"{_ago(s['state_since'], now)}{gpus}"
+    )
+    if s["restarts"] or now is not None:
+        line += f", {s['restarts']} restart{'' if s['restarts'] == 1 else 's'}"
+    if s["state"] == SERVER_BACKOFF and s.get("next_attempt_at"):
+        line += f", next attempt {s['next_attempt_at']}"
     if s["error"]:
         line += f"\n    {s['error']['code']}: {s['error']['message']}"
+        if name and s["state"] != SERVER_RUNNING:
+            line += f"\n    next step: {next_step(s['error']['code'], name)}"
     return line
 
 
-def _lines(view: dict[str, Any]) -> list[str]:
+def _lines(view: dict[str, Any], now: float | None = None) -> list[str]:
+    name = view["name"] if now is not None else ""
     return [
         f"deployment {view['name']}: {view['state']} — {view['model']} revision "
         f"{view['revision']} on {view['runtime']}",
-        *[_server_line(s) for s in view["servers"]],
+        *[_server_line(s, now, name) for s in view["servers"]],
     ]
 
 
@@ -79,6 +130,13 @@ def _lines(view: dict[str, Any]) -> list[str]:
 @click.option("--model-file", help="The file the runtime loads (default: the model's GGUF).")
 @click.option("--image-id", help="vllm: the loaded image's id (sha256:…), never pulled.")
 @click.option("--arg", "args", multiple=True, help="An extra runtime argument (repeatable).")
+@click.option(
+    "--idle-unload",
+    "idle_unload",
+    metavar="DURATION",
+    help="Unload the servers after this long without a request (90s, 10m, 1h; at least 1 s); "
+    "the next request starts them.",
+)
 @click.option("--replicate", is_flag=True, help="Replicate the model where missing, then start.")
 @click.option("--wait", is_flag=True, help="Follow until every server runs or fails.")
 @click.option("--timeout", type=click.FloatRange(1), default=1800.0, show_default=True)
@@ -97,16 +155,18 @@ def deploy_command(
     model_file: str | None,
     image_id: str | None,
     args: tuple[str, ...],
+    idle_unload: str | None,
     replicate: bool,
     wait: bool,
     timeout: float,
     as_json: bool,
 ) -> None:
     """Serve MODEL as NAME on NODES: one server per node, each started by its agent."""
-    store = obj.store()
     wanted = [n.strip() for n in nodes.split(",") if n.strip()]
     if not wanted:
         raise CliError("--nodes names no node", "Pass --nodes A,B.", EXIT_USAGE)
+    idle_unload_seconds = parse_duration(idle_unload) if idle_unload is not None else None
+    store = obj.store()
     try:
         fields = {
             "name": name,
@@ -121,6 +181,7 @@ def deploy_command(
                 "args": list(args),
                 "image_id": image_id,
                 "model_file": model_file,
+                "idle_unload_seconds": idle_unload_seconds,
             },
             "replicate": replicate,
         }
@@ -134,14 +195,34 @@ def deploy_command(
             "\n".join(["Deployed; each node's agent starts its server.", *_lines(view)]),
         )
         return
-    view = _follow(obj, name, timeout, as_json, until=(SERVER_RUNNING, SERVER_FAILED))
+    view = _follow(obj, name, timeout, as_json, _settled())
     _finish(view, as_json)
 
 
+Rows = list[dict[str, Any]]
+
+
+def _settled(node_ids: frozenset[str] | None = None) -> Callable[[Rows], bool]:
+    """Done when every server (of ``node_ids``) runs or failed; for a deployment that
+    unloads when idle, an unloaded one is done too."""
+
+    def done(rows: Rows) -> bool:
+        watched = [s for s in rows if node_ids is None or s["node_id"] in node_ids]
+        finished = (SERVER_RUNNING, SERVER_FAILED, SERVER_IDLE)
+        return bool(watched) and all(s["state"] in finished for s in watched)
+
+    return done
+
+
+def _gone(node_ids: frozenset[str]) -> Callable[[Rows], bool]:
+    return lambda rows: not any(s["node_id"] in node_ids for s in rows)
+
+
 def _follow(
-    obj: Context, name: str, timeout: float, quiet: bool, until: tuple[str, ...]
+    obj: Context, name: str, timeout: float, quiet: bool, done: Callable[[Rows], bool]
 ) -> dict[str, Any] | None:
-    """Poll the deployment until every server is in ``until`` (None: it went)."""
+    """Poll the deployment until ``done(servers)`` (None: the deployment went), with a
+    progress line per server: redrawn on a terminal, one per change otherwise."""
     store = obj.store()
     tty = sys.stdout.isatty() and not quiet
     seen: dict[str, str] = {}
@@ -160,13 +241,16 @@ def _follow(
             for s in rows:
                 error = f" {s['error']['code']}" if s["error"] else ""
                 click.echo(f"\x1b[2K{s['display_name']:24} {s['state']:10} {s['restarts']}{error}")
-            drawn = len(rows)
+            for _ in range(drawn - len(rows)):  # a server that left: blank its line
+                click.echo("\x1b[2K")
+            drawn = max(drawn, len(rows))
         elif not quiet:
             for s in rows:
-                if seen.get(s["server_id"]) != s["state"]:
-                    seen[s["server_id"]] = s["state"]
-                    click.echo(f"{s['display_name']} ({s['node_id']}): {s['state']}")
-        if rows and all(s["state"] in until for s in rows):
+                shown = s["state"] + (f" {s['error']['code']}" if s["error"] else "")
+                if seen.get(s["server_id"]) != shown:
+                    seen[s["server_id"]] = shown
+                    click.echo(f"{s['display_name']} ({s['node_id']}): {shown}")
+        if done(rows):
             return view
         if time.monotonic() >= deadline:
             click.echo(f"modelforge: gave up waiting after {timeout:.0f} s", err=True)
@@ -174,31 +258,37 @@ def _follow(
         time.sleep(0.5)
 
 
-def _finish(view: dict[str, Any] | None, as_json: bool) -> None:
+def _finish(
+    view: dict[str, Any] | None, as_json: bool, node_ids: frozenset[str] | None = None
+) -> None:
+    """Exit 0 when every server (of ``node_ids``) runs, or is unloaded; 1 naming each that
+    does not, with its code and next step."""
     if view is None:
         raise CliError("the deployment went while waiting", "See `modelforge deployments`.", 1)
     if as_json:
         emit(True, view, "")
-    failed = [s for s in view["servers"] if s["state"] == SERVER_FAILED]
-    for s in failed:
+    watched = [s for s in view["servers"] if node_ids is None or s["node_id"] in node_ids]
+    behind = [s for s in watched if s["state"] not in (SERVER_RUNNING, SERVER_IDLE)]
+    for s in behind:
         code = (s["error"] or {}).get("code", "")
+        why = f"{code}: {(s['error'] or {}).get('message', '')}; " if code else ""
         click.echo(
-            f"modelforge: {s['display_name']} ({s['node_id']}): {code}: "
-            f"{(s['error'] or {}).get('message', '')}; next step: "
-            f"{_NEXT_STEPS.get(code, 'check the node, then restart the deployment')}",
+            f"modelforge: {s['display_name']} ({s['node_id']}): {s['state']}: {why}next step: "
+            f"{next_step(code, view['name']) if code else 'wait, or check the node'}",
             err=True,
         )
-    if failed or any(s["state"] != SERVER_RUNNING for s in view["servers"]):
+    if behind or not watched:
         raise SystemExit(EXIT_CHECK_FAILED)
     if not as_json:
-        click.echo(f"{view['name']}: every server runs.")
+        some = "every added server" if node_ids is not None else "every server"
+        click.echo(f"{view['name']}: {some} runs.")
 
 
 @click.group("deployments", invoke_without_command=True)
 @JSON_OPTION
 @click.pass_context
 def deployments_group(ctx: click.Context, as_json: bool) -> None:
-    """List deployments and their servers; `show NAME`, `restart NAME` (docs/deployments.md)."""
+    """List deployments and their servers; `show`, `restart`, `add-nodes`, `remove-nodes`."""
     if ctx.invoked_subcommand is not None:
         return
     obj: Context = ctx.obj
@@ -237,7 +327,9 @@ def show_command(obj: Context, name: str, as_json: bool) -> None:
         extra.append(f"  args:     {' '.join(settings['args'])}")
     if settings["image_id"]:
         extra.append(f"  image:    {settings['image_id']}")
-    lines = _lines(view)
+    if settings.get("idle_unload_seconds"):
+        extra.append(f"  unload:   after {settings['idle_unload_seconds']} s without a request")
+    lines = _lines(view, store.clock.now())
     emit(as_json, view, "\n".join([lines[0], *extra, *lines[1:]]))
 
 
@@ -256,7 +348,88 @@ def restart_command(obj: Context, name: str, wait: bool, timeout: float, as_json
     if not wait:
         emit(as_json, view, "\n".join(["Restarting:", *_lines(view)]))
         return
-    _finish(_follow(obj, name, timeout, as_json, until=(SERVER_RUNNING, SERVER_FAILED)), as_json)
+    _finish(_follow(obj, name, timeout, as_json, _settled()), as_json)
+
+
+def _node_ids(obj: Context, references: tuple[str, ...]) -> list[str]:
+    return list(dict.fromkeys(find_node(obj, n).node_id for n in references))
+
+
+@deployments_group.command("add-nodes")
+@click.argument("name")
+@click.argument("nodes", nargs=-1, required=True, shell_complete=complete_nodes)
+@click.option("--replicate", is_flag=True, help="Replicate the model where missing, then start.")
+@click.option("--wait", is_flag=True, help="Follow until every added server runs or fails.")
+@click.option("--timeout", type=click.FloatRange(1), default=1800.0, show_default=True)
+@JSON_OPTION
+@click.pass_obj
+def add_nodes_command(
+    obj: Context,
+    name: str,
+    nodes: tuple[str, ...],
+    replicate: bool,
+    wait: bool,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Add NODES (ids, id prefixes or names) to deployment NAME: a server on each, with the
+    checks of a deploy; clients keep calling NAME."""
+    store = obj.store()
+    try:
+        node_ids = _node_ids(obj, nodes)
+        fields = {"node_ids": node_ids, "replicate": replicate}
+        view = members.add_members(store, obj.settings, name, fields, audit.CLI_ACTOR)
+    except ApiError as exc:
+        raise refused(exc) from None
+    if not wait:
+        emit(
+            as_json, view, "\n".join(["Added; each node's agent starts its server.", *_lines(view)])
+        )
+        return
+    added = frozenset(node_ids)
+    _finish(_follow(obj, name, timeout, as_json, _settled(added)), as_json, added)
+
+
+@deployments_group.command("remove-nodes")
+@click.argument("name")
+@click.argument("nodes", nargs=-1, required=True, shell_complete=complete_nodes)
+@click.option("--wait", is_flag=True, help="Follow until every removed server has gone.")
+@click.option("--timeout", type=click.FloatRange(1), default=300.0, show_default=True)
+@JSON_OPTION
+@click.pass_obj
+def remove_nodes_command(
+    obj: Context, name: str, nodes: tuple[str, ...], wait: bool, timeout: float, as_json: bool
+) -> None:
+    """Take NODES out of deployment NAME: each server stops, then goes; the others serve on."""
+    store = obj.store()
+    try:
+        node_ids = _node_ids(obj, nodes)
+        for node_id in node_ids:  # one at a time: a refusal names the node it refuses
+            view = members.remove_member(store, name, node_id, audit.CLI_ACTOR)
+    except ApiError as exc:
+        raise refused(exc) from None
+    removed = frozenset(node_ids)
+    if wait and not _gone(removed)(view["servers"]):
+        left = _follow(obj, name, timeout, as_json, _gone(removed))
+        if left is None:
+            raise CliError("the deployment went while waiting", "See `modelforge deployments`.", 1)
+        view = left
+        if not _gone(removed)(view["servers"]):
+            if as_json:
+                emit(True, view, "")
+            raise CliError(
+                f"{name} has removed servers still stopping",
+                "Their agents stop them at their next renewal; a node that is gone stops "
+                "when its serve lease runs out.",
+                EXIT_CHECK_FAILED,
+            )
+    still = [s for s in view["servers"] if s["node_id"] in removed]
+    headline = (
+        f"{name}: {', '.join(nodes)} left the deployment."
+        if not still
+        else "Removing; each leaving server stops at its agent's next renewal, then goes."
+    )
+    emit(as_json, view, "\n".join([headline, *_lines(view)]))
 
 
 @click.command("undeploy")
@@ -272,7 +445,13 @@ def undeploy_command(obj: Context, name: str, wait: bool, timeout: float, as_jso
     except ApiError as exc:
         raise refused(exc) from None
     if wait and view["state"] != SERVER_STOPPED:
-        left = _follow(obj, name, timeout, as_json, until=(SERVER_STOPPED,))
+        left = _follow(
+            obj,
+            name,
+            timeout,
+            as_json,
+            lambda rows: bool(rows) and all(s["state"] == SERVER_STOPPED for s in rows),
+        )
         if left is not None:
             if as_json:
                 emit(True, left, "")

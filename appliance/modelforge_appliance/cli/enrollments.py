@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import textwrap
 
 import click
@@ -18,22 +17,17 @@ from ..identity import enrollment, join_commands
 from ..runtime import serving
 from ..store import audit
 from .errors import CliError
-from .support import JSON_OPTION, Context, emit
-
-_DURATION = re.compile(r"(\d+)([smhd]?)")
-_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+from .support import JSON_OPTION, Context, duration_seconds, emit
 
 
 def parse_duration(text: str, option: str = "--expires") -> int:
-    match = _DURATION.fullmatch(text.strip().lower())
-    if match is None:
-        raise click.BadParameter(
-            f"{text!r} is not a duration; use one such as 5m, 15m, 1h or 24h", param_hint=option
-        )
-    seconds = int(match.group(1)) * _UNIT[match.group(2)]
-    if not ENROLLMENT_EXPIRY_MIN_SECONDS <= seconds <= ENROLLMENT_EXPIRY_MAX_SECONDS:
-        raise click.BadParameter(f"{text!r} is not between 5m and 24h", param_hint=option)
-    return seconds
+    return duration_seconds(
+        text,
+        option,
+        ENROLLMENT_EXPIRY_MIN_SECONDS,
+        ENROLLMENT_EXPIRY_MAX_SECONDS,
+        "5m, 15m, 1h or 24h",
+    )
 
 
 @click.command("enroll")

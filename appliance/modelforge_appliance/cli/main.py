@@ -121,7 +121,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "deployments": (
         "deployments",
         "deployments_group",
-        "List deployments and their servers; `show NAME`, `restart NAME` (docs/deployments.md).",
+        "List deployments and their servers; `show`, `restart`, `add-nodes`, `remove-nodes`.",
     ),
     "undeploy": (
         "deployments",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,9 @@ from . import locate
 from .ownership import require_state_owner
 
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+_DURATION = re.compile(r"(\d+)([smhd]?)")
+_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 class Context:
@@ -82,6 +86,30 @@ class Context:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def duration_seconds(text: str, option: str, low: int, high: int, examples: str) -> int:
+    """Whole seconds from ``90s``, ``10m``, ``1h``, ``2d`` or plain seconds, between ``low``
+    and ``high`` (as the ``examples`` say); a usage error naming ``option`` otherwise."""
+    match = _DURATION.fullmatch(text.strip().lower())
+    if match is None:
+        raise click.BadParameter(
+            f"{text!r} is not a duration; use one such as {examples}", param_hint=option
+        )
+    seconds = int(match.group(1)) * _UNIT[match.group(2)]
+    if not low <= seconds <= high:
+        raise click.BadParameter(
+            f"{text!r} is not between {_shown(low)} and {_shown(high)}", param_hint=option
+        )
+    return seconds
+
+
+def _shown(seconds: int) -> str:
+    """300 as 5m, 86400 as 24h, 30 days as 30d."""
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "m")):
+        if seconds % size == 0 and seconds >= size * (2 if unit == "d" else 1):
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:

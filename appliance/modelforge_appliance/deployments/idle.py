@@ -48,19 +48,25 @@ class Usage:
     """When each deployment last had a client request, as this process saw it."""
 
     def __init__(self, store: Store) -> None:
-        self.clock = store.clock
-        self.started = store.clock.now()
+        self.store = store
+        self._started = 0.0  # when this process began serving (begin): counted as a call
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
 
+    def begin(self) -> None:
+        """The server starts serving: nothing counts as idle since before now."""
+        now = self.store.clock.now()
+        with self._lock:
+            self._started = now
+
     def touch(self, name: str) -> None:
-        now = self.clock.now()
+        now = self.store.clock.now()
         with self._lock:
             self._last[name] = now
 
     def last(self, name: str) -> float:
         with self._lock:
-            return max(self.started, self._last.get(name, self.started))
+            return max(self._started, self._last.get(name, self._started))
 
 
 def unload_idle(store: Store, usage: Usage) -> list[str]:
@@ -242,6 +248,7 @@ class Unloader:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        self.usage.begin()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="idle-unloader", daemon=True)
         self._thread.start()

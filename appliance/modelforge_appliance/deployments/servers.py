@@ -23,6 +23,7 @@ from modelforge_contract.deployments import (
     DEPLOYMENT_NOT_FOUND,
     DEPLOYMENT_STOPPING,
     GOAL_IDLE,
+    GOAL_REMOVE,
     GOAL_RUN,
     MODEL_FORMAT_UNSUPPORTED,
     RUNTIME_LLAMA_CPP,
@@ -99,7 +100,10 @@ def deployment_view(
             "model_file": settings.get("model_file"),
             "idle_unload_seconds": settings.get("idle_unload_seconds"),
         },
-        "state": derived_state(deployment, [s.state for s, _ in servers]),
+        # A member on its way out no longer counts towards how the deployment serves.
+        "state": derived_state(
+            deployment, [s.state for s, _ in servers if s.goal != GOAL_REMOVE] or ["stopped"]
+        ),
         "created_at": isoformat(deployment.created_at),
         "created_by": deployment.created_by,
         "servers": [server_view(s, n) for s, n in servers],

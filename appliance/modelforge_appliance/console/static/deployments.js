@@ -1,4 +1,6 @@
-// The Deployments page: each deployment with one row per server (one per member node).
+// The Deployments page: each deployment with one row per server (one per member node), its
+// state, why (the last error), since when, restarts and, backing off, its next attempt; a
+// node can be added (chosen among the nodes that are not members) and a member removed.
 // While any server moves (pending, starting, stopping) the list is fetched again every
 // FAST_SECONDS, so a server's state follows its agent's reports; once none moves, only the
 // slow refresh remains. Everything goes through the same /api/v1/admin/deployments calls as
@@ -47,29 +49,87 @@ function makeCard(deployment) {
   const card = {
     name: deployment.name,
     deployment,
-    rows: new Map(), // server_id -> {tr, shown}
+    rows: new Map(), // server_id -> {tr, shown, remove}
     head: el("div", { class: "deployment-head" }),
     body: el("tbody", { "data-testid": "server-rows" }),
     error: el("p", { class: "error", role: "alert", "data-testid": "deployment-error" }),
     stop: el("button", { type: "button", class: "danger", "data-testid": "deployment-stop", text: "Stop" }),
     restart: el("button", { type: "button", "data-testid": "deployment-restart", text: "Restart" }),
+    add: el("button", { type: "button", "data-testid": "deployment-add-node", text: "Add node…" }),
+    picker: el("fieldset", { class: "picker", "data-testid": "add-node-picker", hidden: true }),
   };
   armed(card.stop, "Click again to stop every server", () => act(card, "DELETE", deploymentPath(card.name)));
   card.restart.addEventListener("click", () => act(card, "POST", `${deploymentPath(card.name)}/restart`));
+  card.add.addEventListener("click", () => openPicker(card));
   card.root = el(
     "section",
     { class: "card deployment", "data-testid": "deployment-card", "data-deployment": deployment.name },
     card.head,
-    el("div", { class: "actions" }, card.restart, card.stop),
+    el("div", { class: "actions" }, card.restart, card.add, card.stop),
+    card.picker,
     card.error,
     el(
       "table",
       { class: "small" },
-      el("thead", {}, el("tr", {}, ...["Node", "State", "Since", "GPUs", "Restarts", "Last error"].map((h) => el("th", { text: h })))),
+      el("thead", {}, el("tr", {}, ...["Node", "State", "Since", "GPUs", "Restarts", "Next attempt", "Why", ""].map((h) => el("th", { text: h })))),
       card.body,
     ),
   );
   return card;
+}
+
+// The choices: nodes that are not members; only an online, uncordoned one can be chosen
+// (the others are listed, disabled, saying why). The control plane checks the rest: the
+// runtime, the model's presence (or "replicate first") and free GPUs, and says what it lacks.
+async function openPicker(card) {
+  setText(card.error, "");
+  const picker = card.picker;
+  try {
+    const fleet = await api("GET", "/admin/hardware/nodes");
+    const members = new Set(card.deployment.servers.map((s) => s.node_id));
+    const others = fleet.nodes.filter((node) => !members.has(node.node_id) && node.liveness !== "decommissioned");
+    const select = el("select", { "data-testid": "add-node-select", class: "narrow-select" });
+    for (const node of others) {
+      const why = node.liveness !== "online" ? node.liveness : node.cordoned ? "cordoned" : "";
+      const label = `${node.display_name} (${node.hostname})${why ? ` — ${why}` : ""}`;
+      select.append(el("option", { value: node.node_id, disabled: Boolean(why), text: label }));
+    }
+    const firstChoice = [...select.options].find((option) => !option.disabled);
+    if (firstChoice) firstChoice.selected = true;
+    const replicate = el("input", { type: "checkbox", "data-testid": "add-node-replicate" });
+    const submit = el("button", { type: "button", "data-testid": "add-node-submit", text: "Add", disabled: !firstChoice });
+    const cancel = el("button", { type: "button", class: "link", "data-testid": "add-node-cancel", text: "Cancel" });
+    const problem = el("p", { class: "error", role: "alert", "data-testid": "add-node-error" });
+    submit.addEventListener("click", async () => {
+      if (!select.value) return setText(problem, "Choose a node.");
+      submit.disabled = true;
+      try {
+        const view = await api("POST", `${deploymentPath(card.name)}/servers`, { node_ids: [select.value], replicate: replicate.checked });
+        picker.hidden = true;
+        if (view && view.name === card.name) show([view], false);
+        await refresh();
+      } catch (error) {
+        setText(problem, errorText(error));
+      } finally {
+        submit.disabled = false;
+      }
+    });
+    cancel.addEventListener("click", () => (picker.hidden = true));
+    picker.replaceChildren(
+      el("legend", { text: `Add a node to ${card.name}` }),
+      ...(others.length
+        ? [
+            select,
+            el("label", { class: "choice" }, replicate, " Replicate the model to it first if it lacks it"),
+          ]
+        : [el("p", { class: "muted", "data-testid": "add-node-none", text: "Every enrolled node is a member already." })]),
+      el("div", { class: "actions" }, submit, cancel),
+      problem,
+    );
+    picker.hidden = false;
+  } catch (error) {
+    setText(card.error, errorText(error));
+  }
 }
 
 function settingsText(deployment) {
@@ -111,6 +171,8 @@ function showHead(card) {
   const settled = d.state === "stopped" || d.state === "stopping";
   card.stop.disabled = settled;
   card.restart.disabled = d.state === "stopping";
+  card.add.disabled = settled;
+  if (settled) card.picker.hidden = true;
 }
 
 function sinceText(server, now) {
@@ -134,32 +196,65 @@ function errorCell(server) {
   return el("td", { "data-testid": "server-error", "data-code": error.code }, el("strong", { text: error.code }), ` ${error.message || ""}`);
 }
 
-function serverRow(server, now) {
+// "in 8 s" (or "now" once it is due) for a backing-off server; empty otherwise.
+function nextAttemptText(server, now) {
+  if (server.state !== "backoff" || !server.next_attempt_at) return "";
+  const seconds = Math.round((Date.parse(server.next_attempt_at) - now) / 1000);
+  if (seconds <= 0) return "now";
+  return seconds < 90 ? `in ${seconds} s` : `in ${Math.round(seconds / 60)} min`;
+}
+
+function nextAttemptCell(server, now) {
+  const text = nextAttemptText(server, now);
+  if (!text) return el("td", { class: "muted", text: "" });
+  return el("td", {}, el("span", { class: "since", "data-testid": "server-next-attempt", "data-at": server.next_attempt_at, title: when(server.next_attempt_at), text }));
+}
+
+function stateCell(server) {
+  const badge = el("span", { class: `badge server-${server.state}`, "data-testid": "server-state", text: server.state });
+  const note = server.goal === "remove" ? "leaving" : server.state === "idle" ? "unloaded" : "";
+  return el("td", {}, badge, note ? el("span", { class: "muted", "data-testid": "server-note", text: ` ${note}` }) : "");
+}
+
+// Remove asks for a second click; the button outlives the row's redraws, so a refresh
+// between the two clicks does not disarm it.
+function removeButton(card, server) {
   const name = server.display_name || server.node_id;
+  const button = el("button", { type: "button", class: "danger", "data-testid": "server-remove", text: "Remove" });
+  armed(button, `Click again to remove ${name}`, () => act(card, "DELETE", `${deploymentPath(card.name)}/servers/${encodeURIComponent(server.node_id)}`));
+  return button;
+}
+
+function serverRow(server, now, remove, card) {
+  const name = server.display_name || server.node_id;
+  remove.disabled = server.goal === "remove" || card.deployment.state === "stopping" || card.deployment.state === "stopped";
   return el(
     "tr",
     { "data-testid": "server-row", "data-server-id": server.server_id, "data-node-id": server.node_id, "data-state": server.state },
     el("td", {}, el("a", { href: `/console/nodes/${encodeURIComponent(server.node_id)}`, "data-testid": "server-node", text: name })),
-    el("td", {}, el("span", { class: `badge server-${server.state}`, "data-testid": "server-state", text: server.state })),
+    stateCell(server),
     sinceCell(server, now),
     gpusCell(server),
     el("td", { "data-testid": "server-restarts", text: String(server.restarts ?? 0) }),
+    nextAttemptCell(server, now),
     errorCell(server),
+    el("td", {}, remove),
   );
 }
 
-// Rows are replaced only when what they show changed (the age among it).
+// Rows are replaced only when what they show changed (the ages among it).
 function showServers(card, now) {
   const seen = new Set();
   for (const server of card.deployment.servers) {
     seen.add(server.server_id);
-    const shown = JSON.stringify([server.state, server.state_since, sinceText(server, now), server.display_name, server.gpus, server.restarts, server.error]);
+    const shown = JSON.stringify([server.state, server.goal, card.deployment.state, server.state_since, sinceText(server, now), nextAttemptText(server, now), server.display_name, server.gpus, server.restarts, server.error]);
     const existing = card.rows.get(server.server_id);
     if (existing && existing.shown === shown) continue;
-    const tr = serverRow(server, now);
+    const remove = existing ? existing.remove : removeButton(card, server);
+    const tr = serverRow(server, now, remove, card);
     if (existing) existing.tr.replaceWith(tr);
     else card.body.append(tr);
-    card.rows.set(server.server_id, { tr, shown });
+    card.rows.set(server.server_id, { tr, shown, remove });
   }
   for (const [id, row] of card.rows) {
     if (!seen.has(id)) {
@@ -171,7 +266,7 @@ function showServers(card, now) {
 
 async function act(card, method, path) {
   setText(card.error, "");
-  card.stop.disabled = card.restart.disabled = true;
+  card.stop.disabled = card.restart.disabled = card.add.disabled = true;
   try {
     const view = await api(method, path);
     if (view && view.name === card.name) show([view], false);

@@ -4,7 +4,8 @@
     <h1>Deployments</h1>
   </div>
   <p class="muted">A deployment runs one model revision on the nodes you name: one server per node,
-    started by that node's agent on the model's replicated files, with the GPUs it was given.</p>
+    started by that node's agent on the model's replicated files, with the GPUs it was given.
+    Nodes can be added and removed while it serves; clients keep calling it by its name.</p>
   <p id="deployments-error" class="error" data-testid="deployments-error" role="alert"></p>
   <div id="deployments-empty" class="card empty" data-testid="deployments-empty" hidden>
     <h2>Nothing deployed yet</h2>
