@@ -87,6 +87,9 @@ EXIT_STATUSES = (
 )
 
 
+# How long a stopping agent waits for its tunnel to say it is going and close.
+TUNNEL_CLOSE_SECONDS = 5.0
+
 # An OSError about a path the operator gave or configured is theirs to fix (exit 2).
 _PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS}
 
@@ -225,8 +228,16 @@ def run_agent(
             # connection; the same stop. It reaches only the servers the serve loop runs.
             tunnel = TunnelClient(settings, lambda: client.credential, serve.server_of, run_stop)
             publisher.health.tunnel = lambda tunnel=tunnel: tunnel.state
-            tunnel.start()
-            outcome = publisher.run()
+            tunnel_thread = tunnel.start()
+            try:
+                outcome = publisher.run()
+            finally:
+                # Stopping (SIGTERM too): an up tunnel says so before it closes, so the
+                # control plane ends this node's streams at once; it is a daemon thread, so
+                # the agent waits for that (bounded), not for a connection still being made.
+                run_stop.set()
+                if tunnel.up():
+                    tunnel_thread.join(TUNNEL_CLOSE_SECONDS)
             if outcome is None:
                 return EXIT_OK
             if not publisher.refused_code:

@@ -372,7 +372,7 @@ class ServeLoop:
             if refused.code in NEEDS_A_PERSON:
                 self.fail(held, refused.code, refused.message)
             else:
-                self.exited(held, f"could not be launched ({refused.code}: {refused.message})")
+                self.exited(held, f"could not be launched ({refused.message})", code=refused.code)
             return
         except WorkerUnavailable as unavailable:
             self.exited(held, f"the runtime worker did not launch it ({unavailable})")

@@ -10,6 +10,11 @@ tunnel drops, the runtime's connection is kept for RESUME_GRACE_SECONDS, and the
 tunnel's RESUME says where each stream's client is, so it goes on with no gap and no
 duplicate. A RESET (the client went away) closes the runtime's connection: it stops
 generating. Only servers this agent runs are reached, and only the relayed routes.
+
+An agent that stops says so on the tunnel before it closes it (RESET of stream 0,
+TUNNEL_CLOSING): the control plane ends this node's streams at once, sending those not yet
+answered to another server, instead of holding them for a resume that will not come. From
+then on it starts no stream, and its own streams' runtime connections are closed.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ DOWNLOAD_READ_TIMEOUT = 60.0
 UPLOAD_BATCH_BYTES = 512 * 1024
 UPLOAD_QUEUE_FRAMES = 256
 UPLOAD_BLOCK_SECONDS = 5.0
+# Stopping: how long the last frames (the RESET of stream 0) may take to go out.
+GOING_AWAY_SECONDS = 3.0
 # A refusal of the upgrade that says WebSocket is blocked (a proxy's, not the control
 # plane's own error): auto then uses the HTTP fallback.
 WEBSOCKET_BLOCKED_STATUSES = frozenset({400, 403, 404, 405, 426, 501})
@@ -124,6 +131,7 @@ class HttpLink:
         self._frames: list[wire.Frame] = []
         self._cond = threading.Condition()
         self._queue: list[bytes] = []
+        self._uploading = False  # a batch taken from the queue is being POSTed
         self.closed = False
         threading.Thread(target=self._upload, name="tunnel-upload", daemon=True).start()
 
@@ -158,6 +166,17 @@ class HttpLink:
             self._queue.append(data)
             self._cond.notify_all()
 
+    def flush(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until every queued frame is uploaded: a
+        WebSocket's send has written its frame when it returns; this link's only queued it."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (self._queue or self._uploading) and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
+
     def close(self, code: int = 1000, reason: str = "") -> None:
         with self._cond:
             self._close_locked()
@@ -191,11 +210,15 @@ class HttpLink:
                         batch.append(self._queue.pop(0))
                     if not batch:  # one frame is never over the batch bound; be safe
                         batch.append(self._queue.pop(0))
+                    self._uploading = True
                     self._cond.notify_all()
                 answer = self.uploads.post(
                     url, data=b"".join(batch), headers=headers, timeout=(CONNECT_TIMEOUT, 60)
                 )
                 answer.close()
+                with self._cond:
+                    self._uploading = False
+                    self._cond.notify_all()
                 if answer.status_code != 204:
                     log.warning("tunnel: an upload was refused (HTTP %d)", answer.status_code)
                     return
@@ -298,6 +321,9 @@ class AgentStream:
         self.end_sent = False
         self.aborted = False
         self.connection: http.client.HTTPConnection | None = None
+        # Its socket: an answer that closes the connection (Connection: close) takes it
+        # over, and ``connection.sock`` is None from then on.
+        self.runtime_socket: socket.socket | None = None
         self.ended_at: float | None = None
         self.done = False  # its thread has ended
 
@@ -346,12 +372,13 @@ class AgentStream:
     def abort(self) -> None:
         with self.cond:
             self.aborted = True
-            connection = self.connection
+            connection, sock = self.connection, self.runtime_socket
             self.cond.notify_all()
         if connection is not None:
+            sock = connection.sock or sock
             try:  # the runtime sees its client gone and stops generating
-                if connection.sock is not None:
-                    connection.sock.shutdown(socket.SHUT_RDWR)
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             connection.close()
@@ -364,6 +391,8 @@ class AgentStream:
         except _Aborted:
             pass
         except Exception as exc:  # logged by type only: its text may quote a body
+            if self.aborted:  # its runtime connection was closed under it, on purpose
+                return
             log.warning("stream %d: %s", self.stream_id, type(exc).__name__)
             self.relay.send(
                 wire.reset_frame(self.stream_id, rel.RUNTIME_UNREACHABLE, type(exc).__name__)
@@ -433,6 +462,9 @@ class AgentStream:
             self._check()
             try:
                 connection.request(rel.RELAYED_METHOD, path, bytes(self.body), headers)
+                with self.cond:
+                    self.runtime_socket = connection.sock
+                self._check()  # aborted while it was being sent
                 return connection.getresponse()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
                 connection.close()
@@ -534,6 +566,7 @@ class TunnelClient:
         self.state: str | None = None
         self.transport = settings.tunnel_transport  # auto becomes http once WebSocket fails
         self.runtime_connections = RuntimeConnections()
+        self.going = False  # said on the tunnel that this agent stops: no new stream
 
     # -- what the streams use ---------------------------------------------------------
 
@@ -677,8 +710,11 @@ class TunnelClient:
                 for stream in streams:
                     with stream.cond:
                         stream.cond.notify_all()
-                log.warning("tunnel down; %d stream(s) wait %s for it", len(streams),
-                            seconds(self.grace))  # fmt: skip
+                if self.going:
+                    log.info("tunnel closed: the agent stops")
+                else:
+                    log.warning("tunnel down; %d stream(s) wait %s for it", len(streams),
+                                seconds(self.grace))  # fmt: skip
             if not self.stop.is_set():
                 step, delay = backoff.next_step()
                 self.stop.wait(min(delay, 1.0))
@@ -689,8 +725,25 @@ class TunnelClient:
             with self._lock:
                 if self._link is not link:
                     return
+        self._go_away(link)
+
+    def _go_away(self, link: Any) -> None:
+        """Stopping: end this node's streams (their runtimes stop generating), then say so
+        on the tunnel (RESET of stream 0), so that the control plane ends them now rather
+        than after its resume grace, and close the tunnel."""
+        with self._lock:
+            self.going = True  # from here on an OPEN is refused
+            current = self._link is link
+            streams = [*self._streams.values(), *(held for held, _ in self._finished.values())]
+            self._finished.clear()
+        for stream in streams:  # an aborted stream sends nothing more
+            stream.abort()
+        if current:
+            self.send(wire.going_away_frame())
+            if isinstance(link, HttpLink):
+                link.flush(GOING_AWAY_SECONDS)
         with contextlib.suppress(Exception):  # it is going anyway
-            link.close()
+            link.close(1001, "the node agent is stopping")
 
     def _serve(self, link: Any) -> None:
         while not self.stop.is_set():
@@ -726,6 +779,11 @@ class TunnelClient:
             with self._lock:  # a finished one of that id (a restarted control plane counts anew)
                 self._finished.pop(frame.stream_id, None)
             stream = AgentStream(self, frame.stream_id, wire.json_of(frame))
+            with self._lock:
+                going = self.going
+            if going:  # said it stops: this one goes to another server instead
+                self.send(wire.reset_frame(frame.stream_id, rel.TUNNEL_CLOSING, "stopping"))
+                return
             with self._lock:
                 self._prune()
                 if len(self._streams) >= wire.MAX_STREAMS_PER_TUNNEL * 2:

@@ -78,6 +78,7 @@ SSE_KEEPALIVE = b": keepalive\n\n"
 
 MODEL_NOT_DEPLOYED = "MODEL_NOT_DEPLOYED"  # 404: no deployment of that name
 NO_RUNNING_SERVER = "NO_RUNNING_SERVER"  # 503: the deployment has no running server
+COLD_START_TIMEOUT = "COLD_START_TIMEOUT"  # 503: an idle deployment did not start in time
 NODE_LINK_LOST = "NODE_LINK_LOST"  # 502, or an SSE error event: the tunnel went away
 TUNNEL_PROTOCOL_ERROR = "TUNNEL_PROTOCOL_ERROR"  # a frame broke the tunnel contract
 STREAM_LIMIT = "STREAM_LIMIT"  # 503: the node's tunnel carries its most streams
@@ -91,6 +92,7 @@ TUNNEL_CLOSING = "TUNNEL_CLOSING"  # RESET of stream 0: the sender shuts down
 RELAY_ERROR_CODES = (
     MODEL_NOT_DEPLOYED,
     NO_RUNNING_SERVER,
+    COLD_START_TIMEOUT,
     NODE_LINK_LOST,
     TUNNEL_PROTOCOL_ERROR,
     STREAM_LIMIT,
@@ -102,10 +104,19 @@ RELAY_ERROR_CODES = (
     TUNNEL_REPLACED,
     TUNNEL_CLOSING,
 )
+# A RESET with one of these codes says the node did not serve the request (it could not
+# reach the runtime, does not run the server, carries its most streams, lost the stream over
+# a reconnect, or is going away): one whose head has not reached its client is sent once
+# more, to another running server of the deployment (docs/architecture.md §12).
+FAILOVER_CODES = frozenset(
+    {NODE_LINK_LOST, STREAM_LIMIT, SERVER_NOT_ON_NODE, RUNTIME_UNREACHABLE, RESUME_FAILED,
+     TUNNEL_CLOSING}
+)  # fmt: skip
 # The status a client gets when the code ends its request before any header went out.
 RELAY_ERROR_STATUS = {
     MODEL_NOT_DEPLOYED: 404,
     NO_RUNNING_SERVER: 503,
+    COLD_START_TIMEOUT: 503,
     NODE_LINK_LOST: 502,
     TUNNEL_PROTOCOL_ERROR: 502,
     STREAM_LIMIT: 503,

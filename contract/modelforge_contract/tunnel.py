@@ -29,7 +29,8 @@ DATA   both      raw body bytes; the sender spends that much of the stream's cre
 WINDOW both      u32: credit returned to the other side, in body bytes, never 0.
 END    both      none: this direction of the stream is over (like DATA + END_STREAM).
 RESET  both      JSON ``{code, message}``: the stream is over in both directions. On
-                 stream 0 the whole tunnel is being closed; the sender closes next.
+                 stream 0 the whole tunnel is being closed; the sender closes next
+                 (going away, below).
 PING   both      8 opaque bytes, answered by a PONG carrying the same 8 bytes.
 PONG   both      8 bytes.
 RESUME control   JSON ``{streams: [{stream_id, delivered}, …]}``: sent first after a
@@ -47,6 +48,15 @@ sender never sends more DATA payload than its credit, and the receiver returns c
 with WINDOW as its consumer takes the bytes (the control plane: as its client's socket
 takes them). Returned credit is therefore also an acknowledgement: an agent needs to keep
 at most one window of each stream's bytes for a replay after a reconnect.
+
+Going away: an agent that stops (SIGTERM, or its credential refused) sends RESET on stream
+0 with ``TUNNEL_CLOSING`` (``going_away_frame``) before it closes the connection, and starts no stream after it (an
+OPEN that crosses it is answered RESET ``TUNNEL_CLOSING``); it resumes none of its streams.
+The control plane, on receiving it, opens no more streams on that tunnel and ends each of
+that node's streams at once, without waiting for a resume: one whose HEAD has not reached
+its client may be sent to another server (``relay.FAILOVER_CODES``), one whose HEAD has ends
+as a lost link (``NODE_LINK_LOST``). A tunnel that just drops instead (no RESET of stream 0)
+keeps its streams waiting for the node's next tunnel and its RESUME.
 
 What the receiver must do: a frame that fails ``decode``/``FrameReader`` or ``json_of``
 (``FrameError``), a frame for a stream that does not exist or is not this node's, DATA
@@ -66,6 +76,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import API_PREFIX
+from .relay import TUNNEL_CLOSING
 
 # -- paths, headers and media types ----------------------------------------------------
 
@@ -352,6 +363,12 @@ def reset_frame(stream_id: int, code: str, message: str) -> Frame:
     """End the stream both ways (stream 0: the tunnel); a long message is trimmed."""
     body = {"code": code, "message": message[:RESET_MESSAGE_MAX_CHARS]}
     return Frame(RESET, stream_id, _json_payload(RESET, body))
+
+
+def going_away_frame(message: str = "the node agent is stopping") -> Frame:
+    """RESET of stream 0 with TUNNEL_CLOSING: the sender stops and resumes nothing (going
+    away, above); it closes the connection next."""
+    return reset_frame(0, TUNNEL_CLOSING, message)
 
 
 def ping_frame(opaque: bytes) -> Frame:

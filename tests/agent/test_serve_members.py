@@ -1,10 +1,13 @@
 """Members change live (issue 34), on real nodes: clients keep calling one
 deployment through the control plane while a second node joins it (its real agent and
 worker start a real llama-server, and it takes requests) and the first leaves (its runtime
-process ends); no request fails."""
+process ends); no request fails. And one member's agent killed: the other takes the load, no
+request fails, and the killed node's member serves again once its agent is back, with no
+admin call."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -12,7 +15,7 @@ import pytest
 import requests
 
 from modelforge_appliance.identity.api_keys import create_api_key
-from tests.harness.agent_process import wait_until
+from tests.harness.agent_process import AgentProcess, wait_until
 from tests.harness.llama import GREEDY
 
 from .test_serve import (  # noqa: F401
@@ -67,10 +70,16 @@ class Clients:
         return self.answers
 
 
+def last_task(port: int) -> int:
+    """The newest task id the llama-server on ``port`` has run (-1: none yet)."""
+    slots = requests.get(f"http://127.0.0.1:{port}/slots", timeout=10).json()
+    tasks = [slot.get("id_task") for slot in slots if isinstance(slot.get("id_task"), int)]
+    return max(tasks, default=-1)
+
+
 def served_any(port: int) -> bool:
     """Whether the llama-server on ``port`` has run a task (a slot with an id_task)."""
-    slots = requests.get(f"http://127.0.0.1:{port}/slots", timeout=10).json()
-    return any(slot.get("id_task") is not None for slot in slots)
+    return last_task(port) >= 0
 
 
 def only_server(node) -> dict:
@@ -155,6 +164,68 @@ def test_a_node_joins_and_another_leaves_while_requests_flow_and_none_fails(
         events = cp.admin("GET", "/api/v1/admin/audit-events?limit=500").json()["events"]
         done = {e["action"] for e in events}
         assert {"deployment.members_added", "deployment.member_removed", "server.removed"} <= done
+    finally:
+        if clients is not None:
+            clients.stopped.set()
+        first.close()
+        second.close()
+
+
+def test_one_member_s_agent_killed_the_other_takes_the_load_and_it_serves_again_on_return(
+    cp,  # noqa: F811 - test_serve's fixtures, imported above
+    tmp_path,
+    sockets,  # noqa: F811
+    model,  # noqa: F811
+    llama_server_binary,
+):  # fmt: skip
+    first = serving_node(cp, tmp_path, sockets, "kill-a", llama_server_binary)
+    second = serving_node(cp, tmp_path, sockets, "kill-b", llama_server_binary)
+    clients = None
+    try:
+        replicate(cp, [first, second])
+        assert deploy(cp, NAME, [first, second]).status_code == 201
+        wait_servers(cp, NAME, "running", count=2, timeout=120)
+        hub = cp.server.app.hub
+        for node in (first, second):
+            wait_until(lambda n=node: hub.connected(n.node_id), timeout=60, what="tunnels")
+        _, key = create_api_key(cp.store, "kill", "tests")
+        clients = Clients(cp.url, key)
+        clients.thread.start()
+        wait_until(lambda: clients.count() >= 6, timeout=60, what="requests flowing")
+        port_first = only_server(first)["port"]
+
+        # The first node's agent dies (no goodbye on its tunnel): its member waits, the
+        # second answers every request meanwhile.
+        first.agent.process.send_signal(signal.SIGKILL)
+        first.agent.process.wait(timeout=10)
+
+        def first_waits() -> bool:
+            servers = {s["node_id"]: s["state"] for s in deployment(cp, NAME)["servers"]}
+            return servers == {first.node_id: "waiting", second.node_id: "running"}
+
+        wait_until(first_waits, timeout=60, what="the killed node's member waiting")
+        assert deployment(cp, NAME)["state"] == "degraded"
+        during = clients.count()
+        wait_until(lambda: clients.count() >= during + 10, timeout=90, what="served by one")
+
+        # The agent comes back: no admin call, its member runs again and takes requests.
+        task_before = last_task(port_first)  # the runtime ran on, unwatched
+        returned = time.monotonic()
+        first.agent.close()
+        first.agent = AgentProcess(first.agent.env, tmp_path / "kill-a" / "agent-2.log")
+        wait_servers(cp, NAME, "running", count=2, timeout=90)
+        wait_until(lambda: hub.connected(first.node_id), timeout=60, what="its tunnel again")
+        wait_until(lambda: last_task(port_first) > task_before, timeout=60, what="it answers again")
+        print(f"from the agent's return to its first relayed answer: "
+              f"{time.monotonic() - returned:.2f} s")  # fmt: skip
+        answers = clients.stop()
+        failed = [(status, text[:200]) for status, text in answers if status != 200]
+        assert failed == [] and len(answers) >= 20, (len(answers), failed[:3])
+        shown = deployment(cp, NAME)
+        assert shown["state"] == "running"
+        assert [s["restarts"] for s in shown["servers"]] == [0, 0]  # adopted, not restarted
+        events = cp.admin("GET", "/api/v1/admin/audit-events?limit=500").json()["events"]
+        assert not [e for e in events if e["action"].startswith("deployment.restart")]
     finally:
         if clients is not None:
             clients.stopped.set()

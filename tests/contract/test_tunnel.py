@@ -37,6 +37,7 @@ from modelforge_contract.tunnel import (
     decode,
     encode,
     end_frame,
+    going_away_frame,
     head_frame,
     json_of,
     open_frame,
@@ -67,6 +68,7 @@ def every_kind_of_frame() -> list[Frame]:
         end_frame(5),
         reset_frame(1, relay.STREAM_CANCELLED, "the client went away"),
         reset_frame(0, relay.TUNNEL_CLOSING, "shutting down"),
+        going_away_frame(),  # an agent that stops says so (the spec's "Going away")
         ping_frame(b"12345678"),
         pong_frame(ping_frame(b"\x00" * 8)),
         resume_frame({1: 0, 9: 123456789}),
@@ -130,6 +132,9 @@ def test_the_json_payloads_read_back_as_built():
         "code": "NODE_LINK_LOST",
         "message": "gone",
     }
+    going = going_away_frame()
+    assert (going.type, going.stream_id) == (RESET, 0)
+    assert json_of(going) == {"code": "TUNNEL_CLOSING", "message": "the node agent is stopping"}
     assert json_of(resume_frame({4: 10, 2: 0})) == {
         "streams": [{"stream_id": 2, "delivered": 0}, {"stream_id": 4, "delivered": 10}]
     }

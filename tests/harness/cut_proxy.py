@@ -22,6 +22,7 @@ class CutProxy:
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self.cuts = 0
         self.accepted = 0
+        self.closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -29,6 +30,9 @@ class CutProxy:
             try:
                 client, _ = self.listener.accept()
             except OSError:
+                return
+            if self.closed:  # accepted as it closed
+                client.close()
                 return
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
@@ -73,5 +77,11 @@ class CutProxy:
         return len(pairs)
 
     def close(self) -> None:
+        """Cut every connection and take no new one. A thread blocked in accept() keeps a
+        closed listener listening on Linux (a client reconnecting would get through): shut it
+        down first, which ends the accept()."""
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         self.cut()

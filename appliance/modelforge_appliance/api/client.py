@@ -4,9 +4,11 @@ docs/architecture.md §12 and docs/clients.md).
 
 The answer has the runtime's own shape: its status and headers (hop-by-hop removed), its
 body as it arrives, SSE events one by one, a ``: keepalive`` comment on a stream quiet for
-15 s. A tunnel lost before the head answers 502 NODE_LINK_LOST; after it, an SSE stream
-ends with an ``error`` event and its terminator, never a hang. Bodies and keys never reach
-a log.
+15 s. A server lost before the head (its node's link gone for good, its agent going, or a
+RESET for a reason of the node's) gets the request once more, on another running server of
+the deployment, so the client sees one answer; without another, 502 NODE_LINK_LOST. After
+the head, an SSE stream ends with an ``error`` event and its terminator, never a hang.
+Bodies and keys never reach a log.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from ..core.errors import ApiError
 from ..core.validation import read_json_bytes
 from ..identity.api_keys import ApiKeyCaller
 from ..relay import routing
-from ..relay.hub import Hub, LinkLost, Stream, StreamLimit, StreamReset
+from ..relay.hub import Head, Hub, LinkLost, Stream, StreamLimit, StreamReset, may_fail_over
+from ..relay.routing import Target
 from ..web.auth import CLIENT
 from ..web.http import ApiContext, json_response
 
@@ -42,6 +45,18 @@ def _link_lost() -> ApiError:
         status=502,
         next_step="Send the request again; another running server takes it if there is one.",
     )
+
+
+def _refusal(failure: LinkLost | StreamReset) -> ApiError:
+    """What the client gets for a stream that failed before its head."""
+    if isinstance(failure, StreamReset):
+        return ApiError(
+            f"the node refused the request ({failure.code})",
+            code=rel.NODE_LINK_LOST,
+            status=502,
+            next_step="Send it again; check the server with `modelforge deployments show`.",
+        )
+    return _link_lost()
 
 
 def _error_event(code: str, message: str) -> bytes:
@@ -66,17 +81,12 @@ def add_routes(app: bottle.Bottle, context: ApiContext, hub: Hub) -> None:
         ]
         return json_response({"object": "list", "data": data})
 
-    def relay(path: str, client: ApiKeyCaller) -> bottle.HTTPResponse:
-        metrics.relay_key_requests.labels(client.key_id).inc()
-        raw, body = read_json_bytes(bottle.request.environ, settings.max_body_bytes)
-        target = routing.pick(store, hub, body.get("model"))
-        headers = [
-            (name, value)
-            for name, value in bottle.request.headers.items()
-            if name.lower() in _FORWARDED
-        ]
+    def opened(
+        target: Target, path: str, headers: list[tuple[str, str]], raw: bytes
+    ) -> Stream | None:
+        """The request's stream to ``target`` (None: its tunnel went meanwhile)."""
         try:
-            stream = hub.open(target.node_id, target.server_id, "POST", path, headers, raw)
+            return hub.open(target.node_id, target.server_id, "POST", path, headers, raw)
         except StreamLimit:
             metrics.relay_errors.labels(target.deployment, rel.STREAM_LIMIT).inc()
             raise ApiError(
@@ -87,22 +97,67 @@ def add_routes(app: bottle.Bottle, context: ApiContext, hub: Hub) -> None:
                 "MODELFORGE_THREADS set how many run at once).",
                 extra={"retry_after_seconds": 1},
             ) from None
-        if stream is None:
-            raise routing.unreachable(target.deployment)
-        metrics.relay_requests.labels(target.deployment).inc()
+
+    def answered(
+        target: Target, path: str, headers: list[tuple[str, str]], raw: bytes
+    ) -> tuple[Target, Stream, Head]:
+        """The stream that got the runtime's head, and its server. A server lost before the
+        head is tried once more on another running server of the deployment (``raw``, the
+        body, is bounded by MODELFORGE_MAX_BODY_BYTES and still at hand), so the client
+        sees one answer; without another, or when that one fails too, the error."""
+        tried: list[str] = []
+        counted = False  # a request counts once, however many servers it took
+        while True:
+            stream = opened(target, path, headers, raw)
+            if stream is None:  # its tunnel went between the pick and the open
+                failure: LinkLost | StreamReset = LinkLost()
+            else:
+                if not counted:
+                    metrics.relay_requests.labels(target.deployment).inc()
+                    counted = True
+                try:
+                    return target, stream, stream.wait_head()
+                except (LinkLost, StreamReset) as failed:
+                    stream.close()
+                    failure = failed
+            tried.append(target.server_id)
+            again = None
+            if len(tried) == 1 and may_fail_over(failure):
+                again = other_server(target, tried)
+            if again is None:
+                if stream is None:
+                    raise routing.unreachable(target.deployment)
+                metrics.relay_errors.labels(target.deployment, _code(failure)).inc()
+                raise _refusal(failure) from None
+            log.info("deployment %s: server %s lost before its answer began (%s); sent once "
+                     "more, to server %s", target.deployment, target.server_id,
+                     _code(failure), again.server_id)  # fmt: skip
+            metrics.relay_failovers.labels(target.deployment).inc()
+            target = again
+
+    def other_server(target: Target, tried: list[str]) -> Target | None:
         try:
-            head = stream.wait_head()
-        except (LinkLost, StreamReset) as failure:
-            stream.close()
-            metrics.relay_errors.labels(target.deployment, _code(failure)).inc()
-            if isinstance(failure, StreamReset):
-                raise ApiError(
-                    f"the node refused the request ({failure.code})",
-                    code=rel.NODE_LINK_LOST,
-                    status=502,
-                    next_step="Send it again; check the server with `modelforge deployments show`.",
-                ) from None
-            raise _link_lost() from None
+            return routing.pick(store, hub, target.deployment, exclude=tried)
+        except ApiError:  # none other runs, or none is reachable now
+            return None
+
+    def relay(path: str, client: ApiKeyCaller) -> bottle.HTTPResponse:
+        metrics.relay_key_requests.labels(client.key_id).inc()
+        raw, body = read_json_bytes(bottle.request.environ, settings.max_body_bytes)
+        target = routing.pick_or_start(
+            store,
+            hub,
+            body.get("model"),
+            app.usage,
+            settings.relay_cold_start_seconds,
+            lambda name: metrics.relay_cold_starts.labels(name).inc(),
+        )
+        headers = [
+            (name, value)
+            for name, value in bottle.request.headers.items()
+            if name.lower() in _FORWARDED
+        ]
+        target, stream, head = answered(target, path, headers, raw)
         sse = any(
             n.lower() == "content-type" and v.startswith("text/event-stream")
             for n, v in head.headers

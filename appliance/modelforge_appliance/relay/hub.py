@@ -11,6 +11,11 @@ A stream outlives its tunnel: when a tunnel drops while the agent lives, the str
 to RESUME_GRACE_SECONDS for the node's next tunnel, which is told (RESUME) how many bytes of
 each stream arrived; the agent sends on from there, so the client sees no gap and no
 duplicate. A stream whose tunnel does not come back ends with NODE_LINK_LOST.
+
+An agent that stops says so first (RESET of stream 0, TUNNEL_CLOSING): it resumes nothing,
+so its node's streams end at once instead of waiting out the grace, and its tunnel takes no
+new stream. A stream that ends before its head for a reason of the node's, not the
+request's (``may_fail_over``), is one the client route may send to another server.
 """
 
 from __future__ import annotations
@@ -52,7 +57,13 @@ class Link(Protocol):
 
 
 class LinkLost(Exception):
-    """The stream's node link is gone and did not come back in time."""
+    """The stream's node link is gone: it did not come back in time, or the agent said it
+    is going."""
+
+
+class NoAnswer(LinkLost):
+    """The node took the request but gave no head: the head deadline passed, or the agent
+    ended the stream without one. Not sent again: the runtime may still be at it."""
 
 
 class StreamLimit(Exception):
@@ -65,6 +76,15 @@ class StreamReset(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code, self.message = code, message
+
+
+def may_fail_over(failure: Exception) -> bool:
+    """Whether a stream that failed before its head may be sent to another server: its
+    node's link went for good, or the agent reset it for a reason of the node's
+    (``relay.FAILOVER_CODES``), not the request's."""
+    if isinstance(failure, StreamReset):
+        return failure.code in rel.FAILOVER_CODES
+    return isinstance(failure, LinkLost) and not isinstance(failure, NoAnswer)
 
 
 @dataclass(frozen=True)
@@ -89,6 +109,7 @@ class Stream:
         self.reset: tuple[str, str] | None = None
         self.tunnel: Tunnel | None = None
         self.lost_at: float | None = None
+        self.gone = False  # its agent said it is going: no resume will come
         self.closed = False
 
     # -- from the tunnel's reader -------------------------------------------------------
@@ -126,6 +147,13 @@ class Stream:
                 self.tunnel, self.lost_at = None, time.monotonic()
                 self.cond.notify_all()
 
+    def on_gone(self) -> None:
+        """The node's agent is going (or never got the OPEN): the stream ends now, with
+        what already arrived still delivered, and is never resumed."""
+        with self.cond:
+            self.gone, self.tunnel = True, None
+            self.cond.notify_all()
+
     def on_link(self, tunnel: Tunnel) -> None:
         with self.cond:
             self.tunnel, self.lost_at = tunnel, None
@@ -134,7 +162,9 @@ class Stream:
     # -- for the client's request -------------------------------------------------------
 
     def _gone(self) -> bool:
-        """Inside the lock: the link is lost beyond the grace."""
+        """Inside the lock: the agent is going, or the link is lost beyond the grace."""
+        if self.gone:
+            return True
         return self.lost_at is not None and time.monotonic() - self.lost_at > self.hub.grace
 
     def wait_head(self, timeout: float = HEAD_TIMEOUT_SECONDS) -> Head:
@@ -143,11 +173,13 @@ class Stream:
             while self.head is None:
                 if self.reset is not None:
                     raise StreamReset(*self.reset)
-                if self._gone() or (self.ended and self.head is None):
+                if self._gone():
                     raise LinkLost()
+                if self.ended:
+                    raise NoAnswer()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise LinkLost()
+                    raise NoAnswer()
                 self.cond.wait(min(left, 1.0))
             return self.head
 
@@ -286,6 +318,10 @@ class Tunnel:
             return
         if kind in (wire.PONG,):
             return
+        if kind == wire.RESET and frame.stream_id == 0:
+            value = wire.json_of(frame)
+            self.hub.going(self, str(value.get("code") or "RESET")[:64])
+            return
         stream = self.hub.stream(frame.stream_id)
         if stream is None or stream.node_id != self.node_id:
             if stream is None and self.hub.ended_here(self.node_id, frame.stream_id):
@@ -345,6 +381,7 @@ class Hub:
         self._streams: dict[int, Stream] = {}
         self._ids = itertools.count(1)
         self._in_flight: collections.Counter[str] = collections.Counter()
+        self._turns = itertools.count()  # routing takes turns among equally loaded servers
         # The streams that ended lately, by node (bounded): frames still in flight for one
         # are dropped; a frame for a stream the node never had closes its tunnel.
         self._ended: dict[str, collections.deque[int]] = {}
@@ -366,8 +403,11 @@ class Hub:
         if old is not None:
             old.shut(1000, "replaced by a newer tunnel")
         entries = []
-        for stream in waiting:
+        for stream in list(waiting):
             with stream.cond:
+                if stream.gone:  # ended when its agent went: nothing to resume
+                    waiting.remove(stream)
+                    continue
                 # The RESUME says what the client took: credit starts again from there
                 # (taken after this, it is granted on the new tunnel, after the RESUME).
                 stream.ungranted = 0
@@ -396,6 +436,27 @@ class Hub:
         log.info("node %s: tunnel down (%s; %d stream(s) waiting)", tunnel.node_id, reason,
                  len(streams))  # fmt: skip
 
+    def going(self, tunnel: Tunnel, code: str) -> None:
+        """The agent on ``tunnel`` said it is going (RESET of stream 0): it takes no new
+        stream, and every stream of its node ends now, not after the resume grace."""
+        node_id = tunnel.node_id
+        with self._lock:
+            # The node's tunnel: each stream of the node rides it or waits for it. One a
+            # newer tunnel replaced speaks only for what it still carries.
+            current = self._tunnels.get(node_id) is tunnel
+            if current:
+                del self._tunnels[node_id]
+            streams = [
+                s
+                for s in self._streams.values()
+                if s.tunnel is tunnel or (current and s.node_id == node_id)
+            ]
+        for stream in streams:
+            stream.on_gone()
+        tunnel.shut(1000, "the agent is going")  # it closes next; nothing more to carry
+        log.info("node %s: its agent is going (%s); %d stream(s) ended", node_id, code,
+                 len(streams))  # fmt: skip
+
     def connected(self, node_id: str) -> bool:
         with self._lock:
             return node_id in self._tunnels
@@ -409,6 +470,11 @@ class Hub:
     def in_flight(self, server_id: str) -> int:
         with self._lock:
             return self._in_flight[server_id]
+
+    def next_turn(self) -> int:
+        """A number that grows with each call: whose turn it is among equals."""
+        with self._lock:
+            return next(self._turns)
 
     def open(
         self,
@@ -435,9 +501,12 @@ class Hub:
         # The request's end rides on its last frame (OPEN when there is no body). A client
         # header the frame cannot carry is left out: the agent would close the tunnel.
         carried = wire.carried_headers(headers)
-        tunnel.send(
+        sent = tunnel.send(
             wire.open_frame(stream.stream_id, server_id, method, path, carried, end_stream=not body)
         )
+        if not sent:  # the tunnel is closing: the agent never gets it, no resume could help
+            stream.on_gone()
+            return stream
         if body:
             for frame in wire.data_frames(stream.stream_id, body, end_stream=True):
                 tunnel.send(frame)

@@ -176,6 +176,20 @@ class Metrics:
             ["deployment", "code"],
             registry=self.registry,
         )
+        self.relay_failovers = Counter(
+            "modelforge_relay_failovers",
+            "Relayed requests sent once more, to another running server of their deployment, "
+            "because their server was lost before the answer's head: by deployment.",
+            ["deployment"],
+            registry=self.registry,
+        )
+        self.relay_cold_starts = Counter(
+            "modelforge_relay_cold_starts",
+            "Client requests that found their deployment unloaded (idle) and were held while "
+            "it started: by deployment.",
+            ["deployment"],
+            registry=self.registry,
+        )
         self.relay_seconds = Histogram(
             "modelforge_relay_duration_seconds",
             "Time from a relayed request to its last byte, by deployment.",
