@@ -42,6 +42,7 @@ COMMANDS = {
     "restore-finality": ["restore-finality", "{record}"],
     "work": ["work", "show", "0123456789abcdef"],
     "models": ["models", "show", "tiny"],
+    "hub-token": ["hub-token", "show"],
     "deploy": ["deploy", "tiny-chat", "--model", "tiny", "--nodes", "gpu-1"],
     "deployments": ["deployments", "show", "tiny-chat"],
     "undeploy": ["undeploy", "tiny-chat"],

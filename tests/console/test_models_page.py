@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from playwright.sync_api import expect
@@ -19,6 +20,7 @@ from modelforge_appliance.core.clock import ManualClock
 from modelforge_contract.models import DISK_FULL
 from tests.harness.console_client import set_password
 from tests.harness.control_plane import ControlPlane, make_settings, serve
+from tests.harness.hub_stand_in import HubStandIn
 from tests.harness.scripted_node import WorkNode
 
 from .conftest import sign_in
@@ -261,3 +263,49 @@ def test_the_digest_copies_whole_and_a_replicate_refusal_leaves_nothing_replicat
     expect(card.get_by_test_id("replicate-error")).to_contain_text("cpu-gone")
     assert replica_states(cp, "tiny-llm") == {}
     expect(card.get_by_test_id("replicas-none")).to_be_visible()
+
+
+def test_the_pull_form_pulls_one_quantisation_shows_its_bar_and_lists_the_model(
+    browser, tmp_path, tiny_gguf
+):
+    """The "Pull from a hub" form against the hub's stand-in on loopback: a refusal shows its
+    code and next step, and a pull by --include ends done with the model on the page."""
+    gguf = Path(tiny_gguf).read_bytes()
+    with HubStandIn() as hub:
+        hub.add_repo(
+            "tiny-org/tiny-GGUF",
+            {"tiny-Q4_K_M.gguf": gguf, "tiny-Q8_0.gguf": gguf + b"\x00" * 4096},
+        )
+        settings = make_settings(tmp_path / "state", hub_endpoint=hub.url)
+        with serve(settings, ManualClock(time.time())) as cp:
+            set_password(cp)
+            page = browser.new_page()
+            sign_in(page, cp.url)
+            page.goto(f"{cp.url}/console/models")
+            form = page.get_by_test_id("pull-form")
+            # A repository the hub does not have: refused at once, with what to do.
+            page.get_by_test_id("pull-name").fill("nothing")
+            page.get_by_test_id("pull-repo").fill("tiny-org/" + HOSTILE)
+            page.get_by_test_id("pull-submit").click()
+            expect(page.get_by_test_id("pull-error")).to_contain_text("is not a repository")
+            assert_nothing_injected(page)
+            page.get_by_test_id("pull-name").fill("nothing")
+            page.get_by_test_id("pull-repo").fill("tiny-org/no-such-repo")
+            page.get_by_test_id("pull-submit").click()
+            refused = page.get_by_test_id("pull-error")
+            expect(refused).to_contain_text("has no repository tiny-org/no-such-repo")
+            expect(refused).to_contain_text("Check the name")  # its next step
+            # One quantisation of the repository.
+            page.get_by_test_id("pull-name").fill("tiny-q4")
+            page.get_by_test_id("pull-repo").fill("hf://tiny-org/tiny-GGUF")
+            page.get_by_test_id("pull-include").fill("*Q4_K_M.gguf")
+            page.get_by_test_id("pull-submit").click()
+            row = page.get_by_test_id("pull-row").filter(has_text="tiny-q4")
+            expect(row).to_have_attribute("data-state", "done", timeout=MOVED)
+            bar = row.get_by_test_id("pull-progress")
+            expect(bar).to_have_attribute("data-bytes-done", str(len(gguf)))
+            expect(page.get_by_test_id("pull-error")).to_have_text("")
+            card = page.get_by_test_id("model-card").filter(has_text="tiny-q4")
+            expect(card).to_be_visible(timeout=MOVED)
+            assert list(hub.served) == ["tiny-Q4_K_M.gguf"]  # the other quantisation: never
+            expect(form.get_by_test_id("pull-name")).to_have_value("")  # the form was reset

@@ -1,9 +1,15 @@
-"""Admin model routes: import, list, show, delete, replicate (docs/architecture.md §10)."""
+"""Admin model routes: import or pull, list, show, delete, replicate, and the hub token
+(docs/architecture.md §10)."""
 
 from __future__ import annotations
 
 import bottle
 
+from modelforge_contract.hub import (
+    PATH_ADMIN_HUB_TOKEN,
+    PATH_ADMIN_MODEL_PULL,
+    PATH_ADMIN_MODEL_PULLS,
+)
 from modelforge_contract.models import (
     PATH_ADMIN_MODEL,
     PATH_ADMIN_MODEL_REPLICA,
@@ -11,8 +17,9 @@ from modelforge_contract.models import (
     PATH_ADMIN_MODELS,
 )
 
-from ..core.validation import IMPORT_MODEL_FIELDS, REPLICATE_FIELDS
-from ..models import catalog, replicas
+from ..core.sealing import WorkKeys
+from ..core.validation import HUB_TOKEN_FIELDS, IMPORT_MODEL_FIELDS, REPLICATE_FIELDS
+from ..models import catalog, hub_token, pulls, replicas
 from ..web.auth import ADMIN
 from ..web.http import ApiContext, json_response
 
@@ -24,18 +31,52 @@ def _revision() -> str | None:
 def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     settings, store = context.settings, context.store
 
+    # Pulls from a hub run on threads of this process; their views are read below.
+    runner = app.model_pulls = pulls.PullRunner(settings, store)
+
     @app.post(PATH_ADMIN_MODELS, auth=ADMIN)
     def import_model(actor: str):
         fields = context.body(IMPORT_MODEL_FIELDS)
+        source = pulls.source_of(fields["source"])
+        if not isinstance(source, str):  # a hub: 202 once it may start; the pull runs on
+            pull = runner.start(fields["name"], source, fields.get("revision"), actor)
+            answer = json_response({"pull": pull}, 202)
+            answer.set_header(
+                "Location", PATH_ADMIN_MODEL_PULL.replace("<pull_id>", pull["pull_id"])
+            )
+            return answer
         imported = catalog.import_model(
             store,
             settings.state_dir,
             fields["name"],
-            fields["source"]["path"],
+            source,
             actor,
             revision=fields.get("revision"),
         )
         return json_response(catalog.model_view(imported.model), 201 if imported.created else 200)
+
+    @app.get(PATH_ADMIN_MODEL_PULLS, auth=ADMIN)
+    def list_pulls():
+        return json_response({"pulls": runner.views()})
+
+    @app.get(PATH_ADMIN_MODEL_PULL, auth=ADMIN)
+    def show_pull(pull_id: str):
+        return json_response({"pull": runner.view(pull_id)})
+
+    @app.get(PATH_ADMIN_HUB_TOKEN, auth=ADMIN)
+    def show_hub_token():
+        return json_response(hub_token.token_view(store))
+
+    @app.put(PATH_ADMIN_HUB_TOKEN, auth=ADMIN)
+    def set_hub_token(actor: str):
+        token = context.body(HUB_TOKEN_FIELDS)["token"]
+        keys = WorkKeys.of(settings.state_dir)
+        return json_response(hub_token.set_token(store, keys, token, actor))
+
+    @app.delete(PATH_ADMIN_HUB_TOKEN, auth=ADMIN)
+    def clear_hub_token(actor: str):
+        cleared = hub_token.clear_token(store, actor)
+        return json_response({**hub_token.token_view(store), "cleared": cleared})
 
     @app.get(PATH_ADMIN_MODELS, auth=ADMIN)
     def list_models():

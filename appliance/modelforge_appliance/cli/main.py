@@ -26,7 +26,16 @@ from ..core.errors import OperatorError
 # Top-level modules of the appliance extra (pyproject.toml): a command that needs one that is
 # missing says which extra to install, in one line.
 EXTRA_MODULES = frozenset(
-    {"bottle", "waitress", "peewee", "psycopg2", "bcrypt", "prometheus_client", "cryptography"}
+    {
+        "bottle",
+        "waitress",
+        "peewee",
+        "psycopg2",
+        "bcrypt",
+        "prometheus_client",
+        "cryptography",
+        "huggingface_hub",
+    }
 )
 
 # name -> (module of this package, its attribute, the first paragraph of the command's help)
@@ -112,6 +121,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "models",
         "models_group",
         "Import models into the seed cache and replicate them to nodes (docs/models.md).",
+    ),
+    "hub-token": (
+        "hub_token",
+        "hub_token_group",
+        "Set, show or clear the hub token models pull sends for gated and private repositories.",
     ),
     "deploy": (
         "deployments",

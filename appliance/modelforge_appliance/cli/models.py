@@ -1,4 +1,5 @@
-"""``modelforge models import|list|show|replicate|replicas|remove|verify`` (docs/models.md)."""
+"""``modelforge models import|pull|list|show|replicate|replicas|remove|verify``
+(docs/models.md); ``pull`` is in models_pull.py."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..models import cache, catalog, replicas
 from ..store import audit
 from .completion import complete_nodes
 from .errors import CliError, refused
+from .models_pull import pull_command
 from .nodes import find_node
 from .support import JSON_OPTION, Context, emit
 
@@ -54,6 +56,9 @@ def _size(count: int) -> str:
 @click.group("models")
 def models_group() -> None:
     """Import models into the seed cache and replicate them to nodes (docs/models.md)."""
+
+
+models_group.add_command(pull_command)
 
 
 @models_group.command("import")
@@ -105,7 +110,10 @@ def list_command(obj: Context, as_json: bool) -> None:
             f"{_size(m['size_bytes']):>10} {m['file_count']:>5} {m['digest'][:19]}"
         )
     if not models:
-        lines = ["No models yet: modelforge models import NAME PATH"]
+        lines = [
+            "No models yet: modelforge models import NAME PATH, or modelforge models pull "
+            "NAME hf://ORG/REPO"
+        ]
     emit(as_json, {"models": models}, "\n".join(lines))
 
 

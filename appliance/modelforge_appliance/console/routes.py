@@ -34,6 +34,7 @@ SIGN_IN = SIGN_IN_PATH
 PAGE_HEADERS = {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"}
 SIGN_IN_FIELDS = {"password": Field(str, low=1, high=1024)}
 IMPORT_COMMAND = "modelforge models import NAME PATH"
+HUB_TOKEN_COMMAND = "modelforge hub-token set"
 DEPLOY_COMMAND = "modelforge deploy NAME --model M --nodes A,B --runtime llama.cpp"
 EXPIRY_CHOICES = ((300, "5 minutes"), (900, "15 minutes"), (3600, "1 hour"), (86400, "24 hours"))
 
@@ -160,7 +161,12 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
 
     @app.get("/console/models", auth=SESSION)
     def models_page(session: sessions.Session):
-        return page("models", session=session, import_command=IMPORT_COMMAND)
+        return page(
+            "models",
+            session=session,
+            import_command=IMPORT_COMMAND,
+            hub_token_command=HUB_TOKEN_COMMAND,
+        )
 
     @app.get("/console/deployments", auth=SESSION)
     def deployments_page(session: sessions.Session):

@@ -271,6 +271,9 @@ SETTINGS: tuple[SettingSpec, ...] = (
 )
 
 
+DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
+
+
 class ConfigError(OperatorError):
     """A setting is wrong; the CLI prints the one-line message and exits 2."""
 
@@ -339,6 +342,9 @@ class Settings:
     work_claims_per_second: int = 50
     # MODELFORGE_TUNNEL_LISTEN as (host, port); None: the tunnels share the one port.
     tunnel_listen: tuple[str, int] | None = None
+    # Where `models pull` reaches the hub: HF_ENDPOINT, the name huggingface_hub reads, so a
+    # mirror set for it is set for this too.
+    hub_endpoint: str = DEFAULT_HUB_ENDPOINT
 
     @property
     def listen(self) -> str:
@@ -386,6 +392,22 @@ def parse_listen(value: str, name: str = "MODELFORGE_LISTEN") -> tuple[str, int]
     if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ConfigError(f"{name}={value!r} is not HOST:PORT (for example 127.0.0.1:8000)")
     return host, int(port_text)
+
+
+def parse_hub_endpoint(raw: str | None) -> str:
+    """HF_ENDPOINT: the hub (or a mirror of it) as scheme://host[:port][/path], no slash at
+    the end; the Hugging Face Hub when unset."""
+    text = (raw or "").strip().rstrip("/")
+    if not text:
+        return DEFAULT_HUB_ENDPOINT
+    parts = urlsplit(text)
+    bad = parts.query or parts.fragment or parts.username
+    if parts.scheme not in ("http", "https") or not parts.hostname or bad:
+        raise ConfigError(
+            f"HF_ENDPOINT={raw!r} is not a hub address: give http(s)://HOST[:PORT] of the hub "
+            "or of a mirror of it, without a user, a query or a fragment"
+        )
+    return text
 
 
 def parse_trusted_proxies(raw: str | None) -> tuple[str, ...]:
@@ -591,4 +613,5 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         work_container_capabilities=parse_capabilities(
             value(env, "MODELFORGE_WORK_CONTAINER_CAPABILITIES")
         ),
+        hub_endpoint=parse_hub_endpoint(env.get("HF_ENDPOINT")),
     )

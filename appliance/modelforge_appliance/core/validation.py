@@ -30,6 +30,7 @@ from modelforge_contract import (
 )
 from modelforge_contract import containers as fence
 from modelforge_contract import deployments as deploy_contract
+from modelforge_contract import hub as hub_contract
 from modelforge_contract import models as models_contract
 
 from .errors import ApiError, Invalid, TooLarge
@@ -402,11 +403,33 @@ ACCEPT_HARDWARE_FIELDS = {
     "digest": Field(str, required=False, nullable=True, low=16, high=16),
 }
 
+_HUB_PATTERNS = Field(
+    list,
+    required=False,
+    nullable=True,
+    high=hub_contract.PATTERNS_MAX,
+    items=Field(str, low=1, high=hub_contract.PATTERN_MAX_CHARS),
+)
+
+# A source is a path on the control-plane host, or a hub repository (models/pulls.py
+# says which fields go together).
 IMPORT_MODEL_FIELDS = {
     "name": Field(str, low=1, high=120),
     "revision": Field(str, required=False, nullable=True, low=1, high=64),
-    "source": Field(dict, fields={"path": Field(str, low=1, high=4096)}),
+    "source": Field(
+        dict,
+        fields={
+            "path": Field(str, required=False, low=1, high=4096),
+            "hub": Field(str, required=False, choices=hub_contract.HUBS),
+            "repo": Field(str, required=False, low=3, high=200),
+            "revision": Field(str, required=False, nullable=True, low=1, high=200),
+            "include": _HUB_PATTERNS,
+            "exclude": _HUB_PATTERNS,
+        },
+    ),
 }
+
+HUB_TOKEN_FIELDS = {"token": Field(str, low=1, high=512)}
 
 REPLICATE_FIELDS = {
     "node_ids": Field(list, low=1, high=1000, items=_ID),

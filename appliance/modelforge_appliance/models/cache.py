@@ -194,6 +194,21 @@ def store_file(state_dir: Path, source: Path, progress: Progress | None = None) 
         raise
 
 
+def adopt_blob(state_dir: Path, path: Path, hexdigest: str) -> bool:
+    """Rename a file already verified to hash to hexdigest into the cache (a pull's staged
+    file, on the same file system); whether this call added the blob."""
+    blobs = models_dir(state_dir) / "blobs" / "sha256"
+    blobs.mkdir(parents=True, exist_ok=True, mode=0o700)
+    target = blobs / hexdigest
+    if target.exists():
+        os.unlink(path)
+        return False
+    os.chmod(path, 0o444)
+    os.replace(path, target)
+    fsync_directory(blobs)
+    return True
+
+
 def remove_blobs(state_dir: Path, hexes: Iterable[str]) -> int:
     """Delete these cache blobs (those no model revision references any more)."""
     removed = 0

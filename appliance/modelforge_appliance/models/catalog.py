@@ -119,8 +119,41 @@ def import_model(
         raise
 
 
+def import_staged(
+    store: Store,
+    state_dir: Path,
+    name: str,
+    revision: str,
+    files: list[dict[str, Any]],
+    staged: dict[str, Path],
+    source: str,
+    actor: str,
+) -> Imported:
+    """Record a revision whose files were verified elsewhere (a pull from a hub): each staged
+    file (by its sha256 hex) is renamed into the seed cache, then the revision is recorded
+    under the same rules as an import, with ``revision`` explicit."""
+    check_name(name)
+    check_revision(revision)
+    added: list[str] = []
+    try:
+        for hexdigest, path in staged.items():
+            if cache.adopt_blob(state_dir, path, hexdigest):
+                added.append(hexdigest)
+        ordered = sorted(files, key=lambda f: f["path"])
+        return _record(store, name, revision, ordered, source, actor, "model.pulled")
+    except BaseException:
+        _forget_unreferenced(store, state_dir, added)
+        raise
+
+
 def _record(
-    store: Store, name: str, explicit: str | None, files: list, source: str, actor: str
+    store: Store,
+    name: str,
+    explicit: str | None,
+    files: list,
+    source: str,
+    actor: str,
+    action: str = "model.imported",
 ) -> Imported:
     canonical_files = _canonical(files)
     now = store.clock.now()
@@ -161,12 +194,15 @@ def _record(
         audit.record(
             store,
             actor,
-            "model.imported",
+            action,
             name=name,
             revision=revision,
             digest=model.digest,
             size_bytes=model.size_bytes,
             file_count=model.file_count,
+            # A pull's source (hf://ORG/REPO@COMMIT) says where it came from; an import's
+            # path is shown by `models show`.
+            **({"source": source} if action == "model.pulled" else {}),
         )
     return Imported(model, True)
 

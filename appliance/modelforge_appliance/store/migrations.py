@@ -404,6 +404,12 @@ _SERVER_GOALS = (
     'ALTER TABLE "deployment_server" ADD COLUMN "next_attempt_at" {double}',
 )
 
+# 15: the hub token models/hub.py pulls with, sealed with the work key (models/hub_token.py).
+_HUB_TOKEN = (
+    'CREATE TABLE "hub_token" ("hub" VARCHAR(32) NOT NULL PRIMARY KEY, '
+    '"sealed" TEXT NOT NULL, "set_by" VARCHAR(120) NOT NULL, "set_at" {double} NOT NULL)',
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
@@ -427,5 +433,6 @@ MIGRATIONS: tuple[Migration, ...] = (
         13, "client API keys", _API_KEYS, sqlite=_API_KEYS_SQLITE, postgresql=_API_KEYS_POSTGRESQL
     ),
     Migration(14, "server goals and backoff", _SERVER_GOALS),
+    Migration(15, "hub token", _HUB_TOKEN),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

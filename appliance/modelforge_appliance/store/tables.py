@@ -364,3 +364,19 @@ class ApiKey(BaseModel):
     last_used_at = pw.DoubleField(null=True)  # to the minute (LAST_USED_RESOLUTION_SECONDS)
     revoked_at = pw.DoubleField(null=True)
     revoked_by = pw.CharField(max_length=120, null=True)
+
+
+# -- the hub token (migration 15, models/hub_token.py) -----------------------------------
+
+
+class HubToken(BaseModel):
+    """The token the control plane pulls from a hub with (``modelforge hub-token set``).
+
+    It must be sent to the hub, so it cannot be kept as a digest: ``sealed`` is it sealed
+    with the state directory's work key (core/sealing.py), as work secrets are.
+    """
+
+    hub = pw.CharField(primary_key=True, max_length=32)
+    sealed = pw.TextField()
+    set_by = pw.CharField(max_length=120)
+    set_at = pw.DoubleField()

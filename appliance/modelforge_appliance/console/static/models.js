@@ -3,6 +3,7 @@
 // FAST_SECONDS, so a download's bar moves; once none moves, only the slow refresh remains.
 // Everything goes through the same /api/v1/admin/models calls as the CLI and automation.
 import { api, el, errorText, setText, when } from "./console.js";
+import { startPulls } from "./models_pull.js";
 
 export const FAST_SECONDS = 1.5;
 export const SLOW_SECONDS = 15;
@@ -326,3 +327,4 @@ async function refreshModels() {
 
 refreshModels();
 window.setInterval(refreshModels, SLOW_SECONDS * 1000);
+startPulls(refreshModels);
