@@ -27,6 +27,7 @@ listed (``corrupt``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -52,11 +53,11 @@ class RepoFile:
     def size(self) -> int:
         return len(self.data)
 
-    @property
-    def sha256(self) -> str:
+    @functools.cached_property
+    def sha256(self) -> str:  # hashed once: a bench serves hundreds of MiB
         return hashlib.sha256(self.data).hexdigest()
 
-    @property
+    @functools.cached_property
     def git_oid(self) -> str:
         """The git blob id (what the hub's ETag is for a file kept in git)."""
         return hashlib.sha1(b"blob %d\0" % self.size + self.data, usedforsecurity=False).hexdigest()
