@@ -383,3 +383,57 @@ def test_eight_concurrent_adds_of_one_node_make_one_member(control_plane, tmp_pa
     assert sorted(answer.status_code for answer in answers) == [200] + [409] * 7
     assert {error_code(x) for x in answers if x.status_code == 409} == {"ALREADY_A_MEMBER"}
     assert [n for n, _, _ in rows(cp)].count(b.node_id) == 1
+
+
+def test_set_changes_the_runtime_arguments_and_restarts_every_server_with_them(
+    control_plane, tmp_path
+):
+    """A runtime that exits because of its own --arg: `deployments set` (PATCH) replaces the
+    arguments, checked as a deploy checks them, and restarts each server with them; a refusal
+    or an unchanged setting restarts nothing."""
+    cp = control_plane
+    model = tiny_model(cp, tmp_path)
+    node = ServingNode(cp, "set-a")
+    held(cp, model, node)
+    settings = {"args": ["--no-such-flag"], "context_length": 512}
+    assert deploy(cp, "set", [node], settings=settings).status_code == 201
+    [entry] = node.servers()
+    server_id = entry["server_id"]
+    assert entry["settings"]["args"] == ["--no-such-flag"]
+    lease = run(node, server_id)
+    path = f"{DEPLOYMENTS}/set"
+
+    # Refused, nothing changed: a reserved argument, a field set only by deploying again.
+    reserved = cp.admin("PATCH", path, json={"settings": {"args": ["--port", "9"]}})
+    assert (reserved.status_code, error_code(reserved)) == (400, "FIELD_FORMAT")
+    other = cp.admin("PATCH", path, json={"settings": {"image_id": "sha256:" + "0" * 64}})
+    assert (other.status_code, error_code(other)) == (400, "FIELD_UNKNOWN")
+    same = cp.admin("PATCH", path, json={"settings": {"context_length": 512}})
+    assert same.status_code == 200 and same.json()["servers"][0]["state"] == "running"
+    assert node.renew_server(server_id, lease["lease_id"], "running").json()["desired"] == "run"
+    assert "deployment.settings_changed" not in actions(cp)
+
+    # Changed: the lease ends "restarted" and the server is claimed again with the new args.
+    changed = cp.admin("PATCH", path, json={"settings": {"args": ["--threads", "2"]}})
+    assert changed.status_code == 200, changed.text
+    assert changed.json()["settings"]["args"] == ["--threads", "2"]
+    assert changed.json()["settings"]["context_length"] == 512  # what was not given is kept
+    assert changed.json()["servers"][0]["state"] == "pending"
+    lost = node.renew_server(server_id, lease["lease_id"], "running")
+    assert (lost.status_code, lost.json()["lease_end"]) == (409, "restarted")
+    [entry] = node.servers()
+    assert entry["settings"]["args"] == ["--threads", "2"]
+    run(node, server_id)
+    events = cp.admin("GET", "/api/v1/admin/audit-events?limit=500").json()["events"]
+    [audited] = [e for e in events if e["action"] == "deployment.settings_changed"]
+    assert audited["detail"]["changed"] == ["args"]
+    assert "--threads" not in json.dumps(audited)  # names, never an argument's value
+
+    # The CLI: --no-args clears them; nothing to change is a usage error.
+    cleared = cli(cp, "deployments", "set", "set", "--no-args", "--json")
+    assert cleared.returncode == 0, cleared.stderr
+    assert json.loads(cleared.stdout)["settings"]["args"] == []
+    nothing = cli(cp, "deployments", "set", "set")
+    assert nothing.returncode == 2 and "nothing to change" in nothing.stderr
+    unknown = cli(cp, "deployments", "set", "no-such", "--context-length", "64")
+    assert unknown.returncode == 7 and "DEPLOYMENT_NOT_FOUND" in unknown.stderr

@@ -1,5 +1,5 @@
-"""Admin deployment routes: deploy, list, show, restart, undeploy, and members joining and
-leaving (docs/architecture.md §11)."""
+"""Admin deployment routes: deploy, list, show, restart, change settings, undeploy, and
+members joining and leaving (docs/architecture.md §11)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from modelforge_contract.deployments import (
 )
 
 from ..core.clock import isoformat
-from ..core.validation import DEPLOY_FIELDS, DEPLOYMENT_MEMBERS_FIELDS
+from ..core.validation import DEPLOY_FIELDS, DEPLOYMENT_CHANGE_FIELDS, DEPLOYMENT_MEMBERS_FIELDS
 from ..deployments import leases, members, servers
 from ..web.auth import ADMIN
 from ..web.http import ApiContext, json_response
@@ -49,6 +49,12 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     def undeploy(name: str, actor: str):
         settle()
         return json_response(servers.undeploy(store, name, actor))
+
+    @app.route(PATH_ADMIN_DEPLOYMENT, method="PATCH", auth=ADMIN)
+    def change_settings(name: str, actor: str):
+        fields = context.body(DEPLOYMENT_CHANGE_FIELDS)
+        settle()
+        return json_response(servers.change_settings(store, name, fields["settings"], actor))
 
     @app.post(PATH_ADMIN_DEPLOYMENT_RESTART, auth=ADMIN)
     def restart(name: str, actor: str):

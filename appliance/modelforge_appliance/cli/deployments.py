@@ -1,4 +1,4 @@
-"""``modelforge deploy``, ``modelforge deployments [show|restart|add-nodes|remove-nodes]``,
+"""``modelforge deploy``, ``modelforge deployments [show|restart|set|add-nodes|remove-nodes]``,
 ``modelforge undeploy`` (docs/deployments.md)."""
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ _NEXT_STEPS = {
     "NODE_OFFLINE": "nothing to do: it starts again by itself when the node is back online",
     "NODE_STOPPING": "nothing to do: it starts again by itself when the node's agent is back",
     "RUNTIME_EXITED": "nothing to do: the agent starts it again by itself (5 s, 10 s, 20 s … up to "
-    "5 min apart); if it keeps exiting, read the node's runtime worker log and fix the cause",
+    "5 min apart); if it keeps exiting, read the node's runtime worker log and fix the cause "
+    "(its own arguments: `modelforge deployments set NAME --arg …` or `--no-args`)",
     "RUNTIME_NOT_READY": "nothing to do: the agent starts it again by itself; if it is never ready, "
     "check the node's runtime worker log (a large model may need a longer "
     "MODELFORGE_AGENT_SERVE_READY_SECONDS)",
@@ -288,7 +289,8 @@ def _finish(
 @JSON_OPTION
 @click.pass_context
 def deployments_group(ctx: click.Context, as_json: bool) -> None:
-    """List deployments and their servers; `show`, `restart`, `add-nodes`, `remove-nodes`."""
+    """List deployments and their servers; `show`, `restart`, `set`, `add-nodes`,
+    `remove-nodes`."""
     if ctx.invoked_subcommand is not None:
         return
     obj: Context = ctx.obj
@@ -347,6 +349,57 @@ def restart_command(obj: Context, name: str, wait: bool, timeout: float, as_json
         raise refused(exc) from None
     if not wait:
         emit(as_json, view, "\n".join(["Restarting:", *_lines(view)]))
+        return
+    _finish(_follow(obj, name, timeout, as_json, _settled()), as_json)
+
+
+@deployments_group.command("set")
+@click.argument("name")
+@click.option(
+    "--arg", "args", multiple=True, help="The runtime's extra arguments, replacing the current."
+)
+@click.option("--no-args", is_flag=True, help="Clear the runtime's extra arguments.")
+@click.option("--context-length", type=click.IntRange(1), help="The runtime's context size.")
+@click.option("--wait", is_flag=True, help="Follow until every server runs or fails.")
+@click.option("--timeout", type=click.FloatRange(1), default=1800.0, show_default=True)
+@JSON_OPTION
+@click.pass_obj
+def set_command(
+    obj: Context,
+    name: str,
+    args: tuple[str, ...],
+    no_args: bool,
+    context_length: int | None,
+    wait: bool,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Change NAME's runtime arguments or context size, and restart its servers with them.
+
+    The options given replace what the deployment has; the rest is kept. Settings equal to
+    the current ones restart nothing. The model, runtime, image, GPUs and idle unload are
+    changed by undeploying and deploying again."""
+    if args and no_args:
+        raise CliError("--arg and --no-args contradict each other", "Pass one.", EXIT_USAGE)
+    given: dict[str, Any] = {}
+    if args or no_args:
+        given["args"] = list(args)
+    if context_length is not None:
+        given["context_length"] = context_length
+    if not given:
+        raise CliError(
+            "nothing to change",
+            "Pass --arg X (repeatable), --no-args or --context-length N.",
+            EXIT_USAGE,
+        )
+    try:
+        view = servers.change_settings(obj.store(), name, given, audit.CLI_ACTOR)
+    except ApiError as exc:
+        raise refused(exc) from None
+    if not wait:
+        emit(
+            as_json, view, "\n".join(["Changed; restarting with the new settings:", *_lines(view)])
+        )
         return
     _finish(_follow(obj, name, timeout, as_json, _settled()), as_json)
 

@@ -135,7 +135,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "deployments": (
         "deployments",
         "deployments_group",
-        "List deployments and their servers; `show`, `restart`, `add-nodes`, `remove-nodes`.",
+        "List deployments and their servers; `show`, `restart`, `set`, `add-nodes`, "
+        "`remove-nodes`.",
     ),
     "undeploy": (
         "deployments",

@@ -490,6 +490,18 @@ DEPLOY_FIELDS = {
     "replicate": Field(bool, required=False),
 }
 
+# PATCH /admin/deployments/{name}: the runtime settings `deployments set` may change
+# (deployments/servers.py CHANGEABLE_SETTINGS); every other field is refused.
+DEPLOYMENT_CHANGE_FIELDS = {
+    "settings": Field(
+        dict,
+        fields={
+            "args": DEPLOYMENT_SETTINGS_FIELDS["args"],
+            "context_length": DEPLOYMENT_SETTINGS_FIELDS["context_length"],
+        },
+    ),
+}
+
 # POST /admin/deployments/{name}/servers: nodes that join a running deployment.
 DEPLOYMENT_MEMBERS_FIELDS = {
     "node_ids": DEPLOY_FIELDS["node_ids"],

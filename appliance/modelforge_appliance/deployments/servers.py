@@ -1,4 +1,4 @@
-"""Deployments, the admin side: deploy, list, show, restart, undeploy.
+"""Deployments, the admin side: deploy, list, show, restart, change settings, undeploy.
 
 A deployment is one model revision, one runtime and its settings, and one server row per
 member node (docs/architecture.md §11). Nothing starts unless every member is eligible,
@@ -478,34 +478,81 @@ def restart(store: Store, name: str, actor: str) -> dict[str, Any]:
     few are free."""
     now = store.clock.now()
     with store.write():
-        deployment = _get(name)
-        if deployment.stopping:
-            raise Conflict(
-                f"deployment {name} is being stopped",
-                code=DEPLOYMENT_STOPPING,
-                next_step=f"Wait for it to go (modelforge undeploy {name} --wait), then deploy "
-                "it again.",
-            )
-        servers = _servers_of([deployment.deployment_id])[deployment.deployment_id]
-        for server, node in servers:
-            outcome = reconcile.step(member_of(server, deployment), reconcile.RESTART)
-            extra: dict[str, Any] = {}
-            if outcome.state == SERVER_PENDING:
-                extra.update(error=None, restarts=0, started_at=None, next_attempt_at=None)
-            if outcome.state == SERVER_PENDING and server.state not in SERVER_ACTIVE_STATES:
-                wanted = len(_load(server.gpus) or [])
-                held = placement.gpus_held(node.node_id) | placement.gpus_of_work(
-                    store, node.node_id
-                )
-                gpus = placement.pick_gpus(node, wanted, deployment.share_gpus, held)
-                extra["gpus"] = _dump(gpus)
-            row = DeploymentServer.server_id == server.server_id
-            apply_outcome(store, server, outcome, now, row, actor=actor, **extra)
-        _bump([n.node_id for _, n in servers])
+        deployment = _changeable(name)
+        _restart_servers(store, deployment, now, actor)
         audit.record(
             store, actor, "deployment.restarted", name=name, deployment_id=deployment.deployment_id
         )
     return get_deployment(store, name)
+
+
+# What `deployments set` may change: the runtime's own arguments and context size. The
+# rest (model, runtime, image, GPUs, idle unload) shape where and how servers are placed:
+# undeploy and deploy for those.
+CHANGEABLE_SETTINGS = ("args", "context_length")
+
+
+def change_settings(store: Store, name: str, given: dict[str, Any], actor: str) -> dict[str, Any]:
+    """New runtime settings (the fields in ``given`` replace the deployment's, each checked
+    as a deploy checks it), and every server restarted with them: the way out of a runtime
+    that exits because of its own ``--arg``. Settings equal to the current ones change
+    nothing and restart nothing."""
+    now = store.clock.now()
+    with store.write():
+        deployment = _changeable(name)
+        current = _load(deployment.settings) or {}
+        wanted = {**current, **{k: given[k] for k in CHANGEABLE_SETTINGS if k in given}}
+        wanted["args"] = list(wanted.get("args") or [])
+        checked = _settings_of(
+            {"runtime": deployment.runtime, "settings": wanted}, deployment.model
+        )
+        changed = sorted(k for k in CHANGEABLE_SETTINGS if checked.get(k) != current.get(k))
+        if changed:
+            Deployment.update(settings=_dump(checked)).where(
+                Deployment.deployment_id == deployment.deployment_id
+            ).execute()
+            deployment.settings = _dump(checked)
+            _restart_servers(store, deployment, now, actor)
+            audit.record(
+                store,
+                actor,
+                "deployment.settings_changed",
+                name=name,
+                deployment_id=deployment.deployment_id,
+                changed=changed,  # the names only: an argument's value is the operator's
+            )
+    return get_deployment(store, name)
+
+
+def _changeable(name: str) -> Deployment:
+    """Inside a write: the deployment, unless it is being stopped (409)."""
+    deployment = _get(name)
+    if deployment.stopping:
+        raise Conflict(
+            f"deployment {name} is being stopped",
+            code=DEPLOYMENT_STOPPING,
+            next_step=f"Wait for it to go (modelforge undeploy {name} --wait), then deploy "
+            "it again.",
+        )
+    return deployment
+
+
+def _restart_servers(store: Store, deployment: Deployment, now: float, actor: str) -> None:
+    """Inside a write: each server of ``deployment`` started afresh (see ``restart``)."""
+    servers = _servers_of([deployment.deployment_id])[deployment.deployment_id]
+    for server, node in servers:
+        outcome = reconcile.step(member_of(server, deployment), reconcile.RESTART)
+        extra: dict[str, Any] = {}
+        if outcome.state == SERVER_PENDING:
+            extra.update(error=None, restarts=0, started_at=None, next_attempt_at=None)
+        if outcome.state == SERVER_PENDING and server.state not in SERVER_ACTIVE_STATES:
+            wanted = len(_load(server.gpus) or [])
+            held = placement.gpus_held(node.node_id) | placement.gpus_of_work(store, node.node_id)
+            gpus = placement.pick_gpus(node, wanted, deployment.share_gpus, held)
+            extra["gpus"] = _dump(gpus)
+        row = DeploymentServer.server_id == server.server_id
+        apply_outcome(store, server, outcome, now, row, actor=actor, **extra)
+    _bump([n.node_id for _, n in servers])
 
 
 def server_counts(store: Store) -> dict[str, int]:
