@@ -186,6 +186,14 @@ def test_servers_follow_their_agents_a_failure_shows_as_text_restart_and_stop_co
     expect(card.get_by_test_id("deployment-state")).to_have_text("starting")  # none runs yet
     expect(page.get_by_test_id("deployments-empty")).to_be_hidden()
     expect(page.get_by_test_id("deployment-list")).to_have_attribute("data-polling", "fast")
+    # How a client calls it: this control plane's /v1, the deployment's name, a curl line.
+    client = card.get_by_test_id("deployment-client")
+    client.locator("summary").click()
+    expect(client.get_by_test_id("client-base-url")).to_have_text(f"{cp.url}/v1")
+    expect(client.get_by_test_id("client-model")).to_have_text("tiny-chat")
+    curl = client.get_by_test_id("client-curl").text_content()
+    assert curl.startswith(f"curl {cp.url}/v1/chat/completions ")
+    assert '"model":"tiny-chat"' in curl and "Bearer $MODELFORGE_API_KEY" in curl
 
     row = {
         n.node_id: card.locator(f'[data-testid="server-row"][data-node-id="{n.node_id}"]')

@@ -170,7 +170,12 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
 
     @app.get("/console/deployments", auth=SESSION)
     def deployments_page(session: sessions.Session):
-        return page("deployments", session=session, deploy_command=DEPLOY_COMMAND)
+        # Where clients call the deployments (the cards' "How a client calls it"): the
+        # public origin when set, else the one this page was addressed through.
+        origin = settings.public_api_origin or request_origin(bottle.request.environ)
+        return page(
+            "deployments", session=session, deploy_command=DEPLOY_COMMAND, api_origin=origin
+        )
 
     @app.get("/console/work/<work_id>", auth=SESSION)
     def work_item_page(work_id: str, session: sessions.Session):

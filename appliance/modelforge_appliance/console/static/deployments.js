@@ -45,6 +45,39 @@ function armed(button, label, call) {
   });
 }
 
+// How a client calls a deployment: the OpenAI-compatible base URL on this control plane's
+// port, the deployment's name as `model`, and an API key (docs/clients.md).
+export function clientCall(name, origin) {
+  const base = `${origin}/v1`;
+  const body = JSON.stringify({ model: name, messages: [{ role: "user", content: "Hello" }] });
+  const curl =
+    `curl ${base}/chat/completions -H "Authorization: Bearer $MODELFORGE_API_KEY" ` +
+    `-H "Content-Type: application/json" -d '${body.replaceAll("'", "'\\''")}'`;
+  return { base, curl };
+}
+
+function clientDetails(name) {
+  const origin = $("deployments").dataset.apiOrigin || window.location.origin;
+  const call = clientCall(name, origin);
+  return el(
+    "details",
+    { class: "client-call", "data-testid": "deployment-client" },
+    el("summary", { text: "How a client calls it" }),
+    el(
+      "p",
+      {},
+      "Base URL ",
+      el("code", { "data-testid": "client-base-url", text: call.base }),
+      ", model ",
+      el("code", { "data-testid": "client-model", text: name }),
+      ", and an API key (",
+      el("code", { text: "modelforge api-keys create --name NAME" }),
+      "); any OpenAI-compatible client works. docs/clients.md says what each refusal means.",
+    ),
+    el("pre", { class: "command", "data-testid": "client-curl", text: call.curl }),
+  );
+}
+
 function makeCard(deployment) {
   const card = {
     name: deployment.name,
@@ -65,6 +98,7 @@ function makeCard(deployment) {
     "section",
     { class: "card deployment", "data-testid": "deployment-card", "data-deployment": deployment.name },
     card.head,
+    clientDetails(deployment.name),
     el("div", { class: "actions" }, card.restart, card.add, card.stop),
     card.picker,
     card.error,

@@ -1,5 +1,5 @@
 % rebase('layout', title='Deployments', modules=['deployments.js'], stylesheets=['deployments.css'])
-<section class="page" id="deployments">
+<section class="page" id="deployments" data-api-origin="{{api_origin}}">
   <div class="toolbar">
     <h1>Deployments</h1>
   </div>
