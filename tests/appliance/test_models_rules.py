@@ -10,8 +10,10 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -434,6 +436,26 @@ def test_the_cli_counts_one_file_as_one_file(tmp_path):
     assert ": 1 file, " in imported.stdout, imported.stdout
     shown = invoke_cli("models", "show", "one", env=env, check=True)
     assert " in 1 file\n" in shown.stdout, shown.stdout
+
+
+def test_an_import_from_the_cache_s_file_system_says_it_is_a_copy(tmp_path):
+    """The seed cache never hard-links a source (an edit in place would change cached bytes
+    under their digest): an import from its own file system says the bytes are now twice
+    there; one from elsewhere (tmpfs) or one already imported says nothing of it."""
+    env = clean_env(MODELFORGE_STATE_DIR=str(tmp_path / "state"))
+    assert invoke_cli("init", env=env).returncode == 0
+    source = make_model_dir(tmp_path / "same", {"w.bin": b"w" * 4096})
+    imported = invoke_cli("models", "import", "same", str(source), env=env, check=True)
+    assert "keeps its own copy on the same file system as" in imported.stdout, imported.stdout
+    [blob] = (tmp_path / "state" / "models" / "blobs" / "sha256").iterdir()
+    assert blob.stat().st_nlink == 1  # a copy, not a link to w.bin
+    again = invoke_cli("models", "import", "same", str(source), env=env, check=True)
+    assert "Already imported" in again.stdout and "own copy" not in again.stdout
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as elsewhere:
+        other = make_model_dir(Path(elsewhere) / "other", {"o.bin": b"o" * 4096})
+        assert os.stat(other).st_dev != os.stat(tmp_path).st_dev
+        apart = invoke_cli("models", "import", "other", str(other), env=env, check=True)
+        assert "own copy" not in apart.stdout, apart.stdout
 
 
 def test_an_imported_file_name_with_a_bidi_override_is_refused(tmp_path):

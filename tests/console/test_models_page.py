@@ -167,6 +167,9 @@ def test_replicate_from_the_page_the_bar_moves_to_present_a_failure_shows_its_co
     row_a = card.locator(f'[data-testid="replica-row"][data-node-id="{alpha.node_id}"]')
     row_b = card.locator(f'[data-testid="replica-row"][data-node-id="{beta.node_id}"]')
     expect(row_a).to_have_attribute("data-state", "pending")
+    # Each replica names its node as the fleet does (its enrolled name), linking to its page.
+    expect(row_a.locator("a")).to_have_text("cpu-alpha")
+    expect(row_a.locator("a")).to_have_attribute("href", f"/console/nodes/{alpha.node_id}")
     expect(page.get_by_test_id("model-list")).to_have_attribute("data-polling", "fast")
     assert replica_states(cp, "tiny-llm") == {alpha.node_id: "pending", beta.node_id: "pending"}
     posts = [r for r in requests_made if r[0] == "POST" and r[1].endswith("/replicas")]

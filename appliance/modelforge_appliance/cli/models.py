@@ -89,12 +89,17 @@ def import_command(obj: Context, name: str, path: str, revision: str | None, as_
         raise refused(exc) from None
     view = catalog.model_view(imported.model)
     note = "Imported" if imported.created else "Already imported as"
-    emit(
-        as_json,
-        view,
+    lines = [
         f"{note} {view['name']} revision {view['revision']}: {_files(view['file_count'])}, "
-        f"{_size(view['size_bytes'])}, {view['digest']}",
-    )
+        f"{_size(view['size_bytes'])}, {view['digest']}"
+    ]
+    if imported.created and cache.shares_file_system(Path(path), obj.settings.state_dir):
+        lines.append(
+            f"The seed cache keeps its own copy on the same file system as {path}: remove "
+            "the source if you no longer need it (the cache never links to a source, which "
+            "could be changed in place)."
+        )
+    emit(as_json, view, "\n".join(lines))
 
 
 @models_group.command("list")

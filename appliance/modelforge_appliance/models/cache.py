@@ -50,6 +50,16 @@ def blob_file(state_dir: Path, digest_hex: str) -> Path:
     return models_dir(state_dir) / "blobs" / "sha256" / digest_hex
 
 
+def shares_file_system(source: Path, state_dir: Path) -> bool:
+    """Whether ``source`` lies on the seed cache's file system. An import copies even then,
+    never linking: a hard link would share the file with its source, so a source edited in
+    place would change the cached bytes under their digest (docs/models.md, "Importing")."""
+    try:
+        return os.stat(source).st_dev == os.stat(models_dir(state_dir)).st_dev
+    except OSError:
+        return False
+
+
 @dataclass(frozen=True)
 class SourceFile:
     path: str  # the manifest path
