@@ -434,3 +434,42 @@ def test_a_node_is_added_from_the_non_members_and_a_member_removed_after_a_secon
     actions = {e["action"]: e["actor"] for e in events if e["action"].startswith("deployment.")}
     assert actions["deployment.members_added"].startswith("console:")
     assert actions["deployment.member_removed"].startswith("console:")
+
+
+def test_a_node_page_lists_the_servers_and_replicas_the_node_holds(browser, still_plane, tmp_path):
+    cp = still_plane
+    model = import_gguf(cp, tmp_path, "tiny-llama")
+    busy = ServingNode(cp, "cpu-busy", gpus=[], mode="cpu")
+    spare = ServingNode(cp, "cpu-spare", gpus=[], mode="cpu")
+    replicate_present(cp, model, [busy])
+    body = {"name": "tiny-chat", "model": "tiny-llama", "runtime": "llama.cpp",
+            "node_ids": [busy.node_id]}  # fmt: skip
+    made = cp.admin("POST", DEPLOYMENTS, json=body)
+    assert made.status_code == 201, made.text
+    [server] = made.json()["servers"]
+    lease = busy.claim_server(server["server_id"])
+    busy.renew_server(lease, "backoff", restarts=2,
+                      error={"code": "RUNTIME_EXITED", "message": HOSTILE})  # fmt: skip
+    answer = cp.admin("GET", f"/api/v1/admin/hardware/nodes/{busy.node_id}/serving").json()
+    assert [(s["deployment"], s["state"]) for s in answer["servers"]] == [("tiny-chat", "backoff")]
+    assert [(r["model"], r["state"]) for r in answer["replicas"]] == [("tiny-llama", "present")]
+    unknown = cp.admin("GET", "/api/v1/admin/hardware/nodes/no-such-node/serving")
+    assert unknown.status_code == 404
+
+    page = browser.new_page()
+    sign_in(page, cp.url)
+    page.goto(f"{cp.url}/console/nodes/{busy.node_id}")
+    row = page.locator('[data-testid="node-server"][data-deployment="tiny-chat"]')
+    expect(row).to_have_attribute("data-state", "backoff")
+    expect(row).to_contain_text("tiny-llama@r1 · llama.cpp")
+    expect(row).to_contain_text("RUNTIME_EXITED")
+    expect(row.locator("td").nth(4)).to_have_text("2")
+    assert_nothing_injected(page)  # the node's message is text
+    held = page.locator('[data-testid="node-replica"][data-model="tiny-llama"]')
+    expect(held).to_have_attribute("data-state", "present")
+    expect(page.get_by_test_id("node-servers-none")).to_be_hidden()
+    # A node that holds nothing says so, pointing at where to change that.
+    page.goto(f"{cp.url}/console/nodes/{spare.node_id}")
+    expect(page.get_by_test_id("node-servers-none")).to_be_visible()
+    expect(page.get_by_test_id("node-replicas-none")).to_be_visible()
+    assert page.get_by_test_id("node-server").count() == 0

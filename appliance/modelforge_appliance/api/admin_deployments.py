@@ -11,11 +11,14 @@ from modelforge_contract.deployments import (
     PATH_ADMIN_DEPLOYMENT_SERVER,
     PATH_ADMIN_DEPLOYMENT_SERVERS,
     PATH_ADMIN_DEPLOYMENTS,
+    PATH_ADMIN_NODE_SERVING,
 )
 
 from ..core.clock import isoformat
 from ..core.validation import DEPLOY_FIELDS, DEPLOYMENT_CHANGE_FIELDS, DEPLOYMENT_MEMBERS_FIELDS
 from ..deployments import leases, members, servers
+from ..fleet import nodes
+from ..models import replicas
 from ..web.auth import ADMIN
 from ..web.http import ApiContext, json_response
 
@@ -60,6 +63,17 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     def restart(name: str, actor: str):
         settle()
         return json_response(servers.restart(store, name, actor))
+
+    @app.get(PATH_ADMIN_NODE_SERVING, auth=ADMIN)
+    def node_serving(node_id: str):
+        nodes.get_node(store, node_id)  # 404 for an unknown node
+        settle()
+        return json_response(
+            {
+                "servers": servers.servers_on_node(store, node_id),
+                "replicas": replicas.replicas_on_node(store, node_id),
+            }
+        )
 
     @app.post(PATH_ADMIN_DEPLOYMENT_SERVERS, auth=ADMIN)
     def add_members(name: str, actor: str):

@@ -123,6 +123,30 @@ def _servers_of(deployment_ids: list[str]) -> dict[str, list[tuple[DeploymentSer
     return found
 
 
+def servers_on_node(store: Store, node_id: str) -> list[dict[str, Any]]:
+    """The servers one node holds, each with its deployment's name, model and runtime."""
+    with store.connection():
+        rows = list(
+            DeploymentServer.select(DeploymentServer, Deployment, Model, Node)
+            .join(Deployment)
+            .join(Model)
+            .switch(DeploymentServer)
+            .join(Node)
+            .where(DeploymentServer.node == node_id)
+            .order_by(Deployment.name)
+        )
+    return [
+        {
+            "deployment": s.deployment.name,
+            "model": s.deployment.model.name,
+            "revision": s.deployment.model.revision,
+            "runtime": s.deployment.runtime,
+            **server_view(s, s.node),
+        }
+        for s in rows
+    ]
+
+
 def list_deployments(store: Store) -> list[dict[str, Any]]:
     with store.connection():
         rows = list(Deployment.select(Deployment, Model).join(Model).order_by(Deployment.name))

@@ -70,6 +70,20 @@ def _replicas_query(models: list[Model]):
     )
 
 
+def replicas_on_node(store: Store, node_id: str) -> list[dict[str, Any]]:
+    """The model revisions one node holds or is asked to, each with its model's name."""
+    with store.connection():
+        rows = list(
+            ModelReplica.select(ModelReplica, Model, Node)
+            .join(Model)
+            .switch(ModelReplica)
+            .join(Node)
+            .where(ModelReplica.node == node_id)
+            .order_by(Model.name, Model.created_at)
+        )
+    return [{"model": r.model.name, **replica_view(r, r.model, r.node)} for r in rows]
+
+
 def list_replicas(store: Store, models: list[Model]) -> list[dict[str, Any]]:
     with store.connection():
         rows = list(_replicas_query(models))

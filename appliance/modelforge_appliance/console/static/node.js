@@ -1,4 +1,5 @@
-// A node page: facts, actions, readiness, per-GPU charts of the last hour, credentials, audit.
+// A node page: facts, actions, readiness, the servers and replicas it holds, per-GPU charts of
+// the last hour, credentials, audit.
 import { api, age, el, errorText, gib, keyValues, setText, when } from "./console.js";
 
 const $ = (id) => document.getElementById(id);
@@ -79,6 +80,43 @@ async function loadReadiness() {
   );
 }
 
+function whyCell(error) {
+  if (!error) return el("td", { class: "muted", text: "—" });
+  return el("td", { "data-code": error.code }, el("strong", { text: error.code }), ` ${error.message || ""}`);
+}
+
+async function loadServing() {
+  const answer = await api("GET", `${base}/serving`);
+  $("servers").replaceChildren(
+    ...answer.servers.map((s) =>
+      el(
+        "tr",
+        { "data-testid": "node-server", "data-deployment": s.deployment, "data-state": s.state },
+        el("td", {}, el("a", { href: "/console/deployments", text: s.deployment })),
+        el("td", { text: `${s.model}@${s.revision} · ${s.runtime}` }),
+        el("td", {}, el("span", { class: `badge server-${s.state}`, text: s.state })),
+        el("td", { text: when(s.state_since) }),
+        el("td", { text: String(s.restarts ?? 0) }),
+        whyCell(s.error),
+      ),
+    ),
+  );
+  $("servers-none").hidden = answer.servers.length > 0;
+  $("replicas").replaceChildren(
+    ...answer.replicas.map((r) =>
+      el(
+        "tr",
+        { "data-testid": "node-replica", "data-model": r.model, "data-state": r.state },
+        el("td", {}, el("a", { href: "/console/models", text: `${r.model}@${r.revision}` })),
+        el("td", {}, el("span", { class: `badge replica-${r.state}`, text: r.state })),
+        el("td", { text: r.bytes_total ? `${gib(r.bytes_done)} of ${gib(r.bytes_total)}` : "—" }),
+        whyCell(r.error),
+      ),
+    ),
+  );
+  $("replicas-none").hidden = answer.replicas.length > 0;
+}
+
 async function loadCredentials() {
   const answer = await api("GET", `${base}/credentials`);
   setText($("credential-counts"), `${answer.active} active, ${answer.revoked} revoked`);
@@ -155,7 +193,7 @@ async function loadTelemetry() {
 
 async function refresh() {
   try {
-    await Promise.all([loadNode(), loadReadiness(), loadCredentials(), loadAudit()]);
+    await Promise.all([loadNode(), loadReadiness(), loadServing(), loadCredentials(), loadAudit()]);
     show(null);
   } catch (error) {
     show(error);

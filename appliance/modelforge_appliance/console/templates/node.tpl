@@ -29,6 +29,16 @@
   <h2>Readiness</h2>
   <ul id="readiness" class="checks" data-testid="node-readiness"></ul>
 
+  <h2>Serving</h2>
+  <table class="small"><thead><tr><th>Deployment</th><th>Model</th><th>Server</th><th>Since</th><th>Restarts</th><th>Why</th></tr></thead>
+    <tbody id="servers" data-testid="node-servers"></tbody></table>
+  <p id="servers-none" class="muted" data-testid="node-servers-none" hidden>No deployment has a server on this node (<a href="/console/deployments">Deployments</a>).</p>
+
+  <h2>Models held</h2>
+  <table class="small"><thead><tr><th>Model</th><th>Replica</th><th>Bytes</th><th>Why</th></tr></thead>
+    <tbody id="replicas" data-testid="node-replicas"></tbody></table>
+  <p id="replicas-none" class="muted" data-testid="node-replicas-none" hidden>No model is replicated to this node (<a href="/console/models">Models</a>).</p>
+
   <h2>GPUs over the last hour</h2>
   <div id="charts" class="charts" data-testid="node-charts"></div>
 
