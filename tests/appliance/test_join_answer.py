@@ -68,7 +68,8 @@ def test_mint_answer_carries_the_worker_commands_and_human_titles(sqlite_control
     ).json()
     assert parse_env_file(body["env_file"])["MODELFORGE_AGENT_WORKER_SOCKET"] == WORKER_SOCKET
     worker = body["worker_command"]
-    assert f"MODELFORGE_WORKER_SOCKET={WORKER_SOCKET} " in worker
+    # The env file's socket, else the same default (test_start_command.py runs it).
+    assert 'MODELFORGE_WORKER_SOCKET="${sock:-' + WORKER_SOCKET + '}" ' in worker
     assert "MODELFORGE_WORKER_ACCELERATOR_MODE=cpu " in worker
     assert body["join_worker_commands"] == {"checkout": checkout_worker_command("cpu")}
     titles = body["command_titles"]

@@ -315,3 +315,45 @@ def test_the_worker_command_listens_where_the_env_file_points_the_agent(node, tm
         result.stderr
     )
     assert "modelforge-runtime-worker on PATH" in result.stderr
+
+
+def test_run_again_on_an_enrolled_node_it_starts_the_agent_without_asking_a_token(node, tmp_path):
+    """A restart of a node started with this command: its identity is in the env file's state
+    volume, so the agent starts as it is; it used to ask for a token the node no longer has."""
+    state = tmp_path / "agent-state"
+    state.mkdir(mode=0o700)
+    env_file = node["work"] / "modelforge-node.env"
+    env_file.write_text(env_file.read_text().replace("/var/lib/modelforge-node-agent", str(state)))
+    fresh = Terminal(node, START_COMMAND)  # no identity yet: it asks
+    fresh.read_until(b"Enrollment token: ")
+    fresh.interrupt(lambda: os.kill(fresh.pid, signal.SIGINT))
+    (state / "identity.json").write_text('{"node_id": "n"}')
+    again = Terminal(node, START_COMMAND)
+    assert again.finish() == 0
+    assert b"Enrollment token" not in again.output
+    assert b"enrolled already" in again.output and b"no token needed" in again.output
+    record = node["record"].read_text()
+    assert "MODELFORGE_AGENT_ENROLLMENT_TOKEN" not in record
+    assert f"MODELFORGE_AGENT_STATE_VOLUME={state}\n" in record
+    assert "MODELFORGE_AGENT_CONTROL_PLANE_URL=http://127.0.0.1:8000\n" in record
+    assert "state=" not in record and temp_files(node) == []
+
+
+def test_the_worker_command_follows_a_socket_edited_in_the_env_file(node, tmp_path):
+    standin(tmp_path / "bin" / "modelforge-runtime-worker")
+    env_file = node["work"] / "modelforge-node.env"
+    moved = tmp_path / "sockets" / "worker.sock"
+    env_file.write_text(env_file.read_text().replace(WORKER_SOCKET, str(moved)))
+    result = subprocess.run(
+        ["bash", "-c", worker_command("cpu")],
+        cwd=node["work"],
+        env=node["env"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    record = node["record"].read_text()
+    assert f"MODELFORGE_WORKER_SOCKET={moved}\n" in record
+    assert "MODELFORGE_AGENT_CONTROL_PLANE_URL" not in record  # only the socket is read from it
+    assert "sock=" not in record

@@ -116,12 +116,22 @@ _FIND_AGENT = (
     f"root of a checkout), modelforge-node-agent on PATH and {AGENT_PYZ_PATH} (the agent pyz, "
     f'run by {AGENT_PYZ_INTERPRETER}); install one (docs/node-agent.md)" >&2; exit 127; fi'
 )
+# A node that has enrolled keeps its identity in the env file's state volume: run again (a
+# restart, a reboot), the command starts its agent as it is, asking no token it no longer has.
+_ENROLLED_ALREADY = (
+    'state=$(set -a; . ./modelforge-node.env; printf %s "${MODELFORGE_AGENT_STATE_VOLUME:-}")',
+    'if [ -n "$state" ] && [ -f "$state/identity.json" ]; then echo "modelforge: this node '
+    'is enrolled already ($state/identity.json): starting its agent, no token needed" >&2; '
+    'set -a; . ./modelforge-node.env; set +a; unset state; exec "${agent[@]}"; fi',
+    "unset state",
+)
 _START_STEPS = (
     "set +x",
     "umask 077",
     '[ -f ./modelforge-node.env ] || { echo "modelforge: run this in the directory that '
     'holds modelforge-node.env" >&2; exit 2; }',
     _FIND_AGENT,
+    *_ENROLLED_ALREADY,
     "tok_file=$(mktemp) || exit 1",
     'trap "rm -f \\"$tok_file\\"" EXIT',
     'trap "rm -f \\"$tok_file\\"; exit 130" INT',
@@ -147,7 +157,8 @@ _CHECKOUT_WORKER = ".venv/bin/modelforge-runtime-worker"
 
 def worker_command(accelerator_mode: str) -> str:
     """The Runtime Worker for START_COMMAND's agent, for Bash, run in the same directory:
-    found like the agent (a checkout's .venv, or on PATH), on the env file's socket."""
+    found like the agent (a checkout's .venv, or on PATH), on the socket the env file names
+    for the agent (MODELFORGE_AGENT_WORKER_SOCKET, edited or not), else the default."""
     steps = (
         f"if [ -x {_CHECKOUT_WORKER} ]; then worker={_CHECKOUT_WORKER}; "
         "elif command -v modelforge-runtime-worker >/dev/null 2>&1; then "
@@ -155,7 +166,9 @@ def worker_command(accelerator_mode: str) -> str:
         f'else echo "modelforge: no runtime worker found: looked for {_CHECKOUT_WORKER} (run '
         "from the root of a checkout) and modelforge-runtime-worker on PATH; install one "
         '(docs/work.md)" >&2; exit 127; fi',
-        f"MODELFORGE_WORKER_SOCKET={WORKER_SOCKET} "
+        "sock=; [ -f ./modelforge-node.env ] && sock=$(set -a; . ./modelforge-node.env; "
+        'printf %s "${MODELFORGE_AGENT_WORKER_SOCKET:-}")',
+        f'MODELFORGE_WORKER_SOCKET="${{sock:-{WORKER_SOCKET}}}" '
         f'MODELFORGE_WORKER_ACCELERATOR_MODE={accelerator_mode} exec "$worker"',
     )
     return "bash -c '" + "; ".join(steps) + "'"
