@@ -199,6 +199,17 @@ def test_control_plane_and_agent_from_the_compose_files(
     readiness = wait_for("the node to be ready", ready, worker_logs)
     assert {check["name"]: check["ok"] for check in readiness["checks"]}["worker"] is True
 
+    # Dropping the used token as docs/node-agent.md step 4 does: the agent alone is
+    # recreated; the worker (and any runtime it runs) is left as it is, under Compose v1 too.
+    worker_before = deployment.container(docker_client, "runtime-worker").id
+    agent_before = deployment.container(docker_client, "node-agent").id
+    deployment.compose(
+        AGENT, "up", "-d", "--no-build", "--no-deps", "--force-recreate", "node-agent"
+    )
+    assert deployment.container(docker_client, "node-agent").id != agent_before
+    assert deployment.container(docker_client, "runtime-worker").id == worker_before
+    wait_for("the node to be ready after the recreate", ready, worker_logs)
+
     # down/up without the token: the same node, from the identity in the state volume.
     deployment.compose(AGENT, "down")
     deployment.compose(AGENT, "up", "-d", "--no-build")
