@@ -418,10 +418,25 @@ class AgentStream:
             return
         port, name, model_dir = target
         given = [tuple(h) for h in self.opened.get("headers") or [] if len(h) == 2]
-        headers = dict(
-            rel.relayable_headers(given, rel.REQUEST_HEADERS_NOT_RELAYED | {"content-length"})
-        )
+        headers = {
+            name: value
+            for name, value in rel.relayable_headers(
+                given, rel.REQUEST_HEADERS_NOT_RELAYED | {"content-length"}
+            )
+            if name.lower() != "accept-encoding"
+        }
+        headers["Accept-Encoding"] = rel.ACCEPT_ENCODING_TO_RUNTIME  # scrubbed as it comes
         response = self._request(port, path, headers)
+        encoding = response.getheader("Content-Encoding")
+        if not rel.is_identity_encoding(encoding):
+            # Compressed anyway: its paths could not be scrubbed, so nothing of it is passed.
+            with self.cond:
+                connection, self.connection = self.connection, None
+            if connection is not None:
+                connection.close()
+            message = f"the runtime answered {str(encoding)[:40]}-encoded, which cannot be scrubbed"
+            self.relay.send(wire.reset_frame(self.stream_id, rel.BODY_ENCODED, message))
+            return
         paths = self.relay.paths(model_dir)
         kept = rel.relayable_headers(response.getheaders(), rel.RESPONSE_HEADERS_NOT_RELAYED)
         sse = (response.getheader("Content-Type") or "").startswith("text/event-stream")

@@ -5,6 +5,7 @@ API's). The framing that carries it is ``modelforge_contract.tunnel``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 # The client API on the control plane's port. /v1/models is answered by the control
@@ -69,6 +70,43 @@ def relayable_headers(
     return [(n, v) for n, v in pairs if n.lower() not in dropped and n.lower() not in named]
 
 
+# The runtime's response headers a client sees (docs/architecture.md §12): an allow-list,
+# since the control plane frames the answer itself and a node is not trusted with the
+# client's browser or the proxy in front (Set-Cookie, Access-Control-*, Location, Server,
+# X-Accel-Redirect and framing headers never pass). One of each, the first.
+RESPONSE_HEADERS_FOR_CLIENTS = ("content-type", "cache-control", "retry-after", "x-request-id")
+
+
+def client_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The pairs of ``headers`` a client may see: the allowed names, the first of each."""
+    seen: set[str] = set()
+    kept = []
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered in RESPONSE_HEADERS_FOR_CLIENTS and lowered not in seen:
+            seen.add(lowered)
+            kept.append((name, value))
+    return kept
+
+
+def single_content_length(headers: Iterable[tuple[str, str]]) -> int | None:
+    """The answer's Content-Length when it has exactly one that is a plain decimal (two,
+    or one that is not a number, say nothing: the control plane then frames it chunked)."""
+    values = [value.strip() for name, value in headers if name.lower() == "content-length"]
+    if len(values) != 1 or not re.fullmatch(r"[0-9]{1,15}", values[0]):
+        return None
+    return int(values[0])
+
+
+# What the agent asks the runtime for: a compressed answer cannot be scrubbed of the node's
+# paths, so one that comes compressed anyway is refused (BODY_ENCODED), never passed on.
+ACCEPT_ENCODING_TO_RUNTIME = "identity"
+
+
+def is_identity_encoding(content_encoding: str | None) -> bool:
+    return (content_encoding or "identity").strip().lower() in ("", "identity")
+
+
 # A quiet relayed SSE stream gets SSE_KEEPALIVE between two events this often.
 SSE_KEEPALIVE_SECONDS = 15
 SSE_KEEPALIVE = b": keepalive\n\n"
@@ -79,6 +117,7 @@ SSE_KEEPALIVE = b": keepalive\n\n"
 MODEL_NOT_DEPLOYED = "MODEL_NOT_DEPLOYED"  # 404: no deployment of that name
 NO_RUNNING_SERVER = "NO_RUNNING_SERVER"  # 503: the deployment has no running server
 COLD_START_TIMEOUT = "COLD_START_TIMEOUT"  # 503: an idle deployment did not start in time
+BODY_ENCODED = "BODY_ENCODED"  # 502: the runtime compressed its answer, which cannot be scrubbed
 NODE_LINK_LOST = "NODE_LINK_LOST"  # 502, or an SSE error event: the tunnel went away
 TUNNEL_PROTOCOL_ERROR = "TUNNEL_PROTOCOL_ERROR"  # a frame broke the tunnel contract
 STREAM_LIMIT = "STREAM_LIMIT"  # 503: the node's tunnel carries its most streams
@@ -103,6 +142,7 @@ RELAY_ERROR_CODES = (
     RESUME_FAILED,
     TUNNEL_REPLACED,
     TUNNEL_CLOSING,
+    BODY_ENCODED,
 )
 # A RESET with one of these codes says the node did not serve the request (it could not
 # reach the runtime, does not run the server, carries its most streams, lost the stream over
@@ -126,4 +166,5 @@ RELAY_ERROR_STATUS = {
     RESUME_FAILED: 502,
     TUNNEL_REPLACED: 502,
     TUNNEL_CLOSING: 502,
+    BODY_ENCODED: 502,
 }

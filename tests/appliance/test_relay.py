@@ -5,6 +5,7 @@ the test decides when each byte is written (no timing assumed)."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import threading
@@ -141,7 +142,7 @@ def test_paths_of_the_node_are_scrubbed_even_split_across_chunks(relay, origin):
     body = response.read()
     assert str(relay.settings.artifacts_dir).encode() not in body
     assert body == b'data: {"model": "svc/tiny.gguf"}\r\n\r\ndata: [DONE]\r\n\r\n'
-    # A JSON answer: scrubbed whole, its Content-Length fixed.
+    # A JSON answer: scrubbed whole (shorter than the runtime's), its one length fixed.
     origin.json_body = json.dumps({"path": model_file, "root": str(relay.state)}).encode()
     answer = relay.request({"model": "svc"})
     raw = answer.read()
@@ -370,3 +371,45 @@ def test_a_client_header_the_tunnel_cannot_carry_is_dropped_and_the_tunnel_stays
     assert answer.status == 200 and answer.read() == b'{"ok": true}'
     assert origin.requests[-1]["headers"].get("User-Agent") is None
     assert cp.server.app.hub._tunnels[relay.node.node_id] is tunnel and tunnel.open
+
+
+# What a node's answer may not carry to a client (issue 35, M1): the runtime (or a hostile
+# node) sets them; the relay passes only its allow-list.
+NODE_ONLY_HEADERS = [
+    ("Set-Cookie", "session=stolen; Path=/"),
+    ("Access-Control-Allow-Origin", "*"),
+    ("Location", "/api/v1/admin/api-keys"),
+    ("X-Accel-Redirect", "/api/v1/admin/api-keys"),
+    ("Cache-Control", "private"),  # a second one: the first (the origin's own) is kept
+]
+
+
+@pytest.mark.parametrize("answer", ["json", "sse"])
+def test_only_allow_listed_headers_reach_the_client(relay, origin, answer):
+    origin.extra_headers = [*NODE_ONLY_HEADERS, ("X-Request-Id", "req-7"), ("Retry-After", "3")]
+    if answer == "json":
+        origin.json_body = b'{"ok": true}'
+    else:
+        origin.chunks = [b'data: {"n": 1}\n\n']
+    response = relay.request({"model": "svc", "stream": answer == "sse"})
+    body = response.read()
+    assert response.status == 200 and body
+    names = [name.lower() for name, _ in response.getheaders()]
+    for name, _ in NODE_ONLY_HEADERS[:-1]:
+        assert name.lower() not in names, name
+    assert response.getheader("X-Request-Id") == "req-7"
+    assert response.getheader("Retry-After") == "3"
+    assert names.count("cache-control") <= 1 and response.getheader("Server") != "BaseHTTP"
+    assert "BaseHTTP" not in (response.getheader("Server") or "")  # the origin's own name
+    # The runtime was asked for an answer it need not compress, whatever the client sent.
+    assert origin.requests[-1]["headers"]["Accept-Encoding"] == "identity"
+
+
+def test_a_compressed_answer_is_refused_not_passed(relay, origin):
+    """A body the agent cannot scrub of the node's paths never reaches the client."""
+    origin.json_body = gzip.compress(b'{"path": "/var/lib/modelforge-artifacts/models/x"}')
+    origin.extra_headers = [("Content-Encoding", "gzip")]
+    response = relay.request({"model": "svc"})
+    error = json.loads(response.read())["error"]
+    assert (response.status, error["code"]) == (502, "BODY_ENCODED")
+    assert "deployments set" in error["next_step"]

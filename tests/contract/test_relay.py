@@ -63,3 +63,44 @@ def test_the_relay_error_codes_are_their_own_names_and_have_a_status():
     # A RESET can carry every one of them.
     for code in relay.RELAY_ERROR_CODES:
         assert json_of(reset_frame(1, code, "x"))["code"] == code
+
+
+def test_a_client_sees_only_the_allow_listed_response_headers_one_of_each():
+    from_node = [
+        ("Content-Type", "application/json"),
+        ("Set-Cookie", "a=b"),
+        ("Access-Control-Allow-Origin", "*"),
+        ("Location", "/api/v1/admin/api-keys"),
+        ("X-Accel-Redirect", "/api/v1/admin/api-keys"),
+        ("Server", "llama.cpp"),
+        ("Content-Length", "10"),
+        ("Transfer-Encoding", "chunked"),
+        ("content-type", "text/html"),  # a second one: the first stands
+        ("X-Request-Id", "r1"),
+        ("Retry-After", "2"),
+        ("Cache-Control", "no-cache"),
+    ]
+    assert relay.client_headers(from_node) == [
+        ("Content-Type", "application/json"),
+        ("X-Request-Id", "r1"),
+        ("Retry-After", "2"),
+        ("Cache-Control", "no-cache"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "framed"),
+    [(["12"], 12), ([" 7 "], 7), ([], None), (["12", "13"], None), (["12", "12"], None),
+     (["-1"], None), (["1e3"], None), (["\u0661"], None), (["9" * 16], None)],
+)  # fmt: skip
+def test_a_body_is_framed_by_its_length_only_when_it_has_exactly_one_plain_one(lengths, framed):
+    headers = [("Content-Type", "application/json"), *(("Content-Length", v) for v in lengths)]
+    assert relay.single_content_length(headers) == framed
+
+
+def test_only_an_identity_body_is_relayed():
+    assert relay.ACCEPT_ENCODING_TO_RUNTIME == "identity"
+    for value in (None, "", "identity", " Identity "):
+        assert relay.is_identity_encoding(value)
+    for value in ("gzip", "br", "deflate", "gzip, identity", "x-gzip"):
+        assert not relay.is_identity_encoding(value)

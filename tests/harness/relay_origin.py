@@ -21,6 +21,7 @@ class Origin:
         self.chunks: list[bytes] = []
         self.json_body: bytes | None = None
         self.content_type = "text/event-stream"
+        self.extra_headers: list[tuple[str, str]] = []  # sent with every answer
         self.gated = False
         self._gate: queue.Queue[None] = queue.Queue()
         self.requests: list[dict[str, Any]] = []
@@ -44,6 +45,8 @@ class Origin:
                     self.send_response(200)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(origin.json_body)))
+                    for name, value in origin.extra_headers:
+                        self.send_header(name, value)
                     self.end_headers()
                     self.wfile.write(origin.json_body)
                     origin.finished.set()
@@ -52,6 +55,8 @@ class Origin:
                 self.send_header("Content-Type", origin.content_type)
                 self.send_header("Cache-Control", "no-cache")
                 self.send_header("Connection", "close")
+                for name, value in origin.extra_headers:
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.flush()
                 try:

@@ -2,7 +2,7 @@
 server of the deployment the request's ``model`` names, over its node's tunnel (see
 docs/architecture.md §12 and docs/clients.md).
 
-The answer has the runtime's own shape: its status and headers (hop-by-hop removed), its
+The answer has the runtime's own shape: its status and the allow-listed headers, its
 body as it arrives, SSE events one by one, a ``: keepalive`` comment on a stream quiet for
 15 s. A server lost before the head (its node's link gone for good, its agent going, or a
 RESET for a reason of the node's) gets the request once more, on another running server of
@@ -49,6 +49,15 @@ def _link_lost() -> ApiError:
 
 def _refusal(failure: LinkLost | StreamReset) -> ApiError:
     """What the client gets for a stream that failed before its head."""
+    if isinstance(failure, StreamReset) and failure.code == rel.BODY_ENCODED:
+        return ApiError(
+            "the runtime compressed its answer, and the relay passes only what it can scrub "
+            "of the node's paths",
+            code=rel.BODY_ENCODED,
+            status=502,
+            next_step="Remove the deployment's argument that turns compression on "
+            "(`modelforge deployments set NAME --arg …` or `--no-args`).",
+        )
     if isinstance(failure, StreamReset):
         return ApiError(
             f"the node refused the request ({failure.code})",
@@ -166,8 +175,16 @@ def add_routes(app: bottle.Bottle, context: ApiContext, hub: Hub) -> None:
             _body(stream, sse, target.deployment, metrics),
             status=head.status,
         )
-        for name, value in rel.relayable_headers(head.headers):
+        # Only the allow-listed headers: a node is not trusted with the client's browser or
+        # with a proxy in front (Set-Cookie, CORS, Location, X-Accel-Redirect never pass).
+        for name, value in rel.client_headers(head.headers):
             response.add_header(name, value)
+        # A whole body's one length (the agent sets it after scrubbing) frames the answer
+        # without chunking; waitress holds the body to it (a shorter body closes the
+        # connection, a longer one is cut), so a node cannot frame two answers in one.
+        length = rel.single_content_length(head.headers)
+        if not sse and length is not None:
+            response.add_header("Content-Length", str(length))
         return response
 
     def route_of(path: str):
