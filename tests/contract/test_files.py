@@ -66,6 +66,8 @@ HAND_WRITTEN = {
     "release/modelforge_release/debs.py": "a verified download moved into the cache",
     "appliance/modelforge_appliance/models/cache.py": "a model file streamed into the seed cache",
     "agent/modelforge_node_agent/blobs.py": "a blob, resumable, renamed in once it hashes",
+    "appliance/modelforge_appliance/models/hub_files.py": "a hub download, resumable, renamed "
+    "in once it hashes",
 }
 
 
