@@ -351,6 +351,7 @@ def test_a_store_from_before_api_keys_migrates_and_keeps_its_record(tmp_path, da
     """Migration 13 on a store the previous release left (schema 12): the table and its
     trigger arrive, and what was final before stays final."""
     from modelforge_appliance.identity import admin_tokens
+    from modelforge_appliance.store.migrations import SCHEMA_VERSION
     from tests.harness.old_schema import downgrade
 
     store = Store(database_url, ManualClock())
@@ -362,7 +363,7 @@ def test_a_store_from_before_api_keys_migrates_and_keeps_its_record(tmp_path, da
     store.close()
     store = Store(database_url, ManualClock())
     try:
-        assert store.migrate() == [13, 14]
+        assert store.migrate() == list(range(13, SCHEMA_VERSION + 1))
         view, secret = api_keys.create_api_key(store, "new", "cli")
         api_keys.revoke_api_key(store, view["key_id"], "cli")
         kinds = {(e.kind, e.subject_id) for e in finality.read_store(store)}
@@ -378,3 +379,65 @@ def test_a_revoke_of_an_unknown_or_misshapen_id_is_not_found(store):
     with pytest.raises(Invalid):
         api_keys.create_api_key(store, "\u202eevil", "cli")
     assert api_keys.list_api_keys(store) == []
+
+
+# -- wrong keys, throttled per address (identity/key_guesses.py) -------------------------
+
+
+def test_a_burst_of_wrong_keys_from_one_address_is_throttled_and_logged_once(
+    sqlite_control_plane, caplog
+):
+    import requests
+
+    from modelforge_appliance.identity.key_guesses import BURST
+
+    cp = sqlite_control_plane
+    _, key = api_keys.create_api_key(cp.store, "right", "tests")
+    models = f"{cp.url}/v1/models"
+
+    def call(authorization: str | None) -> requests.Response:
+        headers = {"Authorization": authorization} if authorization else {}
+        return requests.get(models, headers=headers, timeout=30)
+
+    assert call(f"Bearer {key}").status_code == 200
+    caplog.set_level("INFO")
+    wrong = "Bearer mfk_0123456789abcdef_" + "x" * 43
+    answers = [call(wrong) for _ in range(BURST)]
+    assert [(a.status_code, error_code(a)) for a in answers] == [(401, "API_KEY_INVALID")] * BURST
+    throttled = call(wrong)
+    assert (throttled.status_code, error_code(throttled)) == (429, "API_KEY_THROTTLED")
+    assert 1 <= int(throttled.headers["Retry-After"]) <= 60
+    # Every key from that address waits, the right one too; a call without one is no guess.
+    assert error_code(call(f"Bearer {key}")) == "API_KEY_THROTTLED"
+    assert error_code(call(None)) == "API_KEY_MISSING"
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("wrong API keys from 127.0.0.1" in line for line in said) == 1
+    assert not [line for line in said if "API_KEY_INVALID" in line]  # not one line per guess
+    assert key.split("_", 2)[2] not in caplog.text and "x" * 43 not in caplog.text
+
+
+def test_the_wrong_key_window_ends_and_a_right_key_clears_the_count():
+    from modelforge_appliance.identity.key_guesses import WrongKeyThrottle
+
+    now = [1000.0]
+    throttle = WrongKeyThrottle(burst=3, window=60, clock=lambda: now[0], max_addresses=2)
+    for _ in range(2):
+        throttle.wrong("10.0.0.1")
+    throttle.right("10.0.0.1")  # a matching key: the count starts again
+    for _ in range(2):
+        throttle.wrong("10.0.0.1")
+    throttle.check("10.0.0.1")  # two of three: not yet
+    throttle.wrong("10.0.0.1")
+    with pytest.raises(Exception, match="too many wrong API keys") as refused:
+        throttle.check("10.0.0.1")
+    assert refused.value.extra == {"retry_after_seconds": 60}
+    throttle.check("10.0.0.2")  # another address is not held up
+    now[0] += 59.5
+    with pytest.raises(Exception, match="try again in 1 s"):
+        throttle.check("10.0.0.1")
+    now[0] += 1
+    throttle.check("10.0.0.1")  # the window ended
+    # Bounded: the oldest address is forgotten first.
+    for address in ("a", "b", "c"):
+        throttle.wrong(address)
+    assert list(throttle._counts) == ["b", "c"]

@@ -20,6 +20,9 @@ class ApiError(Exception):
     status = 400
     code = "BAD_REQUEST"
     next_step = "Correct the request and send it again."
+    # Whether the error hook logs the refusal; one that a throttle counts (a wrong API key)
+    # is said once per burst instead (identity/key_guesses.py).
+    logged = True
 
     def __init__(
         self,

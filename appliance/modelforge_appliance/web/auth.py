@@ -33,6 +33,7 @@ from typing import Any
 import bottle
 
 from modelforge_contract import (
+    API_KEY_INVALID,
     COMPATIBILITY_NEXT_STEPS,
     COMPATIBLE,
     HEADER_ADMIN_TOKEN,
@@ -44,7 +45,7 @@ from modelforge_contract import (
 
 from ..core.errors import ApiError, UpgradeRequired
 from ..core.validation import Field
-from ..identity import admin_tokens, api_keys, credentials, sessions
+from ..identity import admin_tokens, api_keys, credentials, key_guesses, sessions
 from ..store import audit
 from .http import ApiContext, redirect, request_header
 
@@ -165,6 +166,24 @@ def console_session(context: ApiContext) -> sessions.Session | bottle.HTTPRespon
     return session
 
 
+def client_key(context: ApiContext, guesses: key_guesses.WrongKeyThrottle) -> Any:
+    """The API key of a client call. An address that sent a burst of wrong keys is refused
+    (429) before any key is looked up; each wrong key counts and is not logged by itself."""
+    header = request_header("Authorization")
+    address = (bottle.request.environ.get("REMOTE_ADDR") or "unknown")[:64]
+    if header:  # no key at all is not a guess
+        guesses.check(address)
+    try:
+        key = api_keys.authenticate_api_key(context.store, header)
+    except ApiError as refused:
+        if refused.code == API_KEY_INVALID:
+            guesses.wrong(address)
+            refused.logged = False
+        raise
+    guesses.right(address)
+    return key
+
+
 class Authentication:
     """The bottle plugin that enforces each route's ``auth`` declaration."""
 
@@ -173,6 +192,7 @@ class Authentication:
 
     def __init__(self, context: ApiContext) -> None:
         self.context = context
+        self.key_guesses = key_guesses.WrongKeyThrottle()
 
     def apply(self, callback: Callable, route: bottle.Route) -> Callable:
         caller = route.config.get("auth")
@@ -182,7 +202,7 @@ class Authentication:
                 f"{', '.join(sorted(CALLERS))} (web/auth.py)"
             )
         wanted = inspect.signature(route.callback).parameters
-        context = self.context
+        context, guesses = self.context, self.key_guesses
         if caller == AGENT:
             body = route.config.get("body")
             if not isinstance(body, Body):
@@ -199,7 +219,7 @@ class Authentication:
             elif caller == SCRAPER:
                 scraper(context)
             elif caller == CLIENT:
-                key = api_keys.authenticate_api_key(context.store, request_header("Authorization"))
+                key = client_key(context, guesses)
                 if "client" in wanted:
                     kwargs["client"] = key
             elif caller == AGENT:

@@ -132,7 +132,8 @@ def _api_errors(callback: Callable, args: tuple, kwargs: dict) -> bottle.HTTPRes
         return callback(*args, **kwargs)
     except ApiError as error:
         request = bottle.request
-        log.info("%s %s -> %d %s", request.method, request.path, error.status, error.code)
+        if error.logged:
+            log.info("%s %s -> %d %s", request.method, request.path, error.status, error.code)
         return error_response(_with_compatibility(error))
     except (pw.OperationalError, pw.InterfaceError) as exc:
         log.error(
