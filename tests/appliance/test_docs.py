@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -236,14 +237,21 @@ def test_every_command_of_every_program_takes_dash_h():
     """The README's promise: every command takes -h (modelforge-release -h once failed)."""
     from click.testing import CliRunner
 
-    for program in ("modelforge", "modelforge-node-agent", "modelforge-release",
-                    "modelforge-runtime-worker"):  # fmt: skip
-        root = _programs()[program]
-        for path in sorted(_command_paths(root, program) | {program}):
-            words = path.split()[1:]
-            result = CliRunner().invoke(root, [*words, "-h"], prog_name=program)
-            assert result.exit_code == 0, f"{path} -h: {result.output}"
-            assert result.output.startswith("Usage: "), path
+    # A group's callback runs before a subcommand's -h, and modelforge's sets the process's
+    # umask to 077: put it back, or every later test in this process makes private folders.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    try:
+        for program in ("modelforge", "modelforge-node-agent", "modelforge-release",
+                        "modelforge-runtime-worker"):  # fmt: skip
+            root = _programs()[program]
+            for path in sorted(_command_paths(root, program) | {program}):
+                words = path.split()[1:]
+                result = CliRunner().invoke(root, [*words, "-h"], prog_name=program)
+                assert result.exit_code == 0, f"{path} -h: {result.output}"
+                assert result.output.startswith("Usage: "), path
+    finally:
+        os.umask(umask)
 
 
 def test_the_docs_command_check_catches_a_wrong_command_or_flag():

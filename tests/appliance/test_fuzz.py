@@ -38,6 +38,7 @@ ROUTES = [
     "/api/v1/admin/hardware/nodes/{node}/work-slots",
     "/api/v1/admin/hardware/nodes/{node}/accept-hardware",
     "/api/v1/admin/hardware/nodes/{node}/telemetry",
+    "/api/v1/admin/hardware/nodes/{node}/serving",
     "/api/v1/admin/node-agent-image/check",
     "/api/v1/admin/alerts",
     "/api/v1/admin/audit-events",
@@ -55,11 +56,16 @@ ROUTES = [
     "/api/v1/admin/models/{name}",
     "/api/v1/admin/models/{name}/replicas",
     "/api/v1/admin/models/{name}/replicas/{node}",
+    "/api/v1/admin/model-pulls",
+    "/api/v1/admin/model-pulls/{pull}",
+    "/api/v1/admin/hub-token",
     "/api/v1/agent/models",
     "/api/v1/agent/blobs/{digest}",
     "/api/v1/admin/deployments",
     "/api/v1/admin/deployments/{name}",
     "/api/v1/admin/deployments/{name}/restart",
+    "/api/v1/admin/deployments/{name}/servers",
+    "/api/v1/admin/deployments/{name}/servers/{node}",
     "/api/v1/agent/servers",
     "/api/v1/agent/servers/{server}/claim",
     "/api/v1/agent/servers/{server}/renew",
@@ -142,6 +148,7 @@ def requests_(draw, node: dict, minted: dict):
         digest=draw(digests),
         server=draw(filler),
         key=draw(filler),
+        pull=draw(filler),
     )
     if draw(st.booleans()):
         path += "?" + draw(st.text(alphabet=string.ascii_letters + "=&%0123456789-", max_size=40))
@@ -227,8 +234,9 @@ def raw_requests(draw, node: dict, minted: dict, cp) -> bytes:
         digest="sha256:" + "0" * 64,
         server="no-such-server",
         key="0123456789abcdef",
+        pull="no-such-pull",
     ).encode()
-    method = draw(st.sampled_from([b"GET", b"POST", b"PUT", b"DELETE"]))
+    method = draw(st.sampled_from([b"GET", b"POST", b"PUT", b"PATCH", b"DELETE"]))
     swap = {b"ADMIN": cp.admin_token.encode(), b"CRED": node["credential"].encode()}
     lines = [method + b" " + path + b" HTTP/1.1", b"Host: 127.0.0.1", b"Connection: close"]
     for name, value in draw(st.lists(st.tuples(HEADER_NAMES, HEADER_VALUES), max_size=6)):
@@ -293,6 +301,8 @@ def test_every_api_route_is_fuzzed(tmp_path):
         "digest": "digest",
         "server_id": "server",
         "key_id": "key",
+        "pull_id": "pull",
+        "node": "node",  # a deployment's member: an id, a prefix or a name
     }
     served = {
         re.sub(r"<(\w+)(?::[^>]*)?>", lambda m: "{" + names[m.group(1)] + "}", route.rule)
