@@ -18,3 +18,13 @@ for name in appliance agent build worker worker-cuda; do
         --no-emit-index-url \
         --output-file "packaging/requirements-$name.txt" "packaging/requirements-$name.in"
 done
+# huggingface-hub's hf-xet (an 11 MB native module per machine) serves only its Xet storage
+# transfers; `models pull` downloads through the hub's HTTP routes alone, and the pyz builds
+# install the lock with --no-deps, so the appliance archive is built without it.
+"$tools/bin/python" - packaging/requirements-appliance.txt <<'PY'
+import re, sys
+path = sys.argv[1]
+text = open(path).read()
+block = r"hf-xet==[0-9.]+ \\\n(    --hash=sha256:[0-9a-f]+ \\\n)*    --hash=sha256:[0-9a-f]+\n(    # via .*\n)*"
+open(path, "w").write(re.sub(block, "", text))
+PY

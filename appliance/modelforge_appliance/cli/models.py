@@ -24,7 +24,7 @@ from .completion import complete_nodes
 from .errors import CliError, refused
 from .models_pull import pull_command
 from .nodes import find_node
-from .support import JSON_OPTION, Context, emit
+from .support import JSON_OPTION, Context, emit, files_text, size_text
 
 _NEXT_STEPS = {
     "INSUFFICIENT_SPACE": "free space on the node's artifact root (or point "
@@ -38,19 +38,6 @@ _NEXT_STEPS = {
     "MANIFEST_INVALID": "upgrade the node's agent, then replicate again",
     "STORAGE_FAILED": "check the node's artifact and quarantine roots, then replicate again",
 }
-
-
-def _files(count: int) -> str:
-    return "1 file" if count == 1 else f"{count} files"
-
-
-def _size(count: int) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{count} B"
 
 
 @click.group("models")
@@ -90,8 +77,8 @@ def import_command(obj: Context, name: str, path: str, revision: str | None, as_
     view = catalog.model_view(imported.model)
     note = "Imported" if imported.created else "Already imported as"
     lines = [
-        f"{note} {view['name']} revision {view['revision']}: {_files(view['file_count'])}, "
-        f"{_size(view['size_bytes'])}, {view['digest']}"
+        f"{note} {view['name']} revision {view['revision']}: {files_text(view['file_count'])}, "
+        f"{size_text(view['size_bytes'])}, {view['digest']}"
     ]
     if imported.created and cache.shares_file_system(Path(path), obj.settings.state_dir):
         lines.append(
@@ -112,7 +99,7 @@ def list_command(obj: Context, as_json: bool) -> None:
     for m in models:
         lines.append(
             f"{m['name']:30} {m['revision']:16} {m['revision_count']:>4} "
-            f"{_size(m['size_bytes']):>10} {m['file_count']:>5} {m['digest'][:19]}"
+            f"{size_text(m['size_bytes']):>10} {m['file_count']:>5} {m['digest'][:19]}"
         )
     if not models:
         lines = [
@@ -127,7 +114,7 @@ def _replica_lines(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         line = (
             f"  {r['display_name']} ({r['node_id']}) {r['revision']}: {r['state']} "
-            f"{_size(r['bytes_done'])}/{_size(r['bytes_total'])}"
+            f"{size_text(r['bytes_done'])}/{size_text(r['bytes_total'])}"
         )
         if r["error"]:
             line += f" {r['error']['code']}: {r['error']['message']}"
@@ -153,12 +140,15 @@ def show_command(obj: Context, name: str, revision: str | None, as_json: bool) -
     view["replicas"] = replicas.list_replicas(store, [model])
     lines = [
         f"model {view['name']} revision {view['revision']}: {view['digest']}",
-        f"  size:      {_size(view['size_bytes'])} in {_files(view['file_count'])}",
+        f"  size:      {size_text(view['size_bytes'])} in {files_text(view['file_count'])}",
         f"  source:    {view['source']}",
         f"  imported:  {view['created_at']} by {view['created_by']}",
         "  revisions: " + ", ".join(r["revision"] for r in view["revisions"]),
         "  files:",
-        *[f"    {f['path']}  {_size(f['size'])}  sha256:{f['sha256'][:12]}" for f in view["files"]],
+        *[
+            f"    {f['path']}  {size_text(f['size'])}  sha256:{f['sha256'][:12]}"
+            for f in view["files"]
+        ],
         "  replicas:" + ("" if view["replicas"] else " none"),
         *["  " + line for line in _replica_lines(view["replicas"])],
     ]
@@ -241,7 +231,7 @@ def _follow(
                 rates[key] = (now, r["bytes_done"])
                 click.echo(
                     f"\x1b[2K{r['display_name']:24} {r['state']:12} "
-                    f"{_size(r['bytes_done'])}/{_size(r['bytes_total'])} {max(speed, 0):.1f} MB/s"
+                    f"{size_text(r['bytes_done'])}/{size_text(r['bytes_total'])} {max(speed, 0):.1f} MB/s"
                 )
             drawn = len(rows)
         elif not quiet:

@@ -33,7 +33,7 @@ from ..models.hub import HubFile, PullPlan
 from ..models.hub_files import Progress
 from ..store import audit
 from .errors import CliError
-from .support import JSON_OPTION, Context, emit
+from .support import JSON_OPTION, Context, emit, files_text, size_text
 
 # The answer is no (1) unless the hub says there is no such thing (7), the disk is the
 # trouble (9), or the command line is (2).
@@ -54,15 +54,6 @@ def _exit_code(exc: ApiError) -> int:
     return EXIT_CHECK_FAILED
 
 
-def _size(count: int) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
 class _Bars(Progress):
     """One progress bar per file on stderr (huggingface_hub's own tqdm bars)."""
 
@@ -71,8 +62,8 @@ class _Bars(Progress):
 
     def started(self, plan: PullPlan, here: dict[str, int]) -> None:
         click.echo(
-            f"{plan.url}: {len(plan.files)} file(s), {_size(plan.bytes_total)}"
-            f"{f', {_size(sum(here.values()))} already here' if any(here.values()) else ''}",
+            f"{plan.url}: {files_text(len(plan.files))}, {size_text(plan.bytes_total)}"
+            f"{f', {size_text(sum(here.values()))} already here' if any(here.values()) else ''}",
             err=True,
         )
 
@@ -148,5 +139,5 @@ def pull_command(
         as_json,
         view,
         f"{note} {view['name']} revision {view['revision']} from {plan.url}: "
-        f"{view['file_count']} file(s), {_size(view['size_bytes'])}, {view['digest']}",
+        f"{files_text(view['file_count'])}, {size_text(view['size_bytes'])}, {view['digest']}",
     )

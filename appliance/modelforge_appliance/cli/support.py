@@ -138,3 +138,18 @@ def confirm_or_refuse(question: str, yes: bool, as_json: bool) -> None:
         fail("--json does not ask questions: add --yes to go ahead")
     if not confirmed(question):
         fail("nothing was changed", code=EXIT_CHECK_FAILED)
+
+
+def files_text(count: int) -> str:
+    """``1 file``, ``3 files``."""
+    return "1 file" if count == 1 else f"{count} files"
+
+
+def size_text(count: int) -> str:
+    """Bytes in binary units: ``512 B``, ``3.0 MiB``, ``1.2 TiB``."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{count} B"
