@@ -21,7 +21,7 @@ from ..core.validation import Field
 from ..fleet import node_agent_image, nodes
 from ..identity import sessions
 from ..web.auth import PUBLIC, SESSION, SIGN_IN_PATH, signed_in_session
-from ..web.http import ApiContext, json_response, redirect, request_origin
+from ..web.http import ApiContext, client_address, json_response, redirect, request_origin
 from ..work import items
 
 log = logging.getLogger(__name__)
@@ -42,14 +42,6 @@ EXPIRY_CHOICES = ((300, "5 minutes"), (900, "15 minutes"), (3600, "1 hour"), (86
 def page(name: str, status: int = 200, **values: Any) -> bottle.HTTPResponse:
     body = bottle.template(name, template_lookup=[TEMPLATES], version=__version__, **values)
     return bottle.HTTPResponse(body, status=status, headers=PAGE_HEADERS)
-
-
-def client_address() -> str:
-    """The client's address as waitress saw it (the proxy's client behind a trusted proxy).
-
-    Not bottle's ``remote_addr``: that believes any X-Forwarded-For a client sends.
-    """
-    return (bottle.request.environ.get("REMOTE_ADDR") or "unknown")[:64]
 
 
 def is_https() -> bool:

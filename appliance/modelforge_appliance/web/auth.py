@@ -47,7 +47,7 @@ from ..core.errors import ApiError, UpgradeRequired
 from ..core.validation import Field
 from ..identity import admin_tokens, api_keys, credentials, key_guesses, sessions
 from ..store import audit
-from .http import ApiContext, redirect, request_header
+from .http import ApiContext, client_address, redirect, request_header
 
 PUBLIC = "public"
 ENROLLING = "enrolling"
@@ -170,7 +170,7 @@ def client_key(context: ApiContext, guesses: key_guesses.WrongKeyThrottle) -> An
     """The API key of a client call. An address that sent a burst of wrong keys is refused
     (429) before any key is looked up; each wrong key counts and is not logged by itself."""
     header = request_header("Authorization")
-    address = (bottle.request.environ.get("REMOTE_ADDR") or "unknown")[:64]
+    address = client_address()
     if header:  # no key at all is not a guess
         guesses.check(address)
     try:

@@ -58,6 +58,14 @@ class ApiContext:
         return parse_body(bottle.request.environ, self.settings.max_body_bytes, fields)
 
 
+def client_address() -> str:
+    """The client's address as waitress saw it (the proxy's client behind a trusted proxy).
+
+    Not bottle's ``remote_addr``: that believes any X-Forwarded-For a client sends.
+    """
+    return (bottle.request.environ.get("REMOTE_ADDR") or "unknown")[:64]
+
+
 def request_header(name: str) -> str | None:
     """A request header as text. HTTP carries bytes; a value that is not UTF-8 comes back
     with U+FFFD in place of the bad bytes, so it fails every check like any other wrong
