@@ -189,15 +189,8 @@ def deploy_command(
         view = servers.deploy(store, obj.settings, fields, audit.CLI_ACTOR)
     except ApiError as exc:
         raise refused(exc) from None
-    if not wait:
-        emit(
-            as_json,
-            view,
-            "\n".join(["Deployed; each node's agent starts its server.", *_lines(view)]),
-        )
-        return
-    view = _follow(obj, name, timeout, as_json, _settled())
-    _finish(view, as_json)
+    said = "Deployed; each node's agent starts its server."
+    _said_or_followed(obj, name, view, said, wait, timeout, as_json)
 
 
 Rows = list[dict[str, Any]]
@@ -257,6 +250,24 @@ def _follow(
             click.echo(f"modelforge: gave up waiting after {timeout:.0f} s", err=True)
             return view
         time.sleep(0.5)
+
+
+def _said_or_followed(
+    obj: Context,
+    name: str,
+    view: dict[str, Any],
+    said: str,
+    wait: bool,
+    timeout: float,
+    as_json: bool,
+    node_ids: frozenset[str] | None = None,
+) -> None:
+    """What a change answers: ``said`` and the servers; with --wait, follow the servers (of
+    ``node_ids``) until they settle, and exit as _finish says."""
+    if not wait:
+        emit(as_json, view, "\n".join([said, *_lines(view)]))
+        return
+    _finish(_follow(obj, name, timeout, as_json, _settled(node_ids)), as_json, node_ids)
 
 
 def _finish(
@@ -347,10 +358,7 @@ def restart_command(obj: Context, name: str, wait: bool, timeout: float, as_json
         view = servers.restart(obj.store(), name, audit.CLI_ACTOR)
     except ApiError as exc:
         raise refused(exc) from None
-    if not wait:
-        emit(as_json, view, "\n".join(["Restarting:", *_lines(view)]))
-        return
-    _finish(_follow(obj, name, timeout, as_json, _settled()), as_json)
+    _said_or_followed(obj, name, view, "Restarting:", wait, timeout, as_json)
 
 
 @deployments_group.command("set")
@@ -396,12 +404,8 @@ def set_command(
         view = servers.change_settings(obj.store(), name, given, audit.CLI_ACTOR)
     except ApiError as exc:
         raise refused(exc) from None
-    if not wait:
-        emit(
-            as_json, view, "\n".join(["Changed; restarting with the new settings:", *_lines(view)])
-        )
-        return
-    _finish(_follow(obj, name, timeout, as_json, _settled()), as_json)
+    said = "Changed; restarting with the new settings:"
+    _said_or_followed(obj, name, view, said, wait, timeout, as_json)
 
 
 def _node_ids(obj: Context, references: tuple[str, ...]) -> list[str]:
@@ -434,13 +438,8 @@ def add_nodes_command(
         view = members.add_members(store, obj.settings, name, fields, audit.CLI_ACTOR)
     except ApiError as exc:
         raise refused(exc) from None
-    if not wait:
-        emit(
-            as_json, view, "\n".join(["Added; each node's agent starts its server.", *_lines(view)])
-        )
-        return
-    added = frozenset(node_ids)
-    _finish(_follow(obj, name, timeout, as_json, _settled(added)), as_json, added)
+    said = "Added; each node's agent starts its server."
+    _said_or_followed(obj, name, view, said, wait, timeout, as_json, frozenset(node_ids))
 
 
 @deployments_group.command("remove-nodes")
