@@ -268,20 +268,27 @@ def test_without_any_agent_it_names_what_it_looked_for_and_asks_nothing(node):
     assert "Enrollment token" not in said and temp_files(node) == []
 
 
+def run_worker_command(
+    node: dict, mode: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """The Runtime Worker command, pasted in the node's directory."""
+    return subprocess.run(
+        ["bash", "-c", worker_command(mode)],
+        cwd=node["work"],
+        env=node["env"] if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
 def test_the_worker_command_listens_where_the_env_file_points_the_agent(node, tmp_path):
     from modelforge_node_agent.settings import DEFAULT_WORKER_SOCKET
     from modelforge_worker.settings import DEFAULT_SOCKET
 
     assert WORKER_SOCKET == DEFAULT_WORKER_SOCKET == DEFAULT_SOCKET  # the documented default
     standin(tmp_path / "bin" / "modelforge-runtime-worker")
-    result = subprocess.run(
-        ["bash", "-c", worker_command("cpu")],
-        cwd=node["work"],
-        env=node["env"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    result = run_worker_command(node, "cpu")
     assert result.returncode == 0, result.stderr
     record = node["record"].read_text()
     assert f"MODELFORGE_WORKER_SOCKET={WORKER_SOCKET}\n" in record
@@ -293,23 +300,14 @@ def test_the_worker_command_listens_where_the_env_file_points_the_agent(node, tm
 
     # A checkout's own worker first; none at all is named, not a bare 127.
     standin(node["work"] / ".venv" / "bin" / "modelforge-runtime-worker")
-    result = subprocess.run(
-        ["bash", "-c", worker_command("nvidia")], cwd=node["work"], env=node["env"], timeout=30
-    )
+    result = run_worker_command(node, "nvidia")
     assert result.returncode == 0
     assert ".venv/bin/modelforge-runtime-worker" in node["record"].read_text()
     (node["work"] / ".venv" / "bin" / "modelforge-runtime-worker").unlink()
     bare = {**node["env"], "PATH": "/usr/bin:/bin"}
     if any((Path(d) / "modelforge-runtime-worker").exists() for d in ("/usr/bin", "/bin")):
         pytest.skip("modelforge-runtime-worker is installed on this host")
-    result = subprocess.run(
-        ["bash", "-c", worker_command("cpu")],
-        cwd=node["work"],
-        env=bare,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    result = run_worker_command(node, "cpu", env=bare)
     assert result.returncode == 127
     assert "no runtime worker found: looked for .venv/bin/modelforge-runtime-worker" in (
         result.stderr
@@ -344,14 +342,7 @@ def test_the_worker_command_follows_a_socket_edited_in_the_env_file(node, tmp_pa
     env_file = node["work"] / "modelforge-node.env"
     moved = tmp_path / "sockets" / "worker.sock"
     env_file.write_text(env_file.read_text().replace(WORKER_SOCKET, str(moved)))
-    result = subprocess.run(
-        ["bash", "-c", worker_command("cpu")],
-        cwd=node["work"],
-        env=node["env"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    result = run_worker_command(node, "cpu")
     assert result.returncode == 0, result.stderr
     record = node["record"].read_text()
     assert f"MODELFORGE_WORKER_SOCKET={moved}\n" in record
