@@ -535,7 +535,6 @@ def change_settings(store: Store, name: str, given: dict[str, Any], actor: str) 
             Deployment.update(settings=_dump(checked)).where(
                 Deployment.deployment_id == deployment.deployment_id
             ).execute()
-            deployment.settings = _dump(checked)
             _restart_servers(store, deployment, now, actor)
             audit.record(
                 store,
