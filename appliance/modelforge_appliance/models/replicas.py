@@ -59,12 +59,16 @@ def replica_view(replica: ModelReplica, model: Model, node: Node) -> dict[str, A
     }
 
 
+def _replicas_joined():
+    """Replica rows with their model and node, for replica_view."""
+    return (
+        ModelReplica.select(ModelReplica, Model, Node).join(Model).switch(ModelReplica).join(Node)
+    )
+
+
 def _replicas_query(models: list[Model]):
     return (
-        ModelReplica.select(ModelReplica, Model, Node)
-        .join(Model)
-        .switch(ModelReplica)
-        .join(Node)
+        _replicas_joined()
         .where(ModelReplica.model.in_([m.model_id for m in models]))
         .order_by(Node.display_name, Node.node_id, Model.created_at)
     )
@@ -74,10 +78,7 @@ def replicas_on_node(store: Store, node_id: str) -> list[dict[str, Any]]:
     """The model revisions one node holds or is asked to, each with its model's name."""
     with store.connection():
         rows = list(
-            ModelReplica.select(ModelReplica, Model, Node)
-            .join(Model)
-            .switch(ModelReplica)
-            .join(Node)
+            _replicas_joined()
             .where(ModelReplica.node == node_id)
             .order_by(Model.name, Model.created_at)
         )
