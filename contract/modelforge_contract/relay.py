@@ -128,6 +128,8 @@ RUNTIME_UNREACHABLE = "RUNTIME_UNREACHABLE"  # 502: the agent could not reach th
 RESUME_FAILED = "RESUME_FAILED"  # the agent no longer holds the bytes to resume from
 TUNNEL_REPLACED = "TUNNEL_REPLACED"  # RESET of stream 0: a newer tunnel of the node won
 TUNNEL_CLOSING = "TUNNEL_CLOSING"  # RESET of stream 0: the sender shuts down
+HEAD_TIMEOUT = "HEAD_TIMEOUT"  # 504: no head within MODELFORGE_RELAY_HEAD_TIMEOUT_SECONDS
+BODY_IDLE_TIMEOUT = "BODY_IDLE_TIMEOUT"  # a body that is not SSE went quiet past its deadline
 RELAY_ERROR_CODES = (
     MODEL_NOT_DEPLOYED,
     NO_RUNNING_SERVER,
@@ -143,6 +145,8 @@ RELAY_ERROR_CODES = (
     TUNNEL_REPLACED,
     TUNNEL_CLOSING,
     BODY_ENCODED,
+    HEAD_TIMEOUT,
+    BODY_IDLE_TIMEOUT,
 )
 # A RESET with one of these codes says the node did not serve the request (it could not
 # reach the runtime, does not run the server, carries its most streams, lost the stream over
@@ -167,4 +171,5 @@ RELAY_ERROR_STATUS = {
     TUNNEL_REPLACED: 502,
     TUNNEL_CLOSING: 502,
     BODY_ENCODED: 502,
+    HEAD_TIMEOUT: 504,
 }

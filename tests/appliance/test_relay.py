@@ -323,7 +323,7 @@ def test_hostile_frames_close_only_their_own_tunnel_and_nothing_else(cp, relay, 
 
 
 def test_relayed_streams_beyond_the_cap_are_refused_503_and_the_rest_go_on(cp, relay, origin):
-    cp.server.app.hub.max_total = 1  # as MODELFORGE_RELAY_STREAMS=1
+    cp.server.app.relay.shares.total = 1  # as MODELFORGE_RELAY_STREAMS=1
     origin.chunks = [b"data: {}\n\n", b"data: [DONE]\n\n"]
     origin.gated = True
     origin.release()

@@ -16,6 +16,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
+class _Server(ThreadingHTTPServer):
+    # An agent opens a connection per stream: dozens at once (the default backlog, 5,
+    # resets some of them).
+    request_queue_size = 1024
+
+
 class Origin:
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
@@ -72,7 +78,7 @@ class Origin:
                     origin.finished.set()
                 self.close_connection = True
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)

@@ -33,6 +33,8 @@ FOREIGN_PREFIXES = (
 )
 # Variables of docker-compose.yml (not read by the control plane itself).
 FOREIGN_NAMES = frozenset({"MODELFORGE_CONTROL_PLANE_IMAGE", "MODELFORGE_CONTROL_PLANE_PUBLISH"})
+# Client requests the relay carries at once (MODELFORGE_RELAY_STREAMS).
+RELAY_STREAMS_DEFAULT = 4096
 
 
 SETTINGS: tuple[SettingSpec, ...] = (
@@ -221,10 +223,35 @@ SETTINGS: tuple[SettingSpec, ...] = (
     SettingSpec("MODELFORGE_THREADS", "8", "Worker threads of the waitress server."),
     SettingSpec(
         "MODELFORGE_RELAY_STREAMS",
-        "0",
-        "Client requests relayed to nodes at once; each holds a waitress thread while it "
-        "runs. 0: MODELFORGE_THREADS less 4, so admin and agent calls always find a thread. "
-        "Beyond it a client gets 503 STREAM_LIMIT with Retry-After.",
+        str(RELAY_STREAMS_DEFAULT),
+        "Client requests the relay carries at once (open on a node's tunnel, or waiting for a "
+        "slot there); they wait on the relay's event loop and hold no thread. Beyond it a "
+        "client gets 503 STREAM_LIMIT with Retry-After. 0 means the default.",
+    ),
+    SettingSpec(
+        "MODELFORGE_RELAY_STREAMS_PER_KEY",
+        None,
+        "Of those, what one API key may have at once (503 STREAM_LIMIT past it). Unset: a "
+        "quarter of MODELFORGE_RELAY_STREAMS.",
+    ),
+    SettingSpec(
+        "MODELFORGE_RELAY_STREAMS_PER_DEPLOYMENT",
+        None,
+        "Of those, what one deployment may have at once (503 STREAM_LIMIT past it). Unset: "
+        "half of MODELFORGE_RELAY_STREAMS.",
+    ),
+    SettingSpec(
+        "MODELFORGE_RELAY_HEAD_TIMEOUT_SECONDS",
+        "300",
+        "How long a relayed request waits for the runtime to begin its answer (a slot on "
+        "the node's tunnel included); then 504 HEAD_TIMEOUT, and the node's stream is reset.",
+    ),
+    SettingSpec(
+        "MODELFORGE_RELAY_IDLE_TIMEOUT_SECONDS",
+        "120",
+        "A relayed answer that is not an event stream and sends no byte for this long is "
+        "cut, and its stream reset on the node (event streams get keep-alive comments "
+        "instead).",
     ),
     SettingSpec(
         "MODELFORGE_RELAY_COLD_START_SECONDS",
@@ -309,7 +336,7 @@ class Settings:
     serve_lease_seconds: int
     work_input_max_bytes: int
     threads: int
-    relay_streams: int  # 0: threads less RELAY_RESERVED_THREADS
+    relay_streams: int
     log_level: str
     connection_limit: int
     connections_per_address: int
@@ -323,6 +350,10 @@ class Settings:
     session_max_seconds: int = 43200
     release_manifest: Path | None = None
     relay_cold_start_seconds: int = 120
+    relay_streams_per_key: int = 1024
+    relay_streams_per_deployment: int = 2048
+    relay_head_timeout_seconds: int = 300
+    relay_idle_timeout_seconds: int = 120
     work_container_max_pids: int = 4096
     work_container_max_cpus: float = 64.0
     work_container_max_memory_bytes: int = 64 * 2**30
@@ -517,6 +548,14 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         if value(env, "MODELFORGE_CONNECTIONS_PER_ADDRESS")
         else max(1, connection_limit // 4)
     )
+    relay_streams = integer(env, "MODELFORGE_RELAY_STREAMS", 0, 65536) or RELAY_STREAMS_DEFAULT
+
+    def share(name: str, fraction: int) -> int:
+        """A relay share: its setting (at most the whole), or ``1/fraction`` of it."""
+        if value(env, name):
+            return integer(env, name, 1, relay_streams)
+        return max(1, relay_streams // fraction)
+
     max_body = integer(env, "MODELFORGE_MAX_BODY_BYTES", 1024, 64 * 1024 * 1024)
     max_buffered = integer(env, "MODELFORGE_MAX_BUFFERED_BYTES", 1024, 1 << 40)
     if max_buffered < max_body:
@@ -583,7 +622,11 @@ def load_settings(env: Mapping[str, str] | None = None, env_file: Path | None = 
         work_slots_per_node=integer(env, "MODELFORGE_WORK_SLOTS_PER_NODE", 1, WORK_SLOTS_MAX),
         work_claims_per_second=integer(env, "MODELFORGE_WORK_CLAIMS_PER_SECOND", 1, 10_000),
         threads=integer(env, "MODELFORGE_THREADS", 1, 256),
-        relay_streams=integer(env, "MODELFORGE_RELAY_STREAMS", 0, 4096),
+        relay_streams=relay_streams,
+        relay_streams_per_key=share("MODELFORGE_RELAY_STREAMS_PER_KEY", 4),
+        relay_streams_per_deployment=share("MODELFORGE_RELAY_STREAMS_PER_DEPLOYMENT", 2),
+        relay_head_timeout_seconds=integer(env, "MODELFORGE_RELAY_HEAD_TIMEOUT_SECONDS", 1, 86400),
+        relay_idle_timeout_seconds=integer(env, "MODELFORGE_RELAY_IDLE_TIMEOUT_SECONDS", 1, 86400),
         relay_cold_start_seconds=integer(env, "MODELFORGE_RELAY_COLD_START_SECONDS", 1, 3600),
         log_level=log_level,
         connection_limit=connection_limit,

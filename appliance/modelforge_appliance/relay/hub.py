@@ -20,6 +20,7 @@ request's (``may_fail_over``), is one the client route may send to another serve
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import itertools
@@ -28,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 RESUME_GRACE_SECONDS = 30.0
 HEAD_TIMEOUT_SECONDS = 600.0  # a runtime may queue a request this long before answering
 KEEPALIVE_SECONDS = 15.0
-OUT_QUEUE_FRAMES = 256  # frames waiting for a tunnel's writer
+OUT_QUEUE_FRAMES = 4096  # frames waiting for a tunnel's writer
 SEND_TIMEOUT_SECONDS = 10.0  # a full queue this long: the agent does not read; closed
 GRANT_BYTES = 64 * 1024  # credit goes back to the agent in steps of at least this
 ENDED_KEPT = 4096  # per node: the streams that ended lately, whose late frames are dropped
@@ -64,6 +65,14 @@ class LinkLost(Exception):
 class NoAnswer(LinkLost):
     """The node took the request but gave no head: the head deadline passed, or the agent
     ended the stream without one. Not sent again: the runtime may still be at it."""
+
+
+class HeadTimeout(NoAnswer):
+    """The runtime gave no head within the head deadline (MODELFORGE_RELAY_HEAD_TIMEOUT_SECONDS)."""
+
+
+class BodyIdle(Exception):
+    """A body that is not an event stream sent no byte within the idle deadline."""
 
 
 class StreamLimit(Exception):
@@ -98,7 +107,7 @@ class Stream:
 
     def __init__(self, hub: Hub, stream_id: int, node_id: str, server_id: str) -> None:
         self.hub, self.stream_id, self.node_id, self.server_id = hub, stream_id, node_id, server_id
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
         self.received = 0  # body bytes that arrived from the agent
@@ -111,53 +120,65 @@ class Stream:
         self.lost_at: float | None = None
         self.gone = False  # its agent said it is going: no resume will come
         self.closed = False
+        # The client's side waits on the relay's event loop: each change wakes it once.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+        self._woken = False
+
+    def _wake(self) -> None:
+        """Inside the lock: tell the waiting client side that something changed (once
+        until it looks again, so a burst of frames costs one wake-up)."""
+        if self._event is not None and not self._woken:
+            self._woken = True
+            with contextlib.suppress(RuntimeError):  # the loop is closing
+                self._loop.call_soon_threadsafe(self._event.set)
 
     # -- from the tunnel's reader -------------------------------------------------------
 
     def on_head(self, head: Head) -> None:
-        with self.cond:
+        with self.lock:
             self.head = head
-            self.cond.notify_all()
+            self._wake()
 
     def on_data(self, payload: bytes) -> bool:
         """False when the agent sent beyond its credit (a protocol error)."""
-        with self.cond:
+        with self.lock:
             if self.buffered + len(payload) > wire.WINDOW_BYTES:
                 return False
             if payload:
                 self.chunks.append(payload)
                 self.buffered += len(payload)
                 self.received += len(payload)
-            self.cond.notify_all()
+            self._wake()
         return True
 
     def on_end(self) -> None:
-        with self.cond:
+        with self.lock:
             self.ended = True
-            self.cond.notify_all()
+            self._wake()
 
     def on_reset(self, code: str, message: str) -> None:
-        with self.cond:
+        with self.lock:
             self.reset = (code, message)
-            self.cond.notify_all()
+            self._wake()
 
     def on_link_lost(self, tunnel: Tunnel) -> None:
-        with self.cond:
+        with self.lock:
             if self.tunnel is tunnel:
                 self.tunnel, self.lost_at = None, time.monotonic()
-                self.cond.notify_all()
+                self._wake()
 
     def on_gone(self) -> None:
         """The node's agent is going (or never got the OPEN): the stream ends now, with
         what already arrived still delivered, and is never resumed."""
-        with self.cond:
+        with self.lock:
             self.gone, self.tunnel = True, None
-            self.cond.notify_all()
+            self._wake()
 
     def on_link(self, tunnel: Tunnel) -> None:
-        with self.cond:
+        with self.lock:
             self.tunnel, self.lost_at = tunnel, None
-            self.cond.notify_all()
+            self._wake()
 
     # -- for the client's request -------------------------------------------------------
 
@@ -167,10 +188,38 @@ class Stream:
             return True
         return self.lost_at is not None and time.monotonic() - self.lost_at > self.hub.grace
 
-    def wait_head(self, timeout: float = HEAD_TIMEOUT_SECONDS) -> Head:
+    def watch(self) -> None:
+        """From now on, wake the calling event loop on each change (call it on that loop,
+        before the first ``head``)."""
+        self._loop, self._event = asyncio.get_running_loop(), asyncio.Event()
+
+    async def _changed(self, timeout: float) -> None:
+        """Until something changes, or ``timeout`` seconds."""
+        event = self._event
+        assert event is not None and self._loop is not None, "watch() first"
+        timer = self._loop.call_later(max(timeout, 0.0), event.set)
+        try:
+            await event.wait()
+        finally:
+            timer.cancel()
+            event.clear()
+
+    def _waiting_at_most(self, left: float) -> float:
+        """Inside the lock: how long to wait for a change, given ``left`` seconds to a
+        deadline; a lost link is looked at again once its grace is over."""
+        if self.lost_at is not None:
+            return min(left, self.lost_at + self.hub.grace - time.monotonic() + 0.01)
+        return left
+
+    async def head_of(self, timeout: float) -> Head:
+        """The runtime's head. StreamReset, LinkLost (the link went for good), NoAnswer (the
+        stream ended without one), HeadTimeout (none within ``timeout`` seconds)."""
         deadline = time.monotonic() + timeout
-        with self.cond:
-            while self.head is None:
+        while True:
+            with self.lock:
+                self._woken = False
+                if self.head is not None:
+                    return self.head
                 if self.reset is not None:
                     raise StreamReset(*self.reset)
                 if self._gone():
@@ -179,58 +228,71 @@ class Stream:
                     raise NoAnswer()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise NoAnswer()
-                self.cond.wait(min(left, 1.0))
-            return self.head
+                    raise HeadTimeout()
+                wait = self._waiting_at_most(left)
+            await self._changed(wait)
 
-    def chunks_out(self, keepalive: bytes | None = None) -> Iterator[bytes]:
-        """The body as it arrives. Chunks are granted back to the agent once the next is
-        asked for (by then waitress has taken them: it blocks the app above its high
-        watermark), GRANT_BYTES or more at a time. ``keepalive`` is yielded after
-        KEEPALIVE_SECONDS without a byte."""
+    async def body_of(
+        self, keepalive: bytes | None = None, idle: float | None = None
+    ) -> AsyncIterator[bytes]:
+        """The body as it arrives, what has arrived at each turn in one piece. What the
+        client took is granted back to the agent once the next piece is asked for (by then
+        the client's socket has taken it), GRANT_BYTES or more at a time. ``keepalive`` is
+        yielded after KEEPALIVE_SECONDS without a byte; without it, ``idle`` seconds without
+        a byte end the body (BodyIdle)."""
+        quiet_since = time.monotonic()
         while True:
             self._grant()
-            with self.cond:
-                quiet_since = time.monotonic()
-                while not self.chunks:
+            with self.lock:
+                self._woken = False
+                if self.chunks:
+                    data = b"".join(self.chunks)
+                    self.chunks.clear()
+                    self.buffered -= len(data)
+                    self.delivered += len(data)
+                    self.ungranted += len(data)
+                else:
+                    data = b""
                     if self.reset is not None:
                         raise StreamReset(*self.reset)
                     if self.ended:
                         return
                     if self._gone():
                         raise LinkLost()
-                    if (
-                        keepalive is not None
-                        and time.monotonic() - quiet_since > self.hub.keepalive
-                    ):
-                        break
-                    self.cond.wait(1.0 if self.lost_at is not None else self.hub.keepalive / 3)
-                if not self.chunks:
-                    chunk = keepalive or b""
-                else:
-                    chunk = self.chunks.popleft()
-                    self.buffered -= len(chunk)
-                    self.delivered += len(chunk)
-                    self.ungranted += len(chunk)
-            if chunk:
-                yield chunk
+                    quiet = time.monotonic() - quiet_since
+                    if keepalive is not None:
+                        if quiet >= self.hub.keepalive:
+                            data = keepalive
+                        left = self.hub.keepalive - quiet
+                    elif idle is not None:
+                        if quiet >= idle:
+                            raise BodyIdle()
+                        left = idle - quiet
+                    else:
+                        left = self.hub.keepalive
+                    wait = self._waiting_at_most(left)
+            if data:
+                quiet_since = time.monotonic()
+                yield data
+            else:
+                await self._changed(wait)
 
     def _grant(self) -> None:
         """Give the agent back the credit of what the client took, once that is at least
         GRANT_BYTES: a WINDOW per 64 KiB, not per SSE event. The agent is never held by
         it: while it waits for credit, buffered + ungranted is a whole window, so the
         client takes what is buffered and the grant follows. Nothing once all arrived."""
-        with self.cond:
+        with self.lock:
             if self.ungranted < GRANT_BYTES or self.ended or self.tunnel is None:
                 return
             count, self.ungranted = self.ungranted, 0
             tunnel = self.tunnel
-        tunnel.send(wire.window_frame(self.stream_id, count))
+        tunnel.send(wire.window_frame(self.stream_id, count), wait=False)
 
     def close(self) -> None:
         """The client is done (or went away): a stream still running is reset on the node,
         so its runtime stops generating."""
-        with self.cond:
+        with self.lock:
             if self.closed:
                 return
             self.closed = True
@@ -238,7 +300,8 @@ class Stream:
             tunnel = self.tunnel
         if running and tunnel is not None:
             tunnel.send(
-                wire.reset_frame(self.stream_id, rel.STREAM_CANCELLED, "the client went away")
+                wire.reset_frame(self.stream_id, rel.STREAM_CANCELLED, "the client went away"),
+                wait=False,
             )
         self.hub.forget(self)
 
@@ -256,13 +319,19 @@ class Tunnel:
         self._out: queue.Queue[bytes | None] = queue.Queue(maxsize=OUT_QUEUE_FRAMES)
         threading.Thread(target=self._write, name=f"tunnel-{node_id}", daemon=True).start()
 
-    def send(self, frame: wire.Frame) -> bool:
+    def send(self, frame: wire.Frame, wait: bool = True) -> bool:
+        """Queue ``frame`` for the writer. A full queue is waited on up to
+        SEND_TIMEOUT_SECONDS, or (``wait=False``, the event loop's sends) not at all; either
+        way a queue still full means the agent stopped reading: the tunnel is closed."""
         data = wire.encode(frame)
         with self.send_lock:
             if not self.open:
                 return False
         try:
-            self._out.put(data, timeout=SEND_TIMEOUT_SECONDS)
+            if wait:
+                self._out.put(data, timeout=SEND_TIMEOUT_SECONDS)
+            else:
+                self._out.put_nowait(data)
         except queue.Full:
             log.warning("tunnel of node %s closed: the agent stopped reading it", self.node_id)
             self.shut()
@@ -404,7 +473,7 @@ class Hub:
             old.shut(1000, "replaced by a newer tunnel")
         entries = []
         for stream in list(waiting):
-            with stream.cond:
+            with stream.lock:
                 if stream.gone:  # ended when its agent went: nothing to resume
                     waiting.remove(stream)
                     continue
@@ -484,6 +553,7 @@ class Hub:
         path: str,
         headers: list[tuple[str, str]],
         body: bytes,
+        wait: bool = True,
     ) -> Stream | None:
         """A new stream to the server on the node's tunnel; None when the node has no
         tunnel here. StreamLimit when this process, or the node's tunnel, carries its cap."""
@@ -502,14 +572,17 @@ class Hub:
         # header the frame cannot carry is left out: the agent would close the tunnel.
         carried = wire.carried_headers(headers)
         sent = tunnel.send(
-            wire.open_frame(stream.stream_id, server_id, method, path, carried, end_stream=not body)
+            wire.open_frame(
+                stream.stream_id, server_id, method, path, carried, end_stream=not body
+            ),
+            wait=wait,
         )
         if not sent:  # the tunnel is closing: the agent never gets it, no resume could help
             stream.on_gone()
             return stream
         if body:
             for frame in wire.data_frames(stream.stream_id, body, end_stream=True):
-                tunnel.send(frame)
+                tunnel.send(frame, wait=wait)
         return stream
 
     def ended_here(self, node_id: str, stream_id: int) -> bool:

@@ -23,14 +23,14 @@ from ..core.settings import Settings
 from ..deployments.idle import Unloader, Usage
 from ..fleet.heartbeats import HeartbeatBuffer
 from ..fleet.telemetry import TelemetryHistory
+from ..relay.answer import Relay
 from ..relay.hub import Hub
+from ..relay.shares import Shares
 from ..store.audit import RefusalLog
 from ..store.database import Store
 from ..web.auth import Authentication, refuse_undeclared
 from ..web.http import ApiContext, answering, framework_error, security_headers
 from ..web.metrics import Metrics
-
-RELAY_RESERVED_THREADS = 4  # waitress threads relayed streams never take (MODELFORGE_RELAY_STREAMS)
 
 
 def make_app(settings: Settings, store: Store) -> bottle.Bottle:
@@ -40,7 +40,8 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     (``server.run_until``), and writes ``app.refusals``' pending counts when it stops.
     ``app.unloader`` unloads idle deployments (idle.py), started and stopped with it.
     ``app.hub`` holds the agents' tunnels the client API relays over (the server's front
-    hands them to it, ``server.create_server``).
+    hands them to it, ``server.create_server``); ``app.relay`` is the loop the relayed
+    streams wait on (started on first use, stopped by whoever serves the app).
     """
     app = bottle.Bottle(catchall=True)
     heartbeats = app.heartbeats = HeartbeatBuffer(
@@ -77,10 +78,22 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     agent_models.add_routes(app, context)
     admin_deployments.add_routes(app, context)
     agent_servers.add_routes(app, context)
-    # Each relayed stream holds a waitress thread: some are always kept for everyone else.
-    streams = settings.relay_streams or max(1, settings.threads - RELAY_RESERVED_THREADS)
-    hub = app.hub = Hub(on_protocol_error=metrics.relay_tunnel_errors.inc, max_total=streams)
-    client.add_routes(app, context, hub)
+    # The relay's streams wait on its own event loop, within its fair shares.
+    hub = app.hub = Hub(on_protocol_error=metrics.relay_tunnel_errors.inc, max_total=1 << 20)
+    shares = Shares(
+        settings.relay_streams,
+        settings.relay_streams_per_key,
+        settings.relay_streams_per_deployment,
+    )
+    relay = app.relay = Relay(
+        store,
+        hub,
+        metrics,
+        shares,
+        settings.relay_head_timeout_seconds,
+        settings.relay_idle_timeout_seconds,
+    )
+    client.add_routes(app, context, relay)
     agent_tunnel_http.add_routes(app, context, hub)
     console_routes.add_routes(app, context)
     refuse_undeclared(app)  # a route that names no caller stops the app here

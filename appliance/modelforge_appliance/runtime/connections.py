@@ -58,7 +58,7 @@ from modelforge_contract import (
 )
 
 from ..web.http import SECURITY_HEADERS
-from .front import TOO_MANY_TUNNELS_ANSWER, TUNNEL, WAITRESS, TunnelFront, classify
+from .front import CLIENT, TOO_MANY_TUNNELS_ANSWER, TUNNEL, WAITRESS, TunnelFront, classify_both
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +167,14 @@ class Channel(HTTPChannel):
         self._counted = True
         # Looked at by the tunnel front before waitress reads a byte (front.py): what the
         # front has read of a tunnel request's head, never a byte past it.
-        front = getattr(self.server, "front", None)
-        self.sniffing = front is not None and front.taking
+        self.sniffing = self._looks()
         self.sniffed = b""
+
+    def _looks(self) -> bool:
+        """Whether the front looks at this connection's next request (its server takes
+        tunnels, or hands client calls to the relay's loop)."""
+        front = self.server.front
+        return (front is not None and front.taking) or self.server.clients is not None
 
     def _flush_some_if_lockable(self, do_close: bool = True) -> bool | None:
         """waitress tries the output lock without waiting, and the loop goes round at once
@@ -242,10 +247,22 @@ class Channel(HTTPChannel):
         return result
 
     def handle_read(self) -> None:
+        if not self.sniffing and self._between_requests() and self._looks():
+            self.sniffing = True  # a client call after an admin call goes to the loop too
         if self.sniffing:
             self._sniff()
         else:
             super().handle_read()
+
+    def _between_requests(self) -> bool:
+        """Nothing half-received, nothing being answered or written: the next bytes begin
+        a new request. (A request whose answer is still being finished is waitress's.)"""
+        return (
+            self.request is None
+            and not self.requests
+            and not self.total_outbufs_len
+            and not (self.will_close or self.close_when_flushed or self.draining)
+        )
 
     def _sniff(self) -> None:
         """The front's look at a new connection: waitress's, or an agent's tunnel.
@@ -265,7 +282,13 @@ class Channel(HTTPChannel):
         if not peeked:  # the client closed before it said anything we kept
             self.handle_close()
             return
-        kind, take = classify(self.sniffed + peeked, self.adj.max_request_header_size)
+        front = self.server.front
+        kind, take = classify_both(
+            self.sniffed + peeked,
+            self.adj.max_request_header_size,
+            front is not None and front.taking,
+            self.server.clients is not None,
+        )
         if kind == WAITRESS:
             self.sniffing = False
             sniffed, self.sniffed = self.sniffed, b""
@@ -282,11 +305,14 @@ class Channel(HTTPChannel):
         self.last_activity = time.time()
         if kind == TUNNEL and len(self.sniffed) == take:
             self._hand_over()
+        elif kind == CLIENT:
+            self._hand_to_clients()
 
-    def _hand_over(self) -> None:
-        """Give this connection to the tunnel front: it leaves waitress's loop (and its
-        connection count), but stays counted against its address until the tunnel ends."""
-        server, sock, head = self.server, self.socket, self.sniffed
+    def _leave_loop(self) -> tuple[socket.socket, bytes, str]:
+        """Take this connection out of waitress's loop (and its connection count), the
+        socket left open; it stays counted against its address until whoever takes it
+        closes it. Its socket, the bytes read of it, its address."""
+        sock, head = self.socket, self.sniffed
         self.sniffing, self.sniffed, self._counted = False, b"", False
         self.del_channel()  # out of the loop's map, the socket left open
         with self.outbuf_lock:
@@ -294,7 +320,12 @@ class Channel(HTTPChannel):
                 outbuf.close()
             self.total_outbufs_len = 0
         self.connected = False
-        source = self.source
+        return sock, head, self.source
+
+    def _hand_over(self) -> None:
+        """Give this connection to the tunnel front."""
+        server = self.server
+        sock, head, source = self._leave_loop()
 
         def done() -> None:  # on the tunnel's thread; the address count is the loop's
             with contextlib.suppress(Exception):
@@ -304,6 +335,19 @@ class Channel(HTTPChannel):
             server.on_close("tunnels_full")
             with contextlib.suppress(OSError):
                 sock.send(TOO_MANY_TUNNELS_ANSWER)
+            sock.close()
+            server.uncount_source(source)
+
+    def _hand_to_clients(self) -> None:
+        """Give this connection to the relay's event loop (client_loop.py), with the bytes
+        read of its request; it comes back here at its next request that is not a client
+        call."""
+        server = self.server
+        sock, head, source = self._leave_loop()
+        if not server.clients.take(sock, self.addr, head):
+            server.on_close("clients_full")
+            with contextlib.suppress(OSError):
+                sock.send(_CLIENTS_FULL_ANSWER)
             sock.close()
             server.uncount_source(source)
 
@@ -324,6 +368,14 @@ _PER_ADDRESS_ANSWER = busy_answer(
     TOO_MANY_CONNECTIONS,
     "this address holds as many connections as the control plane allows one address",
     "Close idle connections, or raise MODELFORGE_CONNECTIONS_PER_ADDRESS.",
+    RETRY_AFTER_SECONDS,
+)
+
+
+_CLIENTS_FULL_ANSWER = busy_answer(
+    SERVER_BUSY,
+    "the relay holds as many client connections as it allows",
+    "Retry after the time Retry-After gives (MODELFORGE_CONNECTION_LIMIT sets the bound).",
     RETRY_AFTER_SECONDS,
 )
 
@@ -371,6 +423,8 @@ class Server(TcpWSGIServer):
     request_timeout: float = 30.0
     # Where agents' tunnel requests go (front.py); None: every connection is waitress's.
     front: TunnelFront | None = None
+    # Where client calls (/v1/*) go: the relay's loop (client_loop.ClientLoop); None: here.
+    clients: Any = None
     # Called with "idle", "request_timeout", "evicted", "buffer_full", "per_address" or
     # "tunnels_full" for every connection this server closes or refuses.
     on_close: Callable[[str], None] = staticmethod(lambda reason: None)
@@ -388,6 +442,19 @@ class Server(TcpWSGIServer):
 
     def uncount_source(self, source: str) -> None:
         self.bounds.uncount_source(source)
+
+    def adopt(self, sock: socket.socket, addr: tuple, data: bytes) -> None:
+        """Take back a connection the relay's loop served (on this loop's thread): its
+        next request, of which ``data`` was read, is waitress's. It is still counted
+        against its address."""
+        sock.setblocking(False)
+        channel = self.channel_class(self, sock, addr, self.adj, map=self._map)
+        channel.sniffing = False
+        channel.request_began = time.time()
+        channel._fresh = False
+        if data:
+            channel.last_activity = time.time()
+            channel.received(data)
 
     def readable(self) -> bool:
         if (

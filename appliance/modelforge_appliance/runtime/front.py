@@ -63,6 +63,35 @@ TunnelHandler = Callable[[socket.socket, bytes, tuple], None]
 MORE = "more"  # cannot tell yet
 WAITRESS = "waitress"  # not a tunnel request: waitress takes it
 TUNNEL = "tunnel"  # a whole tunnel request head
+CLIENT = "client"  # a client call (/v1/*): the relay's event loop takes it
+
+# What a client call begins with (client_loop.py serves them).
+CLIENT_REQUEST_LINES = (b"POST /v1/", b"GET /v1/")
+
+
+def classify_client(head: bytes) -> str:
+    """CLIENT when ``head`` begins a client call, MORE when it may still, else WAITRESS."""
+    for line in CLIENT_REQUEST_LINES:
+        if head.startswith(line):
+            return CLIENT
+    if any(line.startswith(head) for line in CLIENT_REQUEST_LINES):
+        return MORE
+    return WAITRESS
+
+
+def classify_both(
+    head: bytes, max_head_bytes: int, tunnels: bool, clients: bool
+) -> tuple[str, int]:
+    """``classify`` for a server that takes tunnels, client calls, or both: for a client
+    call, ``(CLIENT, len(head))`` (the loop reads the rest itself)."""
+    kind, take = classify(head, max_head_bytes) if tunnels else (WAITRESS, 0)
+    if clients:
+        client = classify_client(head)
+        if client == CLIENT:
+            return CLIENT, len(head)
+        if client == MORE and kind == WAITRESS:
+            return MORE, len(head)
+    return kind, take
 
 
 def classify(head: bytes, max_head_bytes: int) -> tuple[str, int]:

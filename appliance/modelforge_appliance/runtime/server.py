@@ -14,6 +14,7 @@ on ``server.tunnel_front``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import resource
@@ -38,6 +39,7 @@ from ..relay.endpoint import TunnelEndpoint
 from ..store.database import Store
 from ..web.http import JSON_HEADERS, SECURITY_HEADERS
 from .app import make_app
+from .client_loop import ClientLoop
 from .connections import Bounds, EventLoop, Server
 from .front import TunnelFront, tunnel_port_app
 from .tunnel_websocket import websocket_tunnel
@@ -234,10 +236,33 @@ def create_server(settings: Settings, store: Store, host: str, port: int) -> Ser
     server.unloader = app.unloader  # likewise
     server.refusals = app.refusals  # its pending counts are written when run_until stops
     server.tunnel_front = front  # the relay registers its handler here
+    # Client calls (/v1/*) on the relay's event loop; the tunnel-only port takes none.
+    clients = server.clients_loop = ClientLoop(
+        app.relay,
+        application,
+        max_connections=settings.connection_limit,
+        max_header_bytes=MAX_HEADER_BYTES,
+        max_body_bytes=settings.max_body_bytes,
+        request_timeout=settings.request_timeout_seconds,
+        idle_timeout=settings.idle_timeout_seconds,
+        give_back=lambda sock, peer, data: _on_loop(server, lambda: server.adopt(sock, peer, data)),
+        closed=lambda peer: _on_loop(
+            server, lambda: server.uncount_source(peer[0] if isinstance(peer, tuple) else str(peer))
+        ),
+    )
+    for each in servers:
+        if each not in tunnel_servers:
+            each.clients = clients
     endpoint = TunnelEndpoint(store, app.hub)
     front.register(websocket_tunnel(endpoint.accept, endpoint.serve))
     server.tunnel_servers = tunnel_servers
     return server
+
+
+def _on_loop(server: Server, thunk: Callable[[], None]) -> None:
+    """Run ``thunk`` on waitress's loop thread (nothing once it has stopped)."""
+    with contextlib.suppress(OSError):
+        server.trigger.pull_trigger(thunk)
 
 
 def run_until(server: Server, stop: threading.Event) -> None:
@@ -256,6 +281,13 @@ def run_until(server: Server, stop: threading.Event) -> None:
         while not stop.is_set():
             loop.turn(0.1)
     finally:
+        # The relay's loop first: its connections hand back through this loop's trigger.
+        clients = getattr(server, "clients_loop", None)
+        if clients is not None:
+            clients.close()
+        relay = getattr(getattr(server, "app", None), "relay", None)
+        if relay is not None:
+            relay.stop()
         for dispatcher in list(server._map.values()):  # listeners, and open connections too
             dispatcher.close()
         front = getattr(server, "tunnel_front", None)

@@ -108,11 +108,18 @@ def redirect(location: str) -> bottle.HTTPResponse:
     )
 
 
-def error_response(error: ApiError) -> bottle.HTTPResponse:
-    response = json_response(error.body(), error.status)
+def error_parts(error: ApiError) -> tuple[int, list[tuple[str, str]], bytes]:
+    """An error's whole answer: status, headers (the security headers too) and body."""
+    raw = json.dumps(error.body()).encode()
+    headers = [*JSON_HEADERS.items(), ("Content-Length", str(len(raw)))]
     if "retry_after_seconds" in error.extra:  # a 429 says when to come back (RFC 9110)
-        response.set_header("Retry-After", str(error.extra["retry_after_seconds"]))
-    return response
+        headers.append(("Retry-After", str(error.extra["retry_after_seconds"])))
+    return error.status, [*headers, *SECURITY_HEADERS.items()], raw
+
+
+def error_response(error: ApiError) -> bottle.HTTPResponse:
+    status, headers, raw = error_parts(error)
+    return bottle.HTTPResponse(raw, status=status, headers=headers)
 
 
 def answering(metrics: Metrics) -> Callable:
