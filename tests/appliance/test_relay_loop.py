@@ -324,3 +324,36 @@ def test_a_slot_not_freed_in_time_is_refused_and_leaves_no_waiter_behind():
         assert shares.in_flight == 0
 
     asyncio.run(scenario())
+
+
+# -- revocation ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["revoke", "decommission"])
+def test_revoking_a_node_closes_its_tunnel_and_ends_its_streams(cp, relay, origin, how):
+    from modelforge_appliance import lifecycle
+    from modelforge_appliance.fleet import nodes
+
+    origin.chunks = [b"data: {}\n\n", b"data: [DONE]\n\n"]
+    origin.gated = True
+    origin.release()
+    response = relay.request({"model": "svc", "stream": True})
+    assert response.status == 200
+    assert response.read1(65536).startswith(b"data: {}")
+    node_id = relay.node.node_id
+    # Out of the serving process's way, as `modelforge nodes revoke` does it.
+    node = nodes.get_node(cp.store, node_id)
+    if how == "revoke":
+        lifecycle.revoke_node_credential(cp.store, node, "cli")
+    else:
+        preview = lifecycle.preview_decommission(cp.store, node_id, "cli")
+        lifecycle.execute_decommission(cp.store, node_id, preview["confirmation"], "cli")
+    hub = cp.server.app.hub
+    wait_until(lambda: not hub.connected(node_id), what="the revoked node's tunnel closed")
+    # The running stream ends at once with the error event, not after the resume grace.
+    rest = response.read()
+    assert b"NODE_LINK_LOST" in rest and rest.endswith(b"data: [DONE]\n\n")
+    # Its agent's next tunnel is refused: no prompt reaches the node again.
+    refused = relay.request({"model": "svc"})
+    assert refused.status in (502, 503)
+    assert not hub.connected(node_id)

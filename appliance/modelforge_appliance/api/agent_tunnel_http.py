@@ -44,7 +44,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext, hub: Hub) -> None:
         node_id = agent.caller.node_id
         link = HttpLink(node_id)
         sessions.add(link)
-        tunnel = hub.register(node_id, link)
+        tunnel = hub.register(node_id, link, agent.caller.credential_id)
 
         def serve() -> None:
             try:

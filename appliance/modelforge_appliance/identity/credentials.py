@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from modelforge_contract import (
@@ -219,3 +220,22 @@ def credentials_of(store: Store, node: Node) -> dict:
             for row in rows
         ],
     }
+
+
+def still_valid(store: Store, credential_ids: Collection[str]) -> set[str]:
+    """Of ``credential_ids``, those not revoked whose node is not decommissioned (the relay
+    closes the tunnels opened with the others)."""
+    if not credential_ids:
+        return set()
+    with store.connection():
+        rows = (
+            Credential.select(Credential.credential_id)
+            .join(Node)
+            .where(
+                Credential.credential_id.in_(list(credential_ids))
+                & Credential.revoked_at.is_null()
+                & Node.decommissioned_at.is_null()
+            )
+            .tuples()
+        )
+        return {row[0] for row in rows}

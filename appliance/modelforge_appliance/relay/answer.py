@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import threading
@@ -37,6 +38,7 @@ from typing import Any
 from modelforge_contract import relay as rel
 
 from ..core.errors import ApiError
+from ..identity import credentials
 from ..store.database import Store
 from . import routing
 from .hub import (
@@ -56,6 +58,9 @@ from .shares import Refused, Shares, Ticket
 log = logging.getLogger(__name__)
 
 KEEPALIVE = rel.SSE_KEEPALIVE
+# How often the live tunnels' credentials are looked at again: a revoked credential or a
+# decommissioned node (by the API, the CLI or a restore) loses its tunnel within this.
+REVALIDATE_SECONDS = 1.0
 # Store calls of the loop's requests (a failover's pick) run on these threads.
 STORE_THREADS = 4
 
@@ -225,6 +230,7 @@ class Relay:
                 loop.set_default_executor(self.store_threads)
                 ready = threading.Event()
                 loop.call_soon(ready.set)
+                loop.call_soon(lambda: loop.create_task(self._revalidate()))
                 self._thread = threading.Thread(
                     target=loop.run_forever, name="relay-loop", daemon=True
                 )
@@ -238,12 +244,37 @@ class Relay:
             loop, thread, self.loop, self._thread = self.loop, self._thread, None, None
         if loop is None or thread is None:
             return
+        with contextlib.suppress(Exception):  # each task's own cleanup runs first
+            asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(timeout=5)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=5)
         if not thread.is_alive():
             loop.close()
         if self.store_threads is not None:
             self.store_threads.shutdown(wait=False, cancel_futures=True)
+
+    async def _revalidate(self) -> None:
+        """Close, at once, each tunnel whose credential was revoked or whose node was
+        decommissioned since it opened: its streams end (one before its head goes to
+        another server), and the agent's next tunnel is refused."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(REVALIDATE_SECONDS)
+            live = self.hub.tunnels_by_credential()
+            if not live:
+                continue
+            try:
+                valid = await loop.run_in_executor(
+                    None, credentials.still_valid, self.store, list(live)
+                )
+            except Exception as exc:  # the store is away: looked at again next time
+                log.warning("could not look at the tunnels' credentials: %s", type(exc).__name__)
+                continue
+            for credential_id, tunnel in live.items():
+                if credential_id not in valid:
+                    self.hub.going(
+                        tunnel, "CREDENTIAL_REVOKED", "its credential is no longer valid"
+                    )
 
     # -- a request, on the loop ---------------------------------------------------------
 
@@ -389,6 +420,14 @@ class Relay:
                 asyncio.run_coroutine_threadsafe(answer.chunks.aclose(), loop).result()
 
         return answer, pieces()
+
+
+async def _cancel_all() -> None:
+    """Cancel every other task of the running loop, and wait for them to end."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def anext_of(chunks: AsyncIterator[bytes]) -> bytes:

@@ -42,11 +42,11 @@ class TunnelEndpoint:
                 extra={"compatibility": answer},
             )
         credential = credentials.authenticate_credential(self.store, headers.get("Authorization"))
-        self._node.node_id = credential.owner
+        self._node.node_id, self._node.credential_id = credential.owner, credential.credential_id
 
     def serve(self, connection: Any) -> None:
         node_id = getattr(self._node, "node_id", None)
         if node_id is None:  # accept refused (the front never calls serve then)
             return
         self._node.node_id = None
-        self.hub.register(node_id, connection).serve()
+        self.hub.register(node_id, connection, self._node.credential_id).serve()

@@ -309,8 +309,9 @@ class Stream:
 class Tunnel:
     """One agent's tunnel: its link, its reader thread, the streams it carries."""
 
-    def __init__(self, hub: Hub, node_id: str, link: Link) -> None:
+    def __init__(self, hub: Hub, node_id: str, link: Link, credential_id: str | None) -> None:
         self.hub, self.node_id, self.link = hub, node_id, link
+        self.credential_id = credential_id  # what opened it: its revocation closes it
         self.send_lock = threading.Lock()
         self.open = True
         # One writer thread per tunnel: a sender (a client's thread granting credit, the
@@ -461,10 +462,10 @@ class Hub:
 
     # -- tunnels ------------------------------------------------------------------------
 
-    def register(self, node_id: str, link: Link) -> Tunnel:
-        """The node's new tunnel (its old one, if any, is closed); the streams waiting for
-        the node are resumed on it."""
-        tunnel = Tunnel(self, node_id, link)
+    def register(self, node_id: str, link: Link, credential_id: str | None = None) -> Tunnel:
+        """The node's new tunnel, opened with ``credential_id`` (its old one, if any, is
+        closed); the streams waiting for the node are resumed on it."""
+        tunnel = Tunnel(self, node_id, link, credential_id)
         with self._lock:
             old = self._tunnels.get(node_id)
             self._tunnels[node_id] = tunnel
@@ -505,9 +506,10 @@ class Hub:
         log.info("node %s: tunnel down (%s; %d stream(s) waiting)", tunnel.node_id, reason,
                  len(streams))  # fmt: skip
 
-    def going(self, tunnel: Tunnel, code: str) -> None:
-        """The agent on ``tunnel`` said it is going (RESET of stream 0): it takes no new
-        stream, and every stream of its node ends now, not after the resume grace."""
+    def going(self, tunnel: Tunnel, code: str, why: str = "its agent is going") -> None:
+        """The agent on ``tunnel`` said it is going (RESET of stream 0), or its credential
+        stopped being valid: it takes no new stream, and every stream of its node ends now,
+        not after the resume grace."""
         node_id = tunnel.node_id
         with self._lock:
             # The node's tunnel: each stream of the node rides it or waits for it. One a
@@ -522,9 +524,14 @@ class Hub:
             ]
         for stream in streams:
             stream.on_gone()
-        tunnel.shut(1000, "the agent is going")  # it closes next; nothing more to carry
-        log.info("node %s: its agent is going (%s); %d stream(s) ended", node_id, code,
+        tunnel.shut(1000, why[:100])  # it closes next; nothing more to carry
+        log.info("node %s: %s (%s); %d stream(s) ended", node_id, why, code,
                  len(streams))  # fmt: skip
+
+    def tunnels_by_credential(self) -> dict[str, Tunnel]:
+        """The live tunnels, by the credential that opened each."""
+        with self._lock:
+            return {t.credential_id: t for t in self._tunnels.values() if t.credential_id}
 
     def connected(self, node_id: str) -> bool:
         with self._lock:

@@ -276,6 +276,9 @@ def run_until(server: Server, stop: threading.Event) -> None:
     unloader = getattr(server, "unloader", None)
     if unloader is not None:
         unloader.start()
+    relay = getattr(getattr(server, "app", None), "relay", None)
+    if relay is not None:
+        relay.start()  # its sweep closes revoked nodes' tunnels from the first one on
     loop = EventLoop(server._map)
     try:
         while not stop.is_set():
@@ -285,7 +288,6 @@ def run_until(server: Server, stop: threading.Event) -> None:
         clients = getattr(server, "clients_loop", None)
         if clients is not None:
             clients.close()
-        relay = getattr(getattr(server, "app", None), "relay", None)
         if relay is not None:
             relay.stop()
         for dispatcher in list(server._map.values()):  # listeners, and open connections too
