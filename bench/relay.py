@@ -58,6 +58,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 CHAT = "/v1/chat/completions"
+PROTOCOL = 1  # the agent protocol the heartbeats name (modelforge_contract.PROTOCOL_VERSION)
 MIB = 1 << 20
 DEPLOYMENT = "svc"
 SMALL_ANSWER = json.dumps(
@@ -130,9 +131,9 @@ def role_cp(work: Path) -> None:
     from tests.appliance.test_deployments import ServingNode, deploy, held, tiny_model
     from tests.harness.control_plane import make_settings, serve
 
-    # Threads sized from the stream cap (each relayed stream holds one: docs/architecture.md §12).
+    # The default threads: relayed streams wait on the relay's loop (docs/architecture.md §12).
     profile_threads("cp")
-    settings = replace(make_settings(work / "cp"), threads=80, serve_lease_seconds=600)
+    settings = replace(make_settings(work / "cp"), serve_lease_seconds=600)
     with serve(settings) as cp:
         model = tiny_model(cp, work)
         node = ServingNode(cp, "bench-node")
@@ -148,6 +149,7 @@ def role_cp(work: Path) -> None:
             "url": cp.url,
             "port": int(cp.url.rsplit(":", 1)[1]),
             "credential": node.credential,
+            "node_id": node.node_id,
             "server_id": server_id,
             "key": key,
         }
@@ -162,7 +164,11 @@ def role_cp(work: Path) -> None:
 
         def stats() -> None:
             while not done.wait(0.1):
-                (work / "stats.tmp").write_text(json.dumps(cp.server.app.hub.stats()))
+                stats = {
+                    **cp.server.app.hub.stats(),
+                    "in_flight": cp.server.app.relay.shares.in_flight,
+                }
+                (work / "stats.tmp").write_text(json.dumps(stats))
                 (work / "stats.tmp").rename(work / "stats.json")
 
         threading.Thread(target=keep_alive, daemon=True).start()
@@ -529,6 +535,7 @@ class Bench:
             "bulk": self.bulk,
             "stall": lambda: self.stalled(4 if quick else 8),
             "concurrent": self.concurrent,
+            "many": self.many,
             "restart": self.restarts,
             "llama": self.llama,
         }
@@ -640,6 +647,90 @@ class Bench:
             f"+{firsts['relayed'][-1] - firsts['direct'][-1]:.1f} ms max",
             "< 100 ms each",
         )
+
+    def many(self, count: int = 1000) -> None:
+        """``count`` SSE streams sent at once (one key, one node: the node's slots stream,
+        the rest wait for one at the control plane); /healthz and the node's heartbeat are
+        timed meanwhile, and every stream must end with its [DONE]."""
+        payload = self.relayed.request({"bench": "stamped", "events": 5, "gap": 0.05})
+        selector = selectors.DefaultSelector()
+        seen: dict[int, bytearray] = {}
+        began = time.perf_counter()
+        for _ in range(count):
+            sock = self.relayed.connect()
+            sock.sendall(payload)
+            sock.setblocking(False)
+            seen[sock.fileno()] = bytearray()
+            selector.register(sock, selectors.EVENT_READ)
+        deadline = time.monotonic() + 60
+        while self.hub_stats().get("in_flight", 0) < count // 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = self.hub_stats()
+        health, beats = self.api_latencies(50)
+        done = 0
+        while done < count and time.monotonic() < deadline + 120:
+            for key, _ in selector.select(timeout=1):
+                sock = key.fileobj
+                try:
+                    chunk = sock.recv(65536)
+                except BlockingIOError:
+                    continue
+                seen[sock.fileno()] += chunk
+                if not chunk or seen[sock.fileno()].endswith(b"\r\n0\r\n\r\n"):
+                    selector.unregister(sock)
+                    sock.close()
+                    done += 1
+        took = time.perf_counter() - began
+        complete = sum(1 for body in seen.values() if b"data: [DONE]" in body)
+        print(
+            f"{count} streams at once: {held.get('in_flight')} in flight, {held['streams']} on "
+            f"the node's tunnel when measured; {complete} complete in {took:.1f} s",
+            flush=True,
+        )
+        self.row(
+            f"{count} concurrent SSE streams: /healthz and heartbeat p50 / p99 meanwhile",
+            "—",
+            f"{pct(health, 0.5):.1f} / {pct(health, 0.99):.1f} ms; "
+            f"{pct(beats, 0.5):.1f} / {pct(beats, 0.99):.1f} ms",
+            f"{complete} of {count} complete",
+            "p99 < 100 ms, all complete",
+        )
+
+    def api_latencies(self, count: int) -> tuple[list[float], list[float]]:
+        """``count`` /healthz and ``count`` heartbeats, interleaved: milliseconds each."""
+        info = json.loads((self.work / "cp.json").read_text())
+        beat = json.dumps(
+            {
+                "node_id": info["node_id"],
+                "agent_version": "0.1.0",
+                "health": {"status": "ok", "gpu_probe": "not_applicable"},
+            }
+        ).encode()
+        requests_ = {
+            "health": b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+            "beat": (
+                f"POST /api/v1/agent/heartbeat HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Authorization: Bearer {info['credential']}\r\n"
+                f"X-ModelForge-Agent-Protocol: {PROTOCOL}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(beat)}\r\n\r\n"
+            ).encode()
+            + beat,
+        }
+        out: dict[str, list[float]] = {"health": [], "beat": []}
+        socks = {name: Target(name, info["port"]).connect() for name in requests_}
+        for _ in range(count):
+            for name, payload in requests_.items():
+                sock, began, buffer = socks[name], time.perf_counter(), bytearray()
+                sock.sendall(payload)
+                status, headers = read_head(sock, buffer)
+                while len(buffer) < int(headers.get("content-length", 0)):
+                    buffer += sock.recv(65536)
+                if status != 200:
+                    raise SystemExit(f"{name}: {status} {bytes(buffer[:300])!r}")
+                out[name].append((time.perf_counter() - began) * 1000)
+        for sock in socks.values():
+            sock.close()
+        return out["health"], out["beat"]
 
     def restarts(self) -> None:
         origin_port, restarts, self.hung = self.origin_port, [], 0
@@ -838,7 +929,8 @@ def main() -> None:
         help="the agent's resume grace in seconds (default 30, the agent's own)",
     )
     parser.add_argument(
-        "--only", help="comma-separated parts: small,sse,bulk,stall,concurrent,restart,llama"
+        "--only",
+        help="comma-separated parts: small,sse,bulk,stall,concurrent,many,restart,llama",
     )
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
     parser.add_argument("--role", choices=("cp", "agent", "origin"), help=argparse.SUPPRESS)
