@@ -357,3 +357,71 @@ def test_revoking_a_node_closes_its_tunnel_and_ends_its_streams(cp, relay, origi
     refused = relay.request({"model": "svc"})
     assert refused.status in (502, 503)
     assert not hub.connected(node_id)
+
+
+# -- tunnel admission ------------------------------------------------------------------------
+
+
+def tunnel_upgrade(cp, credential: str) -> tuple[socket.socket, bytes]:
+    """A raw WebSocket upgrade of the tunnel path; the socket and the answer's head. The
+    caller never reads the socket again (a tunnel that will not close)."""
+    from modelforge_contract import HEADER_AGENT_PROTOCOL, PROTOCOL_VERSION
+
+    sock = socket.create_connection(("127.0.0.1", port_of(cp)), timeout=30)
+    sock.sendall(
+        (
+            f"GET {wire.PATH_AGENT_TUNNEL} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+            "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            f"Sec-WebSocket-Version: 13\r\n{HEADER_AGENT_PROTOCOL}: {PROTOCOL_VERSION}\r\n"
+            f"Authorization: Bearer {credential}\r\n\r\n"
+        ).encode()
+    )
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(1)
+        assert chunk, head
+        head += chunk
+    return sock, head
+
+
+def test_a_node_reconnecting_faster_than_its_tunnels_close_is_refused_not_given_threads(cp):
+    from .test_deployments import ServingNode
+
+    node = ServingNode(cp, "flapping")
+    held = []
+    for _ in range(3):  # its live tunnel, and two replaced ones still closing
+        sock, head = tunnel_upgrade(cp, node.credential)
+        assert head.startswith(b"HTTP/1.1 101"), head
+        held.append(sock)
+    wait_until(lambda: cp.server.app.hub.tunnels_held(node.node_id) == 3, what="three held")
+    sock, head = tunnel_upgrade(cp, node.credential)
+    assert head.startswith(b"HTTP/1.1 503"), head
+    assert b"Retry-After: 5" in head
+    body = sock.recv(65536)
+    assert json.loads(body)["error"]["code"] == "TOO_MANY_TUNNELS"
+    for each in [*held, sock]:
+        each.close()
+    # Once they have closed, the node's agent gets its tunnel again.
+    wait_until(lambda: cp.server.app.hub.tunnels_held(node.node_id) == 0, what="all closed")
+    sock, head = tunnel_upgrade(cp, node.credential)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    sock.close()
+
+
+def test_a_refused_tunnel_request_is_closed_however_slowly_its_client_trickles(cp):
+    import time
+
+    sock, head = tunnel_upgrade(cp, "mfc_" + "0" * 16 + "_" + "x" * 43)
+    assert head.startswith(b"HTTP/1.1 401"), head
+    # A byte now and then, each well within any per-read timeout: the refusal still ends
+    # (the old linger read up to 64 KiB, each read with its own 2 s: hours).
+    closed = False
+    for _ in range(300):
+        try:
+            sock.send(b"x")
+        except OSError:  # reset: the control plane closed its end
+            closed = True
+            break
+        time.sleep(0.1)
+    sock.close()
+    assert closed

@@ -17,9 +17,11 @@ import threading
 
 import bottle
 
+from modelforge_contract import HEADER_AGENT_PROTOCOL
 from modelforge_contract import tunnel as wire
 
 from ..core.errors import ApiError, Conflict, Forbidden, NotFound, TooLarge
+from ..relay.endpoint import MAX_TUNNELS_PER_NODE, too_many_tunnels
 from ..relay.http_link import HttpLink, HttpSessions, LinkClosed
 from ..relay.hub import Hub
 from ..web.auth import AGENT, NO_BODY, RAW_BODY, AgentCall
@@ -42,6 +44,8 @@ def add_routes(app: bottle.Bottle, context: ApiContext, hub: Hub) -> None:
         if bottle.request.method == "HEAD":  # no body goes out, so no tunnel could either
             return bottle.HTTPResponse(status=200, headers=headers)
         node_id = agent.caller.node_id
+        if hub.tunnels_held(node_id) >= MAX_TUNNELS_PER_NODE:
+            raise too_many_tunnels(request_header(HEADER_AGENT_PROTOCOL))
         link = HttpLink(node_id)
         sessions.add(link)
         tunnel = hub.register(node_id, link, agent.caller.credential_id)

@@ -16,13 +16,33 @@ from modelforge_contract import (
     COMPATIBILITY_NEXT_STEPS,
     COMPATIBLE,
     HEADER_AGENT_PROTOCOL,
+    TOO_MANY_TUNNELS,
     compatibility_of,
 )
 
-from ..core.errors import UpgradeRequired
+from ..core.errors import ApiError, UpgradeRequired
 from ..identity import credentials
 from ..store.database import Store
 from .hub import Hub
+
+# A node's tunnels at once: its live one and those still closing (a replaced tunnel closes
+# within the WebSocket close timeout). A node reconnecting faster than they close is refused
+# rather than holding a thread per attempt.
+MAX_TUNNELS_PER_NODE = 3
+RETRY_AFTER_SECONDS = 5
+
+
+def too_many_tunnels(protocol: str | None) -> ApiError:
+    return ApiError(
+        "this node holds as many tunnels as it may (its live one, the others still closing)",
+        code=TOO_MANY_TUNNELS,
+        status=503,
+        next_step="Retry after the time Retry-After gives; the node agent does so by itself.",
+        extra={
+            "retry_after_seconds": RETRY_AFTER_SECONDS,
+            "compatibility": compatibility_of(protocol),
+        },
+    )
 
 
 class TunnelEndpoint:
@@ -42,6 +62,8 @@ class TunnelEndpoint:
                 extra={"compatibility": answer},
             )
         credential = credentials.authenticate_credential(self.store, headers.get("Authorization"))
+        if self.hub.tunnels_held(credential.owner) >= MAX_TUNNELS_PER_NODE:
+            raise too_many_tunnels(headers.get(HEADER_AGENT_PROTOCOL))
         self._node.node_id, self._node.credential_id = credential.owner, credential.credential_id
 
     def serve(self, connection: Any) -> None:

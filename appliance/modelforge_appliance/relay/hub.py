@@ -448,6 +448,8 @@ class Hub:
         self.max_total = max_total  # streams of all tunnels (each holds a waitress thread)
         self._lock = threading.Lock()
         self._tunnels: dict[str, Tunnel] = {}
+        # Each node's tunnels until their reader ends: the live one and those closing.
+        self._held: collections.Counter[str] = collections.Counter()
         self._streams: dict[int, Stream] = {}
         self._ids = itertools.count(1)
         self._in_flight: collections.Counter[str] = collections.Counter()
@@ -469,6 +471,7 @@ class Hub:
         with self._lock:
             old = self._tunnels.get(node_id)
             self._tunnels[node_id] = tunnel
+            self._held[node_id] += 1
             waiting = [s for s in self._streams.values() if s.node_id == node_id]
         if old is not None:
             old.shut(1000, "replaced by a newer tunnel")
@@ -499,6 +502,9 @@ class Hub:
         with self._lock:
             if self._tunnels.get(tunnel.node_id) is tunnel:
                 del self._tunnels[tunnel.node_id]
+            self._held[tunnel.node_id] -= 1
+            if self._held[tunnel.node_id] <= 0:
+                del self._held[tunnel.node_id]
             streams = [s for s in self._streams.values() if s.tunnel is tunnel]
         tunnel.shut(1000, reason[:100])
         for stream in streams:
@@ -532,6 +538,11 @@ class Hub:
         """The live tunnels, by the credential that opened each."""
         with self._lock:
             return {t.credential_id: t for t in self._tunnels.values() if t.credential_id}
+
+    def tunnels_held(self, node_id: str) -> int:
+        """The node's tunnels whose reader still runs: its live one and those closing."""
+        with self._lock:
+            return self._held[node_id]
 
     def connected(self, node_id: str) -> bool:
         with self._lock:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -47,9 +48,10 @@ MAX_MESSAGE_BYTES = MAX_FRAME
 MAX_QUEUED_MESSAGES = 16
 # A handshake answer is a few hundred bytes; a client that will not take it is dropped.
 HANDSHAKE_TIMEOUT_SECONDS = 10.0
-# After a refusal: how long, and how much, of what the client still sends is read and
-# dropped before closing, so that the answer is not lost to a reset.
-LINGER_SECONDS = 2.0
+# A refusal, its answer sent and what the client still sends read and dropped (so that a
+# reset does not destroy the answer), takes at most this long in all, however the client
+# trickles, and reads at most LINGER_BYTES.
+REFUSAL_SECONDS = 2.0
 LINGER_BYTES = 64 * 1024
 
 # accept(headers): None to upgrade, or (status, body) to refuse with that answer (the one
@@ -245,13 +247,17 @@ def _not_an_upgrade(status: int, agent_protocol: str | None) -> bytes:
 def _refuse(sock: socket.socket, answer: bytes) -> None:
     """Send ``answer`` and close, reading (and dropping) for a moment what the client still
     sends, so that a reset does not destroy the answer before the client reads it."""
+    deadline = time.monotonic() + REFUSAL_SECONDS
     try:
-        sock.settimeout(HANDSHAKE_TIMEOUT_SECONDS)
+        sock.settimeout(REFUSAL_SECONDS)  # sendall's timeout is its whole duration
         sock.sendall(answer)
         sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(LINGER_SECONDS)
         drained = 0
         while drained < LINGER_BYTES:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            sock.settimeout(left)
             chunk = sock.recv(16384)
             if not chunk:
                 break
