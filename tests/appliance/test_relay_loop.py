@@ -425,3 +425,33 @@ def test_a_refused_tunnel_request_is_closed_however_slowly_its_client_trickles(c
         time.sleep(0.1)
     sock.close()
     assert closed
+
+
+def test_more_http_fallback_tunnels_than_threads_leave_the_api_its_threads(cp):
+    from modelforge_contract import HEADER_AGENT_PROTOCOL, PROTOCOL_VERSION
+
+    from .test_deployments import ServingNode
+
+    nodes = [ServingNode(cp, f"fallback-{i}") for i in range(cp.settings.threads + 4)]
+    downloads = []
+    for node in nodes:  # each download lives as long as its tunnel
+        sock = socket.create_connection(("127.0.0.1", port_of(cp)), timeout=30)
+        sock.sendall(get_request(wire.PATH_AGENT_TUNNEL_DOWN, (
+            f"Authorization: Bearer {node.credential}\r\n"
+            f"{HEADER_AGENT_PROTOCOL}: {PROTOCOL_VERSION}\r\n"
+        )))  # fmt: skip
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += sock.recv(1)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        downloads.append(sock)
+    hub = cp.server.app.hub
+    wait_until(lambda: all(hub.connected(n.node_id) for n in nodes), what="every tunnel up")
+    # Every thread of waitress would be held by now; the API answers all the same.
+    assert healthz(cp) == 200
+    nodes[0].heartbeat_answer()
+    listed = cp.admin("GET", "/api/v1/admin/hardware/nodes")
+    assert listed.status_code == 200
+    for sock in downloads:
+        sock.close()
+    wait_until(lambda: not any(hub.connected(n.node_id) for n in nodes), what="tunnels down")

@@ -2,7 +2,9 @@
 
 ``GET …/tunnel/down`` opens a session: its answer hands out the session id in
 ``X-ModelForge-Tunnel-Session`` and streams the control plane's frames back to back for as
-long as the tunnel lives (the request holds one waitress thread meanwhile). The hub takes
+long as the tunnel lives. The front hands the download to the relay's event loop
+(runtime/client_loop.py), which streams it without holding a thread; one that reached
+waitress (a kept connection's later request) streams on its waitress thread. The hub takes
 the session as the node's tunnel, exactly as it takes a WebSocket, and reads it on a thread
 of its own. ``POST …/tunnel/up`` carries a batch of the agent's frames for the session;
 only the node that opened a session may upload to it (403 TUNNEL_SESSION_NOT_YOURS), a
@@ -25,7 +27,7 @@ from ..relay.endpoint import MAX_TUNNELS_PER_NODE, too_many_tunnels
 from ..relay.http_link import HttpLink, HttpSessions, LinkClosed
 from ..relay.hub import Hub
 from ..web.auth import AGENT, NO_BODY, RAW_BODY, AgentCall
-from ..web.http import ApiContext, request_header
+from ..web.http import DEFERRED, ApiContext, request_header
 
 TUNNEL_SESSION_UNKNOWN = "TUNNEL_SESSION_UNKNOWN"
 TUNNEL_SESSION_CLOSED = "TUNNEL_SESSION_CLOSED"
@@ -60,6 +62,10 @@ def add_routes(app: bottle.Bottle, context: ApiContext, hub: Hub) -> None:
         threading.Thread(target=serve, name=f"tunnel-http-{node_id[:12]}", daemon=True).start()
         headers[wire.HEADER_TUNNEL_SESSION] = link.session_id
         headers["X-Accel-Buffering"] = "no"  # nginx: pass each frame on as it comes
+        deferred = bottle.request.environ.get(DEFERRED)
+        if deferred is not None:  # the relay's loop streams the download: no thread held
+            deferred.append(link)
+            return bottle.HTTPResponse(status=200, headers=headers)
         return bottle.HTTPResponse(link.body(), status=200, headers=headers)
 
     @app.post(wire.PATH_AGENT_TUNNEL_UP, auth=AGENT, body=RAW_BODY)

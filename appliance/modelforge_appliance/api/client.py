@@ -21,13 +21,10 @@ from ..identity.api_keys import ApiKeyCaller
 from ..relay import routing
 from ..relay.answer import Relay, Request
 from ..web.auth import CLIENT
-from ..web.http import ApiContext, json_response
+from ..web.http import DEFERRED, ApiContext, json_response
 
 # Request headers a runtime may see (nothing of the client's credentials or cookies).
 _FORWARDED = ("content-type", "accept", "user-agent", "x-request-id")
-# The environ key of a request the relay's loop answers itself: the route appends its
-# ``Request`` to the list there and returns at once.
-DEFERRED = "modelforge.relay.deferred"
 
 
 def add_routes(app: bottle.Bottle, context: ApiContext, relay: Relay) -> None:

@@ -19,9 +19,11 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from modelforge_contract import tunnel as wire
+
+from .waking import Waker
 
 QUEUE_FRAMES = 256  # each way; a frame is at most wire.MAX_FRAME bytes
 SEND_BLOCK_SECONDS = 5.0
@@ -57,6 +59,14 @@ class HttpLink:
         self._in: collections.deque[bytes] = collections.deque()
         self.closed = False
         self.reason = ""
+        # The download streamed on the relay's event loop: each change wakes it.
+        self._waker: Waker | None = None
+
+    def _changed(self) -> None:
+        """Inside the lock: wake the threads, and the loop streaming the download."""
+        self._cond.notify_all()
+        if self._waker is not None:
+            self._waker.wake()
 
     # -- the hub's side -----------------------------------------------------------------
 
@@ -73,14 +83,14 @@ class HttpLink:
                     raise LinkClosed(self.reason or "closed")
                 self._cond.wait()
             data = self._in.popleft()
-            self._cond.notify_all()
+            self._changed()
             return data
 
     def close(self, code: int = 1000, reason: str = "") -> None:
         with self._cond:
             if not self.closed:
                 self.closed, self.reason = True, reason or f"closed ({code})"
-            self._cond.notify_all()
+            self._changed()
 
     # -- the HTTP side --------------------------------------------------------------------
 
@@ -88,6 +98,37 @@ class HttpLink:
         """An upload's frames, in order, for ``recv``; LinkClosed when the link closes."""
         for frame in frames:
             self._put(self._in, wire.encode(frame))
+
+    def _batch(self) -> list[bytes]:
+        """Inside the lock: queued frames, up to BATCH_BYTES."""
+        batch, size = [], 0
+        while self._out and size < BATCH_BYTES:
+            size += len(self._out[0])
+            batch.append(self._out.popleft())
+        self._changed()
+        return batch
+
+    async def body_async(self) -> AsyncIterator[bytes]:
+        """``body`` on the relay's event loop (call it there): the same frames and PINGs,
+        no thread held while the tunnel is quiet. Closing it closes the link."""
+        waker = self._waker = Waker()
+        try:
+            while True:
+                deadline = time.monotonic() + self.ping_seconds
+                while True:
+                    with self._cond:
+                        if self.closed:
+                            return
+                        batch = self._batch() if self._out else []
+                    left = deadline - time.monotonic()
+                    if batch or left <= 0:
+                        break
+                    await waker.wait(left)
+                if not batch:
+                    batch = [wire.encode(wire.ping_frame(os.urandom(wire.PING_BYTES)))]
+                yield b"".join(batch)
+        finally:
+            self.close(1001, "the download ended")
 
     def body(self) -> Iterator[bytes]:
         """The download's body: queued frames back to back, a PING when quiet. Closing the
@@ -104,11 +145,7 @@ class HttpLink:
                         self._cond.wait(left)
                     if self.closed:
                         return
-                    batch, size = [], 0
-                    while self._out and size < BATCH_BYTES:
-                        size += len(self._out[0])
-                        batch.append(self._out.popleft())
-                    self._cond.notify_all()
+                    batch = self._batch()
                 if not batch:
                     batch = [wire.encode(wire.ping_frame(os.urandom(wire.PING_BYTES)))]
                 yield b"".join(batch)
@@ -122,13 +159,13 @@ class HttpLink:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.closed, self.reason = True, "a queue stayed full"
-                    self._cond.notify_all()
+                    self._changed()
                     break
                 self._cond.wait(left)
             if self.closed:
                 raise LinkClosed(self.reason)
             queue.append(data)
-            self._cond.notify_all()
+            self._changed()
 
 
 class HttpSessions:

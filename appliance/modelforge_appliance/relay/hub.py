@@ -20,7 +20,6 @@ request's (``may_fail_over``), is one the client route may send to another serve
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import itertools
@@ -35,6 +34,8 @@ from typing import Any, Protocol
 
 from modelforge_contract import relay as rel
 from modelforge_contract import tunnel as wire
+
+from .waking import Waker
 
 log = logging.getLogger(__name__)
 
@@ -121,17 +122,15 @@ class Stream:
         self.gone = False  # its agent said it is going: no resume will come
         self.closed = False
         # The client's side waits on the relay's event loop: each change wakes it once.
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._event: asyncio.Event | None = None
+        self._waker: Waker | None = None
         self._woken = False
 
     def _wake(self) -> None:
         """Inside the lock: tell the waiting client side that something changed (once
         until it looks again, so a burst of frames costs one wake-up)."""
-        if self._event is not None and not self._woken:
+        if self._waker is not None and not self._woken:
             self._woken = True
-            with contextlib.suppress(RuntimeError):  # the loop is closing
-                self._loop.call_soon_threadsafe(self._event.set)
+            self._waker.wake()
 
     # -- from the tunnel's reader -------------------------------------------------------
 
@@ -190,19 +189,13 @@ class Stream:
 
     def watch(self) -> None:
         """From now on, wake the calling event loop on each change (call it on that loop,
-        before the first ``head``)."""
-        self._loop, self._event = asyncio.get_running_loop(), asyncio.Event()
+        before the first ``head_of``)."""
+        self._waker = Waker()
 
     async def _changed(self, timeout: float) -> None:
         """Until something changes, or ``timeout`` seconds."""
-        event = self._event
-        assert event is not None and self._loop is not None, "watch() first"
-        timer = self._loop.call_later(max(timeout, 0.0), event.set)
-        try:
-            await event.wait()
-        finally:
-            timer.cancel()
-            event.clear()
+        assert self._waker is not None, "watch() first"
+        await self._waker.wait(timeout)
 
     def _waiting_at_most(self, left: float) -> float:
         """Inside the lock: how long to wait for a change, given ``left`` seconds to a

@@ -29,16 +29,16 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
 import h11
 
-from ..api.client import DEFERRED
 from ..core.errors import ApiError
-from ..relay.answer import Answer, Relay
-from ..web.http import SECURITY_HEADERS, error_parts
+from ..relay.answer import Relay
+from ..relay.http_link import HttpLink
+from ..web.http import DEFERRED, SECURITY_HEADERS, error_parts
 from .connections import WAITRESS_REFUSALS
 from .front import CLIENT, MORE, classify_client
 
@@ -242,32 +242,41 @@ class Connection:
         )
         if not deferred:
             return await self._whole(parser, status, headers, raw)
+        [item] = deferred
         self._watch()
         try:
+            if isinstance(item, HttpLink):  # a tunnel download: the route's head, the frames
+                headers = [(n, v) for n, v in headers if n.lower() != b"content-length"]
+                return await self._unless_gone(
+                    self._stream(parser, status, headers, item.body_async())
+                )
             try:
-                answer = await self._unless_gone(self.owner.relay.answer(deferred[0]))
+                answer = await self._unless_gone(self.owner.relay.answer(item))
             except ApiError as error:
                 if error.logged:
                     log.info("%s %s -> %d %s", environ["REQUEST_METHOD"], environ["PATH_INFO"],
                              error.status, error.code)  # fmt: skip
                 code, error_headers, error_body = error_parts(error)
                 return await self._whole(parser, code, _bytes_headers(error_headers), error_body)
-            return await self._unless_gone(self._relay(parser, answer))
+            headers = [*_bytes_headers(answer.headers), *_SECURITY]
+            return await self._unless_gone(
+                self._stream(parser, answer.status, headers, answer.chunks)
+            )
         except ClientGone:
             return False
         finally:
             self._unwatch()
 
-    async def _relay(self, parser: h11.Connection, answer: Answer) -> bool:
-        chunks = answer.chunks
+    async def _stream(
+        self,
+        parser: h11.Connection,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        chunks: AsyncIterator[bytes],
+    ) -> bool:
+        """An answer whose body comes piece by piece; ``chunks`` is closed however it ends."""
         try:
-            head = parser.send(
-                h11.Response(
-                    status_code=answer.status,
-                    headers=[*_bytes_headers(answer.headers), *_SECURITY],
-                )
-            )
-            pending = head
+            pending = parser.send(h11.Response(status_code=status, headers=headers))
             async for chunk in chunks:
                 if not chunk:
                     continue

@@ -38,7 +38,7 @@ from modelforge_contract import (
     TOO_MANY_TUNNELS,
     compatibility_of,
 )
-from modelforge_contract.tunnel import PATH_AGENT_TUNNEL
+from modelforge_contract.tunnel import PATH_AGENT_TUNNEL, PATH_AGENT_TUNNEL_DOWN
 
 from ..web.http import JSON_HEADERS, SECURITY_HEADERS
 
@@ -65,8 +65,9 @@ WAITRESS = "waitress"  # not a tunnel request: waitress takes it
 TUNNEL = "tunnel"  # a whole tunnel request head
 CLIENT = "client"  # a client call (/v1/*): the relay's event loop takes it
 
-# What a client call begins with (client_loop.py serves them).
-CLIENT_REQUEST_LINES = (b"POST /v1/", b"GET /v1/")
+# What the relay's event loop serves (client_loop.py): client calls, and the HTTP
+# fallback's tunnel downloads (which live as long as their tunnel).
+CLIENT_REQUEST_LINES = (b"POST /v1/", b"GET /v1/", f"GET {PATH_AGENT_TUNNEL_DOWN}".encode())
 
 
 def classify_client(head: bytes) -> str:

@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 AGENT_PREFIX = f"{API_PREFIX}/agent/"
 JSON_HEADERS = {"Content-Type": "application/json", "Cache-Control": "no-store"}
+# The environ key of a request the relay's event loop answers itself (runtime/client_loop.py):
+# the route appends what the loop is to send (a relayed request, a tunnel download) to the
+# list there, and returns its status and headers without a body.
+DEFERRED = "modelforge.relay.deferred"
 ORIGIN_MAX_LENGTH = 300  # the column that keeps a token's origin
 
 
