@@ -80,6 +80,7 @@ PATH_ADMIN_ALERTS = f"{API_PREFIX}/admin/alerts"
 PATH_ADMIN_AUDIT = f"{API_PREFIX}/admin/audit-events"
 # Client API keys (mfk_…): minted, listed and revoked by an administrator.
 PATH_ADMIN_API_KEYS = f"{API_PREFIX}/admin/api-keys"
+PATH_ADMIN_USAGE = f"{API_PREFIX}/admin/usage"
 PATH_ADMIN_API_KEY = f"{API_PREFIX}/admin/api-keys/<key_id>"
 PATH_AGENT_ENROLL = f"{API_PREFIX}/agent/enroll"
 PATH_AGENT_HEARTBEAT = f"{API_PREFIX}/agent/heartbeat"
@@ -147,6 +148,12 @@ API_KEY_INVALID = "API_KEY_INVALID"
 API_KEY_REVOKED = "API_KEY_REVOKED"
 # 429: too many wrong keys from one address (appliance identity/key_guesses.py).
 API_KEY_THROTTLED = "API_KEY_THROTTLED"
+# A key's limits (docs/clients.md): past its expiry (401), a deployment it is not for
+# (403), past its requests per minute or its tokens per day (429, with Retry-After).
+API_KEY_EXPIRED = "API_KEY_EXPIRED"
+API_KEY_SCOPE = "API_KEY_SCOPE"
+RATE_LIMITED = "RATE_LIMITED"
+QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
 NOT_FOUND = "NOT_FOUND"
 METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"
 BODY_TOO_LARGE = "BODY_TOO_LARGE"

@@ -71,6 +71,7 @@ ROUTES = [
     "/api/v1/agent/servers/{server}/renew",
     "/api/v1/admin/api-keys",
     "/api/v1/admin/api-keys/{key}",
+    "/api/v1/admin/usage",
     "/api/v1/agent/tunnel/down",
     "/api/v1/agent/tunnel/up",
 ]

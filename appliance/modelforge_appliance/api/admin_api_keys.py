@@ -1,25 +1,57 @@
-"""Admin routes for client API keys: create (the secret shown once), list, revoke."""
+"""Admin routes for client API keys: create (the secret shown once, with optional limits),
+list, revoke; and what the keys used (``GET /admin/usage``)."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 import bottle
 
-from modelforge_contract import PATH_ADMIN_API_KEY, PATH_ADMIN_API_KEYS
+from modelforge_contract import (
+    PATH_ADMIN_API_KEY,
+    PATH_ADMIN_API_KEYS,
+    PATH_ADMIN_USAGE,
+    QUERY_INVALID,
+)
 
+from ..core.errors import Invalid
 from ..core.validation import API_KEY_FIELDS
 from ..identity import api_keys
+from ..relay.limits import BY, UsageBook, usage_report
 from ..web.auth import ADMIN
 from ..web.http import ApiContext, json_response
 
+_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
-def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
+
+def add_routes(app: bottle.Bottle, context: ApiContext, book: UsageBook) -> None:
     store = context.store
 
     @app.post(PATH_ADMIN_API_KEYS, auth=ADMIN)
     def create(actor: str):
         fields = context.body(API_KEY_FIELDS)
-        view, secret = api_keys.create_api_key(store, fields["name"], actor)
+        limits = api_keys.check_limits(
+            fields.get("deployments"), fields.get("rpm"), fields.get("tokens_per_day")
+        )
+        if fields.get("expires"):
+            expires = api_keys.parse_expiry(fields["expires"], store.clock.now())
+            limits = replace(limits, expires_at=expires)
+        view, secret = api_keys.create_api_key(store, fields["name"], actor, limits)
         return json_response({**view, "secret": secret}, 201)
+
+    @app.get(PATH_ADMIN_USAGE, auth=ADMIN)
+    def usage():
+        by = bottle.request.query.get("by") or "key"
+        since = bottle.request.query.get("since")
+        if by not in BY:
+            raise Invalid(f"query parameter by must be one of {', '.join(BY)}",
+                          code=QUERY_INVALID)  # fmt: skip
+        if since is not None and not _DAY.fullmatch(since):
+            raise Invalid("query parameter since must be a date, YYYY-MM-DD",
+                          code=QUERY_INVALID)  # fmt: skip
+        book.flush()  # the counts to the second
+        return json_response({"by": by, "since": since, "usage": usage_report(store, by, since)})
 
     @app.get(PATH_ADMIN_API_KEYS, auth=ADMIN)
     def list_keys():

@@ -20,6 +20,7 @@ from ..core.validation import read_json_bytes
 from ..identity.api_keys import ApiKeyCaller
 from ..relay import routing
 from ..relay.answer import Relay, Request
+from ..relay.limits import Limits
 from ..web.auth import CLIENT
 from ..web.http import DEFERRED, ApiContext, json_response
 
@@ -27,12 +28,12 @@ from ..web.http import DEFERRED, ApiContext, json_response
 _FORWARDED = ("content-type", "accept", "user-agent", "x-request-id")
 
 
-def add_routes(app: bottle.Bottle, context: ApiContext, relay: Relay) -> None:
+def add_routes(app: bottle.Bottle, context: ApiContext, relay: Relay, limits: Limits) -> None:
     store, settings, metrics, hub = context.store, context.settings, context.metrics, relay.hub
 
     @app.get(rel.PATH_CLIENT_MODELS, auth=CLIENT)
-    def models():
-        listed = routing.running_deployments(store)
+    def models(client: ApiKeyCaller):
+        listed = [d for d in routing.running_deployments(store) if client.may_call(d["name"])]
         data = [
             {
                 "id": d["name"],
@@ -47,6 +48,8 @@ def add_routes(app: bottle.Bottle, context: ApiContext, relay: Relay) -> None:
     def relayed(path: str, client: ApiKeyCaller) -> bottle.HTTPResponse:
         metrics.relay_key_requests.labels(client.key_id).inc()
         raw, body = read_json_bytes(bottle.request.environ, settings.max_body_bytes)
+        if isinstance(body.get("model"), str):  # else routing says what is wrong with it
+            limits.admit(client, body["model"])  # before any deployment is looked up
         target = routing.pick_or_start(
             store,
             hub,

@@ -65,6 +65,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "api_keys_group",
         "Create, list and revoke client API keys (mfk_…; shown once, stored as digests).",
     ),
+    "usage": (
+        "api_keys",
+        "usage_command",
+        "What each API key (or deployment, or day) used: requests, tokens, errors.",
+    ),
     "enroll": (
         "enrollments",
         "enroll",

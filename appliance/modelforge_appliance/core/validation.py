@@ -210,7 +210,21 @@ MINT_FIELDS = {
 
 EXECUTE_FIELDS = {"confirmation": Field(str, low=1, high=256)}
 
-API_KEY_FIELDS = {"name": _NAME}  # POST /admin/api-keys (identity/api_keys.py)
+# POST /admin/api-keys (identity/api_keys.py): a name, and optional limits.
+API_KEY_FIELDS = {
+    "name": _NAME,
+    "deployments": Field(
+        list,
+        required=False,
+        nullable=True,
+        low=1,
+        high=64,
+        items=Field(str, low=1, high=120, name=True),
+    ),  # fmt: skip
+    "expires": Field(str, required=False, nullable=True, low=1, high=40),
+    "rpm": Field(int, required=False, nullable=True, low=1, high=1_000_000),
+    "tokens_per_day": Field(int, required=False, nullable=True, low=1, high=10**12),
+}
 
 ENROLL_FIELDS = {
     "token": Field(str, low=1, high=256),

@@ -1,5 +1,9 @@
 """Client API keys (``mfk_…``): minted by an administrator, shown once, stored as digests.
 
+A key may carry limits (docs/clients.md): the deployments it may call, an expiry, requests
+per minute and tokens per day. Authentication refuses an expired key (401
+API_KEY_EXPIRED); the others are the relay's to hold (relay/limits.py).
+
 A client of the OpenAI-compatible API sends ``Authorization: Bearer mfk_<key id>_<secret>``
 on every call (docs/clients.md). Only the SHA-256 digest is kept, found by the non-secret
 key id and compared in constant time (invariant 3). Revoking a key is final, also across a
@@ -12,6 +16,8 @@ per request.
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import math
 import re
@@ -21,11 +27,18 @@ from typing import Any
 
 import peewee as pw
 
-from modelforge_contract import API_KEY_INVALID, API_KEY_MISSING, API_KEY_REVOKED, KIND_API_KEY
+from modelforge_contract import (
+    API_KEY_EXPIRED,
+    API_KEY_INVALID,
+    API_KEY_MISSING,
+    API_KEY_REVOKED,
+    FIELD_FORMAT,
+    KIND_API_KEY,
+)
 
 from ..core import tokens
 from ..core.clock import isoformat
-from ..core.errors import NotFound, Unauthorized
+from ..core.errors import Invalid, NotFound, Unauthorized
 from ..core.validation import Field, check_value
 from ..store import audit
 from ..store.database import Store
@@ -53,7 +66,16 @@ _REVOKED_NEXT_STEP = (
 # the same time.
 _NO_DIGEST = tokens.digest("mfk_0000000000000000_unknown")
 
-_CALLER_SQL = "SELECT digest, revoked_at, last_used_at, name FROM api_key WHERE key_id = ?"
+_CALLER_SQL = (
+    "SELECT digest, revoked_at, last_used_at, name, deployments, expires_at, rpm, "
+    "tokens_per_day FROM api_key WHERE key_id = ?"
+)
+# The most deployments one key may be limited to, and the bounds of its rates.
+MAX_KEY_DEPLOYMENTS = 64
+MAX_RPM = 1_000_000
+MAX_TOKENS_PER_DAY = 10**12
+_DURATION = re.compile(r"([1-9][0-9]{0,5})([mhdw])")
+_DURATION_SECONDS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _MARK_USED_SQL = (
     "UPDATE api_key SET last_used_at = ? WHERE key_id = ? "
     "AND (last_used_at IS NULL OR last_used_at <= ?)"
@@ -62,15 +84,81 @@ _MARK_USED_SQL = (
 
 @dataclass(frozen=True)
 class ApiKeyCaller:
-    """A client request's key that authenticated: known, its secret matching, not revoked."""
+    """A client request's key that authenticated: known, its secret matching, not revoked,
+    not expired; with the limits the relay holds it to (None: no such limit)."""
 
     key_id: str
     name: str
+    deployments: frozenset[str] | None = None
+    rpm: int | None = None
+    tokens_per_day: int | None = None
+
+    def may_call(self, deployment: str) -> bool:
+        return self.deployments is None or deployment in self.deployments
 
 
-def create_api_key(store: Store, name: str, actor: str) -> tuple[dict[str, Any], str]:
-    """Mint a key named ``name``: its view and its secret, which is never stored or shown
-    again. The name is checked like every name people read (400 FIELD_*)."""
+@dataclass(frozen=True)
+class KeyLimits:
+    """What a new key is limited to (None: not limited that way)."""
+
+    deployments: tuple[str, ...] | None = None
+    expires_at: float | None = None
+    rpm: int | None = None
+    tokens_per_day: int | None = None
+
+
+def parse_expiry(text: str, now: float) -> float:
+    """When a key given ``--expires TEXT`` expires: a duration from now (``90m``, ``12h``,
+    ``30d``, ``2w``) or a UTC date or time (``2027-01-31``, ``2027-01-31T18:00``). 400
+    FIELD_FORMAT for anything else, or a time already past."""
+    text = text.strip()
+    matched = _DURATION.fullmatch(text)
+    if matched:
+        return now + int(matched[1]) * _DURATION_SECONDS[matched[2]]
+    try:
+        when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise Invalid(
+            f"expires: {text[:40]!r} is neither a duration nor a date",
+            code=FIELD_FORMAT,
+            next_step="Give a duration such as 30d, 12h or 90m, or a UTC date such as 2027-01-31.",
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    at = when.timestamp()
+    if at <= now:
+        raise Invalid(
+            f"expires: {text[:40]!r} is already past",
+            code=FIELD_FORMAT,
+            next_step="Give a time in the future.",
+        )
+    return at
+
+
+def check_limits(
+    deployments: list[str] | None, rpm: int | None, tokens_per_day: int | None
+) -> KeyLimits:
+    """The limits of a new key, each checked (400 FIELD_* naming the field)."""
+    names = None
+    if deployments is not None:
+        spec = Field(list, low=1, high=MAX_KEY_DEPLOYMENTS, items=Field(str, low=1, high=120,
+                     name=True))  # fmt: skip
+        names = tuple(dict.fromkeys(check_value(deployments, spec, "deployments")))
+    if rpm is not None:
+        rpm = check_value(rpm, Field(int, low=1, high=MAX_RPM), "rpm")
+    if tokens_per_day is not None:
+        tokens_per_day = check_value(
+            tokens_per_day, Field(int, low=1, high=MAX_TOKENS_PER_DAY), "tokens_per_day"
+        )
+    return KeyLimits(names, None, rpm, tokens_per_day)
+
+
+def create_api_key(
+    store: Store, name: str, actor: str, limits: KeyLimits = KeyLimits()
+) -> tuple[dict[str, Any], str]:
+    """Mint a key named ``name`` with ``limits``: its view and its secret, which is never
+    stored or shown again. The name is checked like every name people read (400
+    FIELD_*)."""
     name = check_value(name, NAME_FIELD, "name")
     key_id, secret = tokens.mint_secret(KIND_API_KEY)
     with store.write():
@@ -80,9 +168,23 @@ def create_api_key(store: Store, name: str, actor: str) -> tuple[dict[str, Any],
             digest=tokens.digest(secret),
             created_by=actor,
             created_at=store.clock.now(),
+            deployments=None if limits.deployments is None else json.dumps(limits.deployments),
+            expires_at=limits.expires_at,
+            rpm=limits.rpm,
+            tokens_per_day=limits.tokens_per_day,
         )
-        audit.record(store, actor, "api_key.created", key_id=key_id, name=name)
+        set_limits = {k: v for k, v in _limits_of(row).items() if v is not None}
+        audit.record(store, actor, "api_key.created", key_id=key_id, name=name, **set_limits)
     return api_key_view(row), secret
+
+
+def _limits_of(row: ApiKey) -> dict[str, Any]:
+    return {
+        "deployments": None if row.deployments is None else json.loads(row.deployments),
+        "expires_at": isoformat(row.expires_at),
+        "rpm": row.rpm,
+        "tokens_per_day": row.tokens_per_day,
+    }
 
 
 def list_api_keys(store: Store) -> list[dict[str, Any]]:
@@ -102,6 +204,7 @@ def api_key_view(row: ApiKey) -> dict[str, Any]:
         "last_used_at": isoformat(row.last_used_at),
         "revoked_at": isoformat(row.revoked_at),
         "revoked_by": row.revoked_by,
+        **_limits_of(row),
     }
 
 
@@ -157,15 +260,23 @@ def authenticate_api_key(store: Store, authorization: str | None) -> ApiKeyCalle
     stored = row[0] if row is not None else _NO_DIGEST
     if not tokens.digest_matches(secret, stored) or row is None:
         raise invalid
-    _, revoked_at, last_used_at, name = row
+    _, revoked_at, last_used_at, name, deployments, expires_at, rpm, tokens_per_day = row
     if revoked_at is not None:
         raise Unauthorized(
             "the API key has been revoked; revoked keys stay refused",
             code=API_KEY_REVOKED,
             next_step=_REVOKED_NEXT_STEP,
         )
+    if expires_at is not None and store.clock.now() >= expires_at:
+        raise Unauthorized(
+            f"the API key expired at {isoformat(expires_at)}",
+            code=API_KEY_EXPIRED,
+            next_step="Ask an administrator for a new key (`modelforge api-keys create "
+            "--name NAME [--expires 30d]`).",
+        )
     _last_use.mark(store, key_id, last_used_at)
-    return ApiKeyCaller(key_id, name)
+    scope = None if deployments is None else frozenset(json.loads(deployments))
+    return ApiKeyCaller(key_id, name, scope, rpm, tokens_per_day)
 
 
 class _LastUse:

@@ -52,6 +52,7 @@ from .hub import (
     StreamReset,
     may_fail_over,
 )
+from .limits import FLUSH_SECONDS, UsageBook
 from .routing import Target
 from .shares import Refused, Shares, Ticket
 
@@ -209,8 +210,10 @@ class Relay:
         shares: Shares,
         head_timeout: float,
         idle_timeout: float,
+        usage: UsageBook | None = None,
     ) -> None:
         self.store, self.hub, self.metrics, self.shares = store, hub, metrics, shares
+        self.usage = usage or UsageBook(store)
         self.head_timeout, self.idle_timeout = head_timeout, idle_timeout
         self.loop: asyncio.AbstractEventLoop | None = None
         self.store_threads: concurrent.futures.ThreadPoolExecutor | None = None
@@ -231,6 +234,7 @@ class Relay:
                 ready = threading.Event()
                 loop.call_soon(ready.set)
                 loop.call_soon(lambda: loop.create_task(self._revalidate()))
+                loop.call_soon(lambda: loop.create_task(self._flush_usage()))
                 self._thread = threading.Thread(
                     target=loop.run_forever, name="relay-loop", daemon=True
                 )
@@ -252,6 +256,20 @@ class Relay:
             loop.close()
         if self.store_threads is not None:
             self.store_threads.shutdown(wait=False, cancel_futures=True)
+        try:  # what the keys used since the last flush
+            self.usage.flush()
+        except Exception as exc:
+            log.warning("could not write the API keys' usage: %s", type(exc).__name__)
+
+    async def _flush_usage(self) -> None:
+        """Write the keys' usage every FLUSH_SECONDS (never once per request)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(FLUSH_SECONDS)
+            try:
+                await loop.run_in_executor(None, self.usage.flush)
+            except Exception as exc:  # kept in memory; written next time
+                log.warning("could not write the API keys' usage: %s", type(exc).__name__)
 
     async def _revalidate(self) -> None:
         """Close, at once, each tunnel whose credential was revoked or whose node was
@@ -290,6 +308,7 @@ class Relay:
             target, stream, head = await self._answered(request, ticket)
         except BaseException:
             self.shares.leave(ticket)
+            self.usage.add(request.key, request.target.deployment, error=True)
             raise
         sse = any(
             n.lower() == "content-type" and v.startswith("text/event-stream")
@@ -303,7 +322,7 @@ class Relay:
         length = rel.single_content_length(head.headers)
         if not sse and length is not None:
             headers.append(("Content-Length", str(length)))
-        chunks = self._body(stream, sse, target.deployment, ticket)
+        chunks = self._body(stream, sse, target.deployment, ticket, request.key, head.status)
         return Answer(head.status, headers, sse, chunks)
 
     async def _answered(self, request: Request, ticket: Ticket) -> tuple[Target, Stream, Head]:
@@ -373,17 +392,20 @@ class Relay:
         return await asyncio.get_running_loop().run_in_executor(None, pick)
 
     async def _body(
-        self, stream: Stream, sse: bool, deployment: str, ticket: Ticket
+        self, stream: Stream, sse: bool, deployment: str, ticket: Ticket, key: str, status: int
     ) -> AsyncIterator[bytes]:
-        """The relayed body; the stream is closed (and reset on the node) however it ends."""
+        """The relayed body; the stream is closed (and reset on the node) however it ends,
+        and the key's usage counted (the runtime's own token counts)."""
         started = time.monotonic()
         usage = Usage(sse)
+        whole = False
         try:
             async for chunk in stream.body_of(
                 KEEPALIVE if sse else None, None if sse else self.idle_timeout
             ):
                 usage.see(chunk)
                 yield chunk
+            whole = True
         except (LinkLost, StreamReset, BodyIdle) as failure:
             self.metrics.relay_errors.labels(deployment, _code(failure)).inc()
             if sse:
@@ -393,10 +415,11 @@ class Relay:
             stream.close()
             self.shares.leave(ticket)
             self.metrics.relay_seconds.labels(deployment).observe(time.monotonic() - started)
-            tokens = usage.tokens()
-            if tokens is not None:
-                self.metrics.relay_tokens.labels(deployment, "prompt").inc(tokens[0])
-                self.metrics.relay_tokens.labels(deployment, "completion").inc(tokens[1])
+            tokens = usage.tokens() or (0, 0)
+            self.metrics.relay_tokens.labels(deployment, "prompt").inc(tokens[0])
+            self.metrics.relay_tokens.labels(deployment, "completion").inc(tokens[1])
+            self.usage.add(key, deployment, prompt=tokens[0], completion=tokens[1],
+                           error=not whole or status >= 400)  # fmt: skip
 
     # -- a request on a waitress thread -------------------------------------------------
 

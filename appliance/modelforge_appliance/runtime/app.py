@@ -25,6 +25,7 @@ from ..fleet.heartbeats import HeartbeatBuffer
 from ..fleet.telemetry import TelemetryHistory
 from ..relay.answer import Relay
 from ..relay.hub import Hub
+from ..relay.limits import Limits, UsageBook
 from ..relay.shares import Shares
 from ..store.audit import RefusalLog
 from ..store.database import Store
@@ -70,7 +71,6 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     app.install(answering(metrics))
     app.install(Authentication(context))
     admin.add_routes(app, context)
-    admin_api_keys.add_routes(app, context)
     admin_work.add_routes(app, context)
     agent.add_routes(app, context)
     agent_work.add_routes(app, context)
@@ -85,6 +85,8 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
         settings.relay_streams_per_key,
         settings.relay_streams_per_deployment,
     )
+    # API keys' limits and what each used, counted in memory and written in batches.
+    book = app.usage_book = UsageBook(store)
     relay = app.relay = Relay(
         store,
         hub,
@@ -92,8 +94,10 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
         shares,
         settings.relay_head_timeout_seconds,
         settings.relay_idle_timeout_seconds,
+        book,
     )
-    client.add_routes(app, context, relay)
+    client.add_routes(app, context, relay, Limits(store, book))
+    admin_api_keys.add_routes(app, context, book)
     agent_tunnel_http.add_routes(app, context, hub)
     console_routes.add_routes(app, context)
     refuse_undeclared(app)  # a route that names no caller stops the app here

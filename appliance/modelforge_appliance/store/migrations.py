@@ -410,6 +410,19 @@ _HUB_TOKEN = (
     '"sealed" TEXT NOT NULL, "set_by" VARCHAR(120) NOT NULL, "set_at" {double} NOT NULL)',
 )
 
+# 16: API keys with limits, and what each key used of each deployment per day (relay/limits.py).
+_KEY_LIMITS_AND_USAGE = (
+    'ALTER TABLE "api_key" ADD COLUMN "deployments" TEXT',
+    'ALTER TABLE "api_key" ADD COLUMN "expires_at" {double}',
+    'ALTER TABLE "api_key" ADD COLUMN "rpm" INTEGER',
+    'ALTER TABLE "api_key" ADD COLUMN "tokens_per_day" {bigint}',
+    'CREATE TABLE "usage_day" ("day" VARCHAR(10) NOT NULL, "key_id" VARCHAR(32) NOT NULL, '
+    '"deployment" VARCHAR(120) NOT NULL, "requests" {bigint} NOT NULL DEFAULT 0, '
+    '"prompt_tokens" {bigint} NOT NULL DEFAULT 0, "completion_tokens" {bigint} NOT NULL '
+    'DEFAULT 0, "errors" {bigint} NOT NULL DEFAULT 0, '
+    'PRIMARY KEY ("day", "key_id", "deployment"))',
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
@@ -434,5 +447,6 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(14, "server goals and backoff", _SERVER_GOALS),
     Migration(15, "hub token", _HUB_TOKEN),
+    Migration(16, "API key limits and usage", _KEY_LIMITS_AND_USAGE),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

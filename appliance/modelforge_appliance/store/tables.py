@@ -364,6 +364,28 @@ class ApiKey(BaseModel):
     last_used_at = pw.DoubleField(null=True)  # to the minute (LAST_USED_RESOLUTION_SECONDS)
     revoked_at = pw.DoubleField(null=True)
     revoked_by = pw.CharField(max_length=120, null=True)
+    # Its limits (migration 16, relay/limits.py); NULL: none.
+    deployments = pw.TextField(null=True)  # a JSON list of the deployments it may call
+    expires_at = pw.DoubleField(null=True)
+    rpm = pw.IntegerField(null=True)  # requests per minute
+    tokens_per_day = pw.BigIntegerField(null=True)  # prompt + completion tokens, UTC days
+
+
+class UsageDay(BaseModel):
+    """What one key used of one deployment on one UTC day (migration 16): written in
+    batches by relay/limits.py, never once per request."""
+
+    day = pw.CharField(max_length=10)  # YYYY-MM-DD
+    key_id = pw.CharField(max_length=32)
+    deployment = pw.CharField(max_length=120)
+    requests = pw.BigIntegerField(default=0)
+    prompt_tokens = pw.BigIntegerField(default=0)
+    completion_tokens = pw.BigIntegerField(default=0)
+    errors = pw.BigIntegerField(default=0)
+
+    class Meta:
+        table_name = "usage_day"
+        primary_key = pw.CompositeKey("day", "key_id", "deployment")
 
 
 # -- the hub token (migration 15, models/hub_token.py) -----------------------------------
