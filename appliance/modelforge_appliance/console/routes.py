@@ -169,6 +169,10 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             "deployments", session=session, deploy_command=DEPLOY_COMMAND, api_origin=origin
         )
 
+    @app.get("/console/keys", auth=SESSION)
+    def keys_page(session: sessions.Session):
+        return page("keys", session=session)
+
     @app.get("/console/work/<work_id>", auth=SESSION)
     def work_item_page(work_id: str, session: sessions.Session):
         try:
