@@ -81,6 +81,8 @@ PATH_ADMIN_AUDIT = f"{API_PREFIX}/admin/audit-events"
 # Client API keys (mfk_…): minted, listed and revoked by an administrator.
 PATH_ADMIN_API_KEYS = f"{API_PREFIX}/admin/api-keys"
 PATH_ADMIN_USAGE = f"{API_PREFIX}/admin/usage"
+PATH_ADMIN_USERS = f"{API_PREFIX}/admin/users"
+PATH_ADMIN_USER = f"{API_PREFIX}/admin/users/<name>"
 PATH_ADMIN_API_KEY = f"{API_PREFIX}/admin/api-keys/<key_id>"
 PATH_AGENT_ENROLL = f"{API_PREFIX}/agent/enroll"
 PATH_AGENT_HEARTBEAT = f"{API_PREFIX}/agent/heartbeat"
@@ -154,6 +156,13 @@ API_KEY_EXPIRED = "API_KEY_EXPIRED"
 API_KEY_SCOPE = "API_KEY_SCOPE"
 RATE_LIMITED = "RATE_LIMITED"
 QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
+# Users and roles (docs/console.md, "Users and roles"): a call the caller's role may not make
+# (403), a change that would leave no enabled admin (409), a disabled user's token or
+# session (401).
+ROLE_FORBIDDEN = "ROLE_FORBIDDEN"
+LAST_ADMIN = "LAST_ADMIN"
+USER_DISABLED = "USER_DISABLED"
+ROLES = ("viewer", "operator", "admin")
 NOT_FOUND = "NOT_FOUND"
 METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"
 BODY_TOO_LARGE = "BODY_TOO_LARGE"

@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from modelforge_appliance.identity import sessions
-from modelforge_appliance.store.tables import AdminPassword, ConsoleSession
+from modelforge_appliance.store.tables import ConsoleSession, User
 from modelforge_contract import SESSION_COOKIE
 from tests.harness.console_client import PASSWORD, ConsoleClient, set_password
 from tests.harness.control_plane import (
@@ -56,7 +56,7 @@ def test_sign_in_sets_a_strict_http_only_cookie_and_stores_only_digests(sqlite_c
     cookie = client.http.cookies[SESSION_COOKIE]
     with cp.store.connection():
         stored = [row.digest for row in ConsoleSession.select()]
-        password_hash = AdminPassword.get_by_id(1).password_hash
+        password_hash = User.get_by_id("admin").password_hash
     assert cookie not in stored and len(stored) == 1
     assert password_hash.startswith("$2b$12$") and PASSWORD not in password_hash
     raw = Path(cp.store.sqlite_path).read_bytes() + _wal(cp)
@@ -91,7 +91,7 @@ def test_a_wrong_password_says_so_without_hinting(sqlite_control_plane):
         assert response.status_code == 401
         assert response.json()["error"] == {
             "code": "PASSWORD_INCORRECT",
-            "message": "wrong password",
+            "message": "wrong user name or password",
             "next_step": response.json()["error"]["next_step"],
         }
         assert SESSION_COOKIE not in response.headers.get("Set-Cookie", "")

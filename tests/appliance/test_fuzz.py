@@ -72,6 +72,8 @@ ROUTES = [
     "/api/v1/admin/api-keys",
     "/api/v1/admin/api-keys/{key}",
     "/api/v1/admin/usage",
+    "/api/v1/admin/users",
+    "/api/v1/admin/users/{name}",
     "/api/v1/agent/tunnel/down",
     "/api/v1/agent/tunnel/up",
 ]

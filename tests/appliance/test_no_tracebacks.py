@@ -31,6 +31,8 @@ COMMANDS = {
     "admin-token": ["admin-token", "create", "--name", "ci"],
     "admin-password": ["admin-password", "set"],
     "api-keys": ["api-keys", "create", "--name", "chat"],
+    "usage": ["usage", "--by", "deployment"],
+    "users": ["users", "set-role", "alice", "operator"],
     "enroll": ["enroll", "--name", "gpu", "--origin", "http://cp.lan:8000"],
     "enrollments": ["enrollments", "revoke", "0123456789abcdef"],
     "nodes": ["nodes", "show", "gpu-1"],

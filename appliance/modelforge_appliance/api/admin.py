@@ -67,7 +67,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
 
     # -- enrollment tokens -------------------------------------------------------
 
-    @app.post(PATH_ADMIN_ENROLLMENTS, auth=ADMIN)
+    @app.post(PATH_ADMIN_ENROLLMENTS, auth=ADMIN, action="nodes.enroll")
     def mint(actor: str):
         fields = context.body(MINT_FIELDS)
         origin = settings.public_api_origin or request_origin(bottle.request.environ)
@@ -89,34 +89,34 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         )
         return json_response(minted.response(clock.now()), 201)
 
-    @app.get(PATH_ADMIN_ENROLLMENTS, auth=ADMIN)
+    @app.get(PATH_ADMIN_ENROLLMENTS, auth=ADMIN, action="nodes.read")
     def list_enrollments():
         return json_response({"enrollments": enrollment.list_enrollments(store)})
 
-    @app.delete(PATH_ADMIN_ENROLLMENT, auth=ADMIN)
+    @app.delete(PATH_ADMIN_ENROLLMENT, auth=ADMIN, action="nodes.enroll")
     def revoke_enrollment(enrollment_id: str, actor: str):
         return json_response(enrollment.revoke_enrollment(store, enrollment_id, actor))
 
     # -- fleet and lifecycle -------------------------------------------------------
 
-    @app.get(PATH_ADMIN_NODES, auth=ADMIN)
+    @app.get(PATH_ADMIN_NODES, auth=ADMIN, action="nodes.read")
     def fleet():
         listed = readiness.list_nodes(store, settings)
         # server_time lets the console show ages on the control plane's clock, not the browser's.
         return json_response({"nodes": listed, "server_time": isoformat(clock.now())})
 
-    @app.get(PATH_ADMIN_NODE, auth=ADMIN)
+    @app.get(PATH_ADMIN_NODE, auth=ADMIN, action="nodes.read")
     def one_node(node_id: str):
         node = nodes.get_node(store, node_id)
         view = nodes.node_view(node, clock.now(), settings)
         # What its telemetry floods cost it (publications and samples dropped, never stored).
         return json_response({**view, "telemetry_dropped": context.telemetry.dropped(node_id)})
 
-    @app.get(PATH_ADMIN_NODE_READINESS, auth=ADMIN)
+    @app.get(PATH_ADMIN_NODE_READINESS, auth=ADMIN, action="nodes.read")
     def node_readiness(node_id: str):
         return json_response(readiness.readiness_of(store, settings, node_id))
 
-    @app.get(PATH_ADMIN_NODE_TELEMETRY, auth=ADMIN)
+    @app.get(PATH_ADMIN_NODE_TELEMETRY, auth=ADMIN, action="nodes.read")
     def node_telemetry(node_id: str):
         nodes.get_node(store, node_id)  # 404 for an unknown node
         now = clock.now()
@@ -124,47 +124,47 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         start = now - telemetry.DEFAULT_WINDOW_SECONDS if since is None else since
         return json_response(telemetry.history(store, node_id, start))
 
-    @app.post(PATH_ADMIN_NODE_AGENT_IMAGE_CHECK, auth=ADMIN)
+    @app.post(PATH_ADMIN_NODE_AGENT_IMAGE_CHECK, auth=ADMIN, action="nodes.enroll")
     def check_node_agent_image():
         fields = context.body(IMAGE_CHECK_FIELDS)
         return json_response(node_agent_image.check(settings, fields))
 
-    @app.get(PATH_ADMIN_NODE_CREDENTIALS, auth=ADMIN)
+    @app.get(PATH_ADMIN_NODE_CREDENTIALS, auth=ADMIN, action="nodes.read")
     def node_credentials(node_id: str):
         return json_response(credentials.credentials_of(store, nodes.get_node(store, node_id)))
 
-    @app.delete(PATH_ADMIN_NODE_CREDENTIAL, auth=ADMIN)
+    @app.delete(PATH_ADMIN_NODE_CREDENTIAL, auth=ADMIN, action="nodes.decommission")
     def revoke_node_credential(node_id: str, actor: str):
         node = nodes.get_node(store, node_id)
         revocation = lifecycle.revoke_node_credential(store, node, actor)
         return json_response({"node_id": node_id, **revocation})
 
-    @app.post(PATH_ADMIN_NODE_DECOMMISSION_PREVIEW, auth=ADMIN)
+    @app.post(PATH_ADMIN_NODE_DECOMMISSION_PREVIEW, auth=ADMIN, action="nodes.decommission")
     def decommission_preview(node_id: str, actor: str):
         return json_response(lifecycle.preview_decommission(store, node_id, actor))
 
-    @app.post(PATH_ADMIN_NODE_DECOMMISSION_EXECUTE, auth=ADMIN)
+    @app.post(PATH_ADMIN_NODE_DECOMMISSION_EXECUTE, auth=ADMIN, action="nodes.decommission")
     def decommission_execute(node_id: str, actor: str):
         confirmation = context.body(EXECUTE_FIELDS)["confirmation"]
         return json_response(lifecycle.execute_decommission(store, node_id, confirmation, actor))
 
-    @app.post(PATH_ADMIN_NODE_CORDON, auth=ADMIN)
+    @app.post(PATH_ADMIN_NODE_CORDON, auth=ADMIN, action="nodes.change")
     def cordon(node_id: str, actor: str):
         node = nodes.set_cordoned(store, node_id, True, actor)
         return json_response(nodes.node_view(node, clock.now(), settings))
 
-    @app.post(PATH_ADMIN_NODE_UNCORDON, auth=ADMIN)
+    @app.post(PATH_ADMIN_NODE_UNCORDON, auth=ADMIN, action="nodes.change")
     def uncordon(node_id: str, actor: str):
         node = nodes.set_cordoned(store, node_id, False, actor)
         return json_response(nodes.node_view(node, clock.now(), settings))
 
-    @app.put(PATH_ADMIN_NODE_WORK_SLOTS, auth=ADMIN)
+    @app.put(PATH_ADMIN_NODE_WORK_SLOTS, auth=ADMIN, action="nodes.change")
     def set_work_slots(node_id: str, actor: str):
         wanted = context.body(WORK_SLOTS_FIELDS)["work_slots_max"]
         node = nodes.set_work_slots(store, node_id, wanted, actor)
         return json_response(nodes.node_view(node, clock.now(), settings))
 
-    @app.post(PATH_ADMIN_NODE_ACCEPT_HARDWARE, auth=ADMIN)
+    @app.post(PATH_ADMIN_NODE_ACCEPT_HARDWARE, auth=ADMIN, action="nodes.change")
     def accept_hardware(node_id: str, actor: str):
         # The body is optional: {"digest": …} accepts only what the caller was shown.
         has_body = bottle.request.content_length > 0
@@ -175,11 +175,11 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
 
     # -- alerts and audit ----------------------------------------------------------
 
-    @app.get(PATH_ADMIN_ALERTS, auth=ADMIN)
+    @app.get(PATH_ADMIN_ALERTS, auth=ADMIN, action="nodes.read")
     def list_alerts():
         return json_response({"alerts": alerts.active_alerts(store, settings)})
 
-    @app.get(PATH_ADMIN_AUDIT, auth=ADMIN)
+    @app.get(PATH_ADMIN_AUDIT, auth=ADMIN, action="audit.read")
     def audit_events():
         limit = query_int("limit", 50, 1, 500)
         before = query_int("before", None, 1, 2**62)

@@ -29,42 +29,42 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     def settle() -> None:
         leases.expire_servers(store, settings)
 
-    @app.post(PATH_ADMIN_DEPLOYMENTS, auth=ADMIN)
+    @app.post(PATH_ADMIN_DEPLOYMENTS, auth=ADMIN, action="deployments.write")
     def deploy(actor: str):
         fields = context.body(DEPLOY_FIELDS)
         settle()
         made = servers.deploy(store, settings, fields, actor, context.heartbeats.pending)
         return json_response(made, 201)
 
-    @app.get(PATH_ADMIN_DEPLOYMENTS, auth=ADMIN)
+    @app.get(PATH_ADMIN_DEPLOYMENTS, auth=ADMIN, action="deployments.read")
     def list_deployments():
         settle()
         listed = servers.list_deployments(store)
         # The control plane's time, so a page can age "since" stamps without the browser's.
         return json_response({"deployments": listed, "server_time": isoformat(store.clock.now())})
 
-    @app.get(PATH_ADMIN_DEPLOYMENT, auth=ADMIN)
+    @app.get(PATH_ADMIN_DEPLOYMENT, auth=ADMIN, action="deployments.read")
     def show(name: str):
         settle()
         return json_response(servers.get_deployment(store, name))
 
-    @app.delete(PATH_ADMIN_DEPLOYMENT, auth=ADMIN)
+    @app.delete(PATH_ADMIN_DEPLOYMENT, auth=ADMIN, action="deployments.write")
     def undeploy(name: str, actor: str):
         settle()
         return json_response(servers.undeploy(store, name, actor))
 
-    @app.route(PATH_ADMIN_DEPLOYMENT, method="PATCH", auth=ADMIN)
+    @app.route(PATH_ADMIN_DEPLOYMENT, method="PATCH", auth=ADMIN, action="deployments.write")
     def change_settings(name: str, actor: str):
         fields = context.body(DEPLOYMENT_CHANGE_FIELDS)
         settle()
         return json_response(servers.change_settings(store, name, fields["settings"], actor))
 
-    @app.post(PATH_ADMIN_DEPLOYMENT_RESTART, auth=ADMIN)
+    @app.post(PATH_ADMIN_DEPLOYMENT_RESTART, auth=ADMIN, action="deployments.write")
     def restart(name: str, actor: str):
         settle()
         return json_response(servers.restart(store, name, actor))
 
-    @app.get(PATH_ADMIN_NODE_SERVING, auth=ADMIN)
+    @app.get(PATH_ADMIN_NODE_SERVING, auth=ADMIN, action="deployments.read")
     def node_serving(node_id: str):
         nodes.get_node(store, node_id)  # 404 for an unknown node
         settle()
@@ -75,14 +75,14 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             }
         )
 
-    @app.post(PATH_ADMIN_DEPLOYMENT_SERVERS, auth=ADMIN)
+    @app.post(PATH_ADMIN_DEPLOYMENT_SERVERS, auth=ADMIN, action="deployments.write")
     def add_members(name: str, actor: str):
         fields = context.body(DEPLOYMENT_MEMBERS_FIELDS)
         settle()
         view = members.add_members(store, settings, name, fields, actor, context.heartbeats.pending)
         return json_response(view)
 
-    @app.delete(PATH_ADMIN_DEPLOYMENT_SERVER, auth=ADMIN)
+    @app.delete(PATH_ADMIN_DEPLOYMENT_SERVER, auth=ADMIN, action="deployments.write")
     def remove_member(name: str, node: str, actor: str):
         settle()
         return json_response(members.remove_member(store, name, node, actor))

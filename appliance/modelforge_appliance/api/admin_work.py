@@ -17,13 +17,13 @@ from .agent_work import expire_leases
 def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     settings, store = context.settings, context.store
 
-    @app.post(PATH_ADMIN_WORK, auth=ADMIN)
+    @app.post(PATH_ADMIN_WORK, auth=ADMIN, action="work.write")
     def submit(actor: str):
         submission = items.submission_from(context.body(SUBMIT_WORK_FIELDS), settings)
         submitted = items.submit_work(store, submission, actor, WorkKeys.of(settings.state_dir))
         return json_response(items.work_view(submitted.item), 201 if submitted.created else 200)
 
-    @app.get(PATH_ADMIN_WORK, auth=ADMIN)
+    @app.get(PATH_ADMIN_WORK, auth=ADMIN, action="work.read")
     def list_work():
         expire_leases(context)
         query = bottle.request.query
@@ -36,12 +36,12 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             )
         )
 
-    @app.get(PATH_ADMIN_WORK_ITEM, auth=ADMIN)
+    @app.get(PATH_ADMIN_WORK_ITEM, auth=ADMIN, action="work.read")
     def show(work_id: str):
         expire_leases(context)
         return json_response(items.work_view(items.get_work(store, work_id)))
 
-    @app.post(PATH_ADMIN_WORK_CANCEL, auth=ADMIN)
+    @app.post(PATH_ADMIN_WORK_CANCEL, auth=ADMIN, action="work.write")
     def cancel(work_id: str, actor: str):
         expire_leases(context)
         return json_response(items.work_view(items.cancel_work(store, work_id, actor)))

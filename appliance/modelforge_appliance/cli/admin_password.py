@@ -24,27 +24,34 @@ from .support import JSON_OPTION, Context, emit
 _UNCHANGED = "the password is unchanged"
 
 
-def _read_password(as_json: bool) -> str:
-    if sys.stdin.isatty():
+def read_new_password(
+    as_json: bool,
+    command: str = "modelforge admin-password set",
+    whose: str = "admin",
+    unchanged: str = _UNCHANGED,
+    from_stdin: bool = False,
+) -> str:
+    """A new password: asked twice without echo on a terminal (on stderr), else (or with
+    ``from_stdin``) one line read from stdin; never from the command line."""
+    if sys.stdin.isatty() and not from_stdin:
         if as_json:
             raise CliError(
-                f"--json does not ask questions; {_UNCHANGED}",
-                "send the password as one line on stdin: modelforge admin-password set "
-                "--json < FILE",
+                f"--json does not ask questions; {unchanged}",
+                f"send the password as one line on stdin: {command} --json < FILE",
             )
         try:
-            first = click.prompt("New admin password", hide_input=True, err=True)
+            first = click.prompt(f"New {whose} password", hide_input=True, err=True)
             second = click.prompt("Repeat it", hide_input=True, err=True)
         except click.Abort:
-            raise CliError(f"cancelled; {_UNCHANGED}", None, EXIT_CHECK_FAILED) from None
+            raise CliError(f"cancelled; {unchanged}", None, EXIT_CHECK_FAILED) from None
         if first != second:
-            raise CliError(f"the two entries differ; {_UNCHANGED}", "run it again")
+            raise CliError(f"the two entries differ; {unchanged}", "run it again")
         return first
     line = sys.stdin.readline()
     if not line:
         raise CliError(
-            f"no password on stdin; {_UNCHANGED}",
-            "send one line (modelforge admin-password set < FILE), or run this on a terminal",
+            f"no password on stdin; {unchanged}",
+            f"send one line ({command} < FILE), or run this on a terminal",
         )
     return line.rstrip("\r\n")
 
@@ -64,7 +71,7 @@ def admin_password_set(obj: Context, as_json: bool) -> None:
     one line from stdin. At least 12 characters. It is never taken from the command line.
     """
     store = obj.store()  # a missing store or the wrong user is refused before the prompt
-    password = _read_password(as_json)
+    password = read_new_password(as_json)
     try:
         check_new_password(password)
     except PasswordRefused as exc:

@@ -20,15 +20,25 @@ def admin_token() -> None:
 
 @admin_token.command("create")
 @click.option("--name", required=True, help="What the token is for, e.g. 'backup script'.")
+@click.option(
+    "--user",
+    default="admin",
+    show_default=True,
+    help="The user the token belongs to: it carries that user's role, and stops when the "
+    "user is disabled.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
-def admin_token_create(obj: Context, name: str, as_json: bool) -> None:
+def admin_token_create(obj: Context, name: str, user: str, as_json: bool) -> None:
     """Mint an admin token and print it once."""
-    row, secret = admin_tokens.create_admin_token(obj.store(), name, audit.CLI_ACTOR)
+    try:
+        row, secret = admin_tokens.create_admin_token(obj.store(), name, audit.CLI_ACTOR, user)
+    except NotFound as exc:
+        raise CliError(exc.message, "see `modelforge users list`", EXIT_NOT_FOUND) from None
     emit(
         as_json,
-        {"token_id": row.token_id, "admin_token": secret},
-        f"Admin token {row.token_id} (shown once):\n\n    {secret}\n",
+        {"token_id": row.token_id, "user": row.user_name, "admin_token": secret},
+        f"Admin token {row.token_id} of {row.user_name} (shown once):\n\n    {secret}\n",
     )
 
 
@@ -38,10 +48,13 @@ def admin_token_create(obj: Context, name: str, as_json: bool) -> None:
 def admin_token_list(obj: Context, as_json: bool) -> None:
     """List admin tokens (never the secrets)."""
     rows = admin_tokens.list_admin_tokens(obj.store())
-    lines = [f"{'TOKEN ID':18} {'NAME':24} {'CREATED':26} STATE"]
+    lines = [f"{'TOKEN ID':18} {'NAME':24} {'USER':12} {'CREATED':26} STATE"]
     for row in rows:
         state = f"revoked {row['revoked_at']}" if row["revoked_at"] else "active"
-        lines.append(f"{row['token_id']:18} {row['name'][:24]:24} {row['created_at']:26} {state}")
+        lines.append(
+            f"{row['token_id']:18} {row['name'][:24]:24} {row['user'][:12]:12} "
+            f"{row['created_at']:26} {state}"
+        )
     emit(as_json, {"admin_tokens": rows}, "\n".join(lines))
 
 

@@ -65,6 +65,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "api_keys_group",
         "Create, list and revoke client API keys (mfk_…; shown once, stored as digests).",
     ),
+    "users": (
+        "users",
+        "users_group",
+        "Add, list and change the users who sign in to the console, and their roles.",
+    ),
     "usage": (
         "api_keys",
         "usage_command",

@@ -20,6 +20,7 @@ from ..core.errors import ApiError, NotFound
 from ..core.validation import Field
 from ..fleet import node_agent_image, nodes
 from ..identity import sessions
+from ..identity.users import FIRST_USER
 from ..web.auth import PUBLIC, SESSION, SIGN_IN_PATH, signed_in_session
 from ..web.http import ApiContext, client_address, json_response, redirect, request_origin
 from ..work import items
@@ -32,7 +33,10 @@ STATIC = str(HERE / "static")
 CONSOLE = "/console/"
 SIGN_IN = SIGN_IN_PATH
 PAGE_HEADERS = {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"}
-SIGN_IN_FIELDS = {"password": Field(str, low=1, high=1024)}
+SIGN_IN_FIELDS = {
+    "password": Field(str, low=1, high=1024),
+    "user": Field(str, required=False, low=1, high=64),
+}
 IMPORT_COMMAND = "modelforge models import NAME PATH"
 HUB_TOKEN_COMMAND = "modelforge hub-token set"
 DEPLOY_COMMAND = "modelforge deploy NAME --model M --nodes A,B --runtime llama.cpp"
@@ -86,15 +90,17 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
         as_form = bottle.request.content_type.startswith("application/x-www-form-urlencoded")
         if as_form:
             password = bottle.request.forms.getunicode("password") or ""
+            user = (bottle.request.forms.getunicode("user") or "").strip() or FIRST_USER
         else:
-            password = context.body(SIGN_IN_FIELDS)["password"]
+            fields = context.body(SIGN_IN_FIELDS)
+            password, user = fields["password"], fields.get("user") or FIRST_USER
         address = client_address()
         try:
-            cookie, _ = sessions.sign_in(store, settings, password, address)
+            cookie, _ = sessions.sign_in(store, settings, password, address, user)
         except ApiError as refusal:
             log.info("console sign-in refused for %s: %s", address, refusal.code)
             if as_form:
-                shown = "Wrong password." if refusal.status == 401 else refusal.message
+                shown = "Wrong user name or password." if refusal.status == 401 else refusal.message
                 if refusal.next_step and refusal.status != 401:
                     shown += f" {refusal.next_step}"
                 response = sign_in_form(shown, refusal.status)
@@ -172,6 +178,10 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     @app.get("/console/keys", auth=SESSION)
     def keys_page(session: sessions.Session):
         return page("keys", session=session)
+
+    @app.get("/console/users", auth=SESSION)
+    def users_page(session: sessions.Session):
+        return page("users", session=session)
 
     @app.get("/console/work/<work_id>", auth=SESSION)
     def work_item_page(work_id: str, session: sessions.Session):

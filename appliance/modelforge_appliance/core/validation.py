@@ -224,6 +224,7 @@ API_KEY_FIELDS = {
     "expires": Field(str, required=False, nullable=True, low=1, high=40),
     "rpm": Field(int, required=False, nullable=True, low=1, high=1_000_000),
     "tokens_per_day": Field(int, required=False, nullable=True, low=1, high=10**12),
+    "user": Field(str, required=False, nullable=True, low=1, high=64),  # whose key (admins)
 }
 
 ENROLL_FIELDS = {

@@ -11,7 +11,7 @@ from ..core.clock import isoformat
 from ..core.errors import NotFound, Unauthorized
 from ..store import audit
 from ..store.database import Store
-from ..store.tables import AdminToken
+from ..store.tables import AdminToken, User
 
 # last_used_at is kept to this resolution, so a busy script costs one write a minute,
 # not one per request.
@@ -23,14 +23,24 @@ _NEXT_STEP = (
 )
 
 
-def create_admin_token(store: Store, name: str, actor: str) -> tuple[AdminToken, str]:
-    """Mint an admin token; the returned secret is never stored or shown again."""
+def create_admin_token(
+    store: Store, name: str, actor: str, user: str = "admin"
+) -> tuple[AdminToken, str]:
+    """Mint an admin token of ``user`` (it carries that user's role); the returned secret is
+    never stored or shown again. 404 when there is no such user."""
     token_id, secret = tokens.mint_secret(KIND_ADMIN)
     with store.write():
+        if User.get_or_none(User.name == user) is None:
+            raise NotFound(f"no user {user[:70]!r}",
+                           next_step="See the users with `modelforge users list`.")  # fmt: skip
         row = AdminToken.create(
-            token_id=token_id, name=name, digest=tokens.digest(secret), created_at=store.clock.now()
+            token_id=token_id,
+            name=name,
+            digest=tokens.digest(secret),
+            created_at=store.clock.now(),
+            user_name=user,
         )
-        audit.record(store, actor, "admin_token.created", token_id=token_id, name=name)
+        audit.record(store, actor, "admin_token.created", token_id=token_id, name=name, user=user)
     return row, secret
 
 
@@ -49,6 +59,7 @@ def admin_token_view(row: AdminToken) -> dict[str, Any]:
     return {
         "token_id": row.token_id,
         "name": row.name,
+        "user": row.user_name,
         "created_at": isoformat(row.created_at),
         "last_used_at": isoformat(row.last_used_at),
         "revoked_at": isoformat(row.revoked_at),

@@ -42,7 +42,7 @@ from ..core.errors import Invalid, NotFound, Unauthorized
 from ..core.validation import Field, check_value
 from ..store import audit
 from ..store.database import Store
-from ..store.tables import ApiKey
+from ..store.tables import ApiKey, User
 
 log = logging.getLogger(__name__)
 
@@ -154,15 +154,19 @@ def check_limits(
 
 
 def create_api_key(
-    store: Store, name: str, actor: str, limits: KeyLimits = KeyLimits()
+    store: Store, name: str, actor: str, limits: KeyLimits = KeyLimits(), owner: str = "admin"
 ) -> tuple[dict[str, Any], str]:
-    """Mint a key named ``name`` with ``limits``: its view and its secret, which is never
-    stored or shown again. The name is checked like every name people read (400
-    FIELD_*)."""
+    """Mint a key named ``name`` for the user ``owner``, with ``limits``: its view and its
+    secret, which is never stored or shown again. The name is checked like every name people
+    read (400 FIELD_*); the owner must be a user (404)."""
     name = check_value(name, NAME_FIELD, "name")
     key_id, secret = tokens.mint_secret(KIND_API_KEY)
     with store.write():
+        if User.get_or_none(User.name == owner) is None:
+            raise NotFound(f"no user {owner[:70]!r}",
+                           next_step="See the users with `modelforge users list`.")  # fmt: skip
         row = ApiKey.create(
+            owner=owner,
             key_id=key_id,
             name=name,
             digest=tokens.digest(secret),
@@ -198,6 +202,7 @@ def api_key_view(row: ApiKey) -> dict[str, Any]:
     return {
         "key_id": row.key_id,
         "name": row.name,
+        "owner": row.owner,
         "state": "revoked" if row.revoked_at is not None else "active",
         "created_by": row.created_by,
         "created_at": isoformat(row.created_at),
@@ -206,6 +211,15 @@ def api_key_view(row: ApiKey) -> dict[str, Any]:
         "revoked_by": row.revoked_by,
         **_limits_of(row),
     }
+
+
+def owner_of(store: Store, key_id: str) -> str | None:
+    """The user a key belongs to (None: no such key)."""
+    if not _KEY_ID.fullmatch(key_id):
+        return None
+    with store.connection():
+        row = ApiKey.get_or_none(ApiKey.key_id == key_id)
+    return None if row is None else row.owner
 
 
 def revoke_api_key(store: Store, key_id: str, actor: str) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""The admin password, console sessions, their CSRF tokens, and sign-in throttling.
+"""Console sign-in (a user's name and password), sessions, their CSRF tokens, and sign-in
+throttling. ``modelforge admin-password set`` sets the password of the user ``admin``
+(identity/users.py).
 
 Invariant 3: the password is kept as a bcrypt hash, a session as the SHA-256 digest of its
 cookie. The CSRF token is derived from the cookie secret (never stored), so only a page
@@ -7,6 +9,7 @@ served to the holder of the cookie can know it, and it dies with the session.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -29,7 +32,8 @@ from ..core.errors import ApiError, Conflict, Forbidden, Unauthorized
 from ..core.settings import Settings
 from ..store import audit
 from ..store.database import Store
-from ..store.tables import AdminPassword, ConsoleSession, SignInThrottle
+from ..store.tables import ConsoleSession, SignInThrottle, User
+from .users import ADMIN, FIRST_USER, mirror_admin_password
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +77,19 @@ def check_new_password(password: str) -> None:
 
 
 def set_admin_password(store: Store, password: str, actor: str) -> int:
-    """Set (or replace) the admin password; every open session ends. Return how many did."""
+    """Set (or replace) the password of the user ``admin`` (made again, as an admin, if it
+    is gone); every open session ends, and every sign-in wait is cleared. How many ended."""
     check_new_password(password)
     hashed = bcrypt.hashpw(password.encode("utf-8"), bcrypt.gensalt(BCRYPT_ROUNDS)).decode()
     now = store.clock.now()
     with store.write():
-        replaced = AdminPassword.select().exists()
-        AdminPassword.insert(id=1, password_hash=hashed, set_at=now).on_conflict(
-            conflict_target=[AdminPassword.id],
-            update={AdminPassword.password_hash: hashed, AdminPassword.set_at: now},
-        ).execute()
+        row = User.get_or_none(User.name == FIRST_USER)
+        replaced = row is not None and row.password_hash is not None
+        if row is None:
+            row = User.create(name=FIRST_USER, role=ADMIN, created_at=now, created_by=actor)
+        row.password_hash = hashed
+        row.save()
+        mirror_admin_password(hashed, now)
         ended = (
             ConsoleSession.update(ended_at=now).where(ConsoleSession.ended_at.is_null()).execute()
         )
@@ -97,18 +104,20 @@ def set_admin_password(store: Store, password: str, actor: str) -> int:
 
 
 def has_admin_password(store: Store) -> bool:
+    """Whether anyone can sign in: some user has a password."""
     with store.connection():
-        return AdminPassword.select().exists()
+        return User.select().where(User.password_hash.is_null(False)).exists()
 
 
 @dataclass(frozen=True)
 class Session:
     session_id: str
     csrf_token: str
+    user: str = FIRST_USER
 
     @property
     def actor(self) -> str:
-        return f"console:{self.session_id}"
+        return f"console:{self.session_id} ({self.user})"
 
 
 def csrf_token_for(cookie: str) -> str:
@@ -140,31 +149,46 @@ def _throttled(row: SignInThrottle | None, now: float) -> ApiError | None:
     )
 
 
-def sign_in(store: Store, settings: Settings, password: str, address: str) -> tuple[str, Session]:
-    """Check the password for a client address; return (cookie value, session) or raise.
+@functools.cache
+def _no_hash() -> str:
+    """Checked against when the user name is unknown, disabled or has no password, so such a
+    name takes the time of a wrong password and says nothing more (made once, when first
+    needed: a bcrypt hash takes a quarter of a second)."""
+    return bcrypt.hashpw(b"modelforge-no-such-user", bcrypt.gensalt(BCRYPT_ROUNDS)).decode()
+
+
+def sign_in(
+    store: Store, settings: Settings, password: str, address: str, user: str = FIRST_USER
+) -> tuple[str, Session]:
+    """Check a user's password for a client address; return (cookie value, session) or
+    raise.
 
     429 while the address, or every address, must wait (the password is not even checked
-    then), 401 for a wrong password, 409 when no password was ever set. Each attempt is
-    counted as a failure before the password is checked (and forgiven when it was right), so
-    guesses sent in parallel meet the same limit as guesses sent one by one.
+    then), 401 for a wrong user name or password (the same answer, in the same time, for a
+    user that does not exist, is disabled or has no password), 409 when nobody has a
+    password yet. Each attempt is counted as a failure before the password is checked (and
+    forgiven when it was right), so guesses sent in parallel meet the same limit as guesses
+    sent one by one.
     """
     now = store.clock.now()
-    with store.connection():
-        stored = AdminPassword.get_or_none(AdminPassword.id == 1)
-    if stored is None:
+    if not has_admin_password(store):
         raise Conflict(
             "no admin password is set yet",
             code=ADMIN_PASSWORD_NOT_SET,
             next_step=f"Run `{SET_PASSWORD_COMMAND}` on the control-plane host.",
         )
+    with store.connection():
+        stored = User.get_or_none(User.name == user[:64])
+    usable = stored is not None and stored.password_hash and stored.disabled_at is None
     _count_attempt(store, address, now)
     candidate = password.encode("utf-8")[:PASSWORD_MAX_BYTES]
-    if not bcrypt.checkpw(candidate, stored.password_hash.encode()):
+    matches = bcrypt.checkpw(candidate, (stored.password_hash if usable else _no_hash()).encode())
+    if not (usable and matches):
         raise Unauthorized(
-            "wrong password",
+            "wrong user name or password",
             code=PASSWORD_INCORRECT,
             next_step=f"Try again; `{SET_PASSWORD_COMMAND}` on the control-plane host sets a "
-            "new one.",
+            "new password for admin, and an admin resets another user's.",
         )
     session_id, cookie = tokens.mint_secret(KIND_SESSION)
     with store.write():
@@ -177,10 +201,12 @@ def sign_in(store: Store, settings: Settings, password: str, address: str) -> tu
             created_at=now,
             last_seen_at=now,
             expires_at=now + settings.session_max_seconds,
+            user_name=stored.name,
         )
-        audit.record(store, f"console:{session_id}", "console.signed_in", address=address)
+        session = Session(session_id, csrf_token_for(cookie), stored.name)
+        audit.record(store, session.actor, "console.signed_in", address=address)
     prune_sessions(store, settings)
-    return cookie, Session(session_id, csrf_token_for(cookie))
+    return cookie, session
 
 
 def _limits(bucket: str) -> tuple[int, int, int]:
@@ -268,7 +294,7 @@ def session_for(store: Store, settings: Settings, cookie: str | None) -> Session
             ConsoleSession.update(last_seen_at=now).where(
                 (ConsoleSession.session_id == session_id) & (ConsoleSession.last_seen_at < now)
             ).execute()
-    return Session(session_id, csrf_token_for(secret))
+    return Session(session_id, csrf_token_for(secret), row.user_name)
 
 
 def check_csrf(session: Session, header_value: str | None) -> None:

@@ -35,7 +35,7 @@ from ..store.tables import ApiKey, UsageDay
 MINUTE = 60.0
 FLUSH_SECONDS = 5.0
 USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "errors")
-BY = ("key", "deployment", "day")
+BY = ("key", "user", "deployment", "day")
 
 
 def day_of(now: float) -> str:
@@ -192,11 +192,20 @@ class Limits:
 
 
 def usage_report(store: Store, by: str, since: str | None) -> list[dict[str, Any]]:
-    """Usage summed by key (with its name), deployment or day, from ``since`` (a UTC date,
+    """Usage summed by key (with its name), user (the keys' owner), deployment or day, from
+    ``since`` (a UTC date,
     YYYY-MM-DD) on; flush the book first for counts to the second."""
-    column = {"key": UsageDay.key_id, "deployment": UsageDay.deployment, "day": UsageDay.day}[by]
+    column = {
+        "key": UsageDay.key_id,
+        "user": ApiKey.owner,
+        "deployment": UsageDay.deployment,
+        "day": UsageDay.day,
+    }[by]
     sums = [pw.fn.SUM(getattr(UsageDay, f)).alias(f) for f in USAGE_FIELDS]
-    query = UsageDay.select(column.alias("group"), *sums).group_by(column).order_by(column)
+    query = UsageDay.select(column.alias("group"), *sums)
+    if by == "user":  # the key's owner; a key no longer in the store counts for nobody
+        query = query.join(ApiKey, on=(ApiKey.key_id == UsageDay.key_id))
+    query = query.group_by(column).order_by(column)
     if since is not None:
         query = query.where(UsageDay.day >= since)
     with store.connection():

@@ -10,6 +10,7 @@ from ..api import (
     admin_api_keys,
     admin_deployments,
     admin_models,
+    admin_users,
     admin_work,
     agent,
     agent_models,
@@ -98,6 +99,7 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     )
     client.add_routes(app, context, relay, Limits(store, book))
     admin_api_keys.add_routes(app, context, book)
+    admin_users.add_routes(app, context)
     agent_tunnel_http.add_routes(app, context, hub)
     console_routes.add_routes(app, context)
     refuse_undeclared(app)  # a route that names no caller stops the app here

@@ -456,6 +456,11 @@ def _keep_console_security(store: Store, password: tuple | None, now: float) -> 
         "set_at = excluded.set_at WHERE admin_password.set_at < excluded.set_at",
         (password_hash, set_at),
     )
+    # The user admin signs in with the newer of the two (identity/users.py keeps both).
+    store.db.execute_sql(
+        "UPDATE app_user SET password_hash = (SELECT password_hash FROM admin_password "
+        "WHERE id = 1) WHERE name = 'admin'"
+    )
 
 
 def restore(

@@ -423,6 +423,20 @@ _KEY_LIMITS_AND_USAGE = (
     'PRIMARY KEY ("day", "key_id", "deployment"))',
 )
 
+# 17: users with roles (identity/users.py). The console's one password becomes the user
+# admin's; every admin token, session and API key so far belongs to admin.
+_USERS = (
+    'CREATE TABLE "app_user" ("name" VARCHAR(64) NOT NULL PRIMARY KEY, '
+    '"role" VARCHAR(16) NOT NULL, "password_hash" VARCHAR(100), '
+    '"created_at" {double} NOT NULL, "created_by" VARCHAR(120) NOT NULL, "disabled_at" {double})',
+    'INSERT INTO "app_user" ("name", "role", "password_hash", "created_at", "created_by") '
+    'SELECT \'admin\', \'admin\', (SELECT "password_hash" FROM "admin_password" WHERE "id" = 1), '
+    'COALESCE((SELECT "set_at" FROM "admin_password" WHERE "id" = 1), 0), \'migration\'',
+    'ALTER TABLE "admin_token" ADD COLUMN "user_name" VARCHAR(64) NOT NULL DEFAULT \'admin\'',
+    'ALTER TABLE "console_session" ADD COLUMN "user_name" VARCHAR(64) NOT NULL DEFAULT \'admin\'',
+    'ALTER TABLE "api_key" ADD COLUMN "owner" VARCHAR(64) NOT NULL DEFAULT \'admin\'',
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
@@ -448,5 +462,6 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(14, "server goals and backoff", _SERVER_GOALS),
     Migration(15, "hub token", _HUB_TOKEN),
     Migration(16, "API key limits and usage", _KEY_LIMITS_AND_USAGE),
+    Migration(17, "users with roles", _USERS),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

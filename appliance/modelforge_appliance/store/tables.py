@@ -30,6 +30,22 @@ class AdminToken(BaseModel):
     created_at = pw.DoubleField()
     last_used_at = pw.DoubleField(null=True)
     revoked_at = pw.DoubleField(null=True)
+    user_name = pw.CharField(max_length=64, default="admin")  # whose role it carries (17)
+
+
+class User(BaseModel):
+    """Someone who signs in to the console or holds admin tokens, with a role (migration
+    17, identity/users.py). The password is a bcrypt hash; NULL: none set yet."""
+
+    name = pw.CharField(primary_key=True, max_length=64)
+    role = pw.CharField(max_length=16)
+    password_hash = pw.CharField(max_length=100, null=True)
+    created_at = pw.DoubleField()
+    created_by = pw.CharField(max_length=120)
+    disabled_at = pw.DoubleField(null=True)
+
+    class Meta:
+        table_name = "app_user"  # "user" is a reserved word in PostgreSQL
 
 
 class Node(BaseModel):
@@ -146,6 +162,7 @@ class ConsoleSession(BaseModel):
     last_seen_at = pw.DoubleField()
     expires_at = pw.DoubleField()  # absolute expiry; idle expiry counts from last_seen_at
     ended_at = pw.DoubleField(null=True)
+    user_name = pw.CharField(max_length=64, default="admin")  # who signed in (17)
 
 
 class SignInThrottle(BaseModel):
@@ -369,6 +386,7 @@ class ApiKey(BaseModel):
     expires_at = pw.DoubleField(null=True)
     rpm = pw.IntegerField(null=True)  # requests per minute
     tokens_per_day = pw.BigIntegerField(null=True)  # prompt + completion tokens, UTC days
+    owner = pw.CharField(max_length=64, default="admin")  # the user it belongs to (17)
 
 
 class UsageDay(BaseModel):

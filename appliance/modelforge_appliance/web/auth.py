@@ -15,9 +15,12 @@ The callers:
   this order: protocol (426), credential (401, or 403 for a decommissioned node), body (400,
   413), then the node the body names (403 when it is another node's; invariant 4).
 - ``ADMIN``: an admin token (``X-ModelForge-Admin-Token``) or a console session, whose CSRF
-  token must come with every state-changing call (403, nothing changed).
+  token must come with every state-changing call (403, nothing changed). Each belongs to a
+  user, whose role must be at least what the route's declared ``action=`` needs
+  (identity/roles.py; 403 ROLE_FORBIDDEN); a disabled user's are refused (401
+  USER_DISABLED). The handler gets ``actor`` (the audit's words) and ``principal``.
 - ``SCRAPER``: an admin token as ``X-ModelForge-Admin-Token`` or ``Authorization: Bearer``
-  (Prometheus sends its credentials that way).
+  (Prometheus sends its credentials that way), of an enabled user.
 - ``SESSION``: a console session. A page without one redirects to the sign-in page; a
   state-changing call without one is refused (401), without its CSRF token 403.
 """
@@ -45,7 +48,7 @@ from modelforge_contract import (
 
 from ..core.errors import ApiError, UpgradeRequired
 from ..core.validation import Field
-from ..identity import admin_tokens, api_keys, credentials, key_guesses, sessions
+from ..identity import admin_tokens, api_keys, credentials, key_guesses, roles, sessions, users
 from ..store import audit
 from .http import ApiContext, client_address, redirect, request_header
 
@@ -98,7 +101,17 @@ def agent_protocol() -> int:
     return int(header)
 
 
-def admin_actor(context: ApiContext) -> str:
+def token_principal(context: ApiContext, header: str | None) -> users.Principal:
+    """The user behind an admin token, with its role (401 for a bad token or a disabled
+    user)."""
+    token = admin_tokens.authenticate_admin(context.store, header)
+    role = users.role_of(context.store, token.user_name)
+    return users.Principal(
+        token.user_name, role, f"{audit.admin_actor(token.token_id)} ({token.user_name})"
+    )
+
+
+def admin_principal(context: ApiContext) -> users.Principal:
     """Authenticate the admin, then flush heartbeats so the answer sees the acknowledged ones.
 
     In that order: a request without a valid credential causes no write at all. An admin
@@ -109,15 +122,15 @@ def admin_actor(context: ApiContext) -> str:
     header = request_header(HEADER_ADMIN_TOKEN)
     cookie = request.get_cookie(SESSION_COOKIE)
     if header or not cookie:
-        token = admin_tokens.authenticate_admin(context.store, header)
-        actor = audit.admin_actor(token.token_id)
+        principal = token_principal(context, header)
     else:
         session = sessions.session_for(context.store, context.settings, cookie)
         if request.method in STATE_CHANGING_METHODS:
             sessions.check_csrf(session, request_header(HEADER_CSRF_TOKEN))
-        actor = session.actor
+        role = users.role_of(context.store, session.user)
+        principal = users.Principal(session.user, role, session.actor)
     context.heartbeats.flush()
-    return actor
+    return principal
 
 
 def scraper(context: ApiContext) -> None:
@@ -125,7 +138,7 @@ def scraper(context: ApiContext) -> None:
     scheme, _, value = (request_header("Authorization") or "").strip().partition(" ")
     bearer = value.strip() if scheme.lower() == "bearer" else ""  # RFC 9110: any case
     header = request_header(HEADER_ADMIN_TOKEN) or bearer
-    admin_tokens.authenticate_admin(context.store, header or None)
+    roles.check(token_principal(context, header or None), "metrics.read")
     context.heartbeats.flush()
 
 
@@ -156,9 +169,14 @@ def signed_in_session(context: ApiContext) -> sessions.Session | None:
 
 
 def console_session(context: ApiContext) -> sessions.Session | bottle.HTTPResponse:
-    """The signed-in session; a page without one is sent to sign in."""
+    """The signed-in session of an enabled user; a page without one is sent to sign in."""
     if bottle.request.method not in STATE_CHANGING_METHODS:
         session = signed_in_session(context)
+        if session is not None:
+            try:
+                users.role_of(context.store, session.user)
+            except ApiError:
+                session = None
         return session if session is not None else redirect(SIGN_IN_PATH)
     cookie = bottle.request.get_cookie(SESSION_COOKIE)
     session = sessions.session_for(context.store, context.settings, cookie)
@@ -209,13 +227,22 @@ class Authentication:
                 raise UndeclaredRoute(
                     f"{route.method} {route.rule}: an agent route needs body=Body(FIELDS)"
                 )
+        action = route.config.get("action")
+        if caller == ADMIN and action not in roles.MIN_ROLE:
+            raise UndeclaredRoute(
+                f"{route.method} {route.rule} declares no action: give it action= one of "
+                f"{', '.join(sorted(roles.MIN_ROLE))} (identity/roles.py)"
+            )
 
         @functools.wraps(callback)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if caller == ADMIN:
-                actor = admin_actor(context)
+                principal = admin_principal(context)
+                roles.check(principal, action)
                 if "actor" in wanted:
-                    kwargs["actor"] = actor
+                    kwargs["actor"] = principal.actor
+                if "principal" in wanted:
+                    kwargs["principal"] = principal
             elif caller == SCRAPER:
                 scraper(context)
             elif caller == CLIENT:

@@ -17,7 +17,7 @@
 <header class="top">
   <a class="brand" href="/console/">ModelForge</a>
 % if session is not None:
-  <nav><a href="/console/">Hardware</a> <a href="/console/work">Work</a> <a href="/console/models">Models</a> <a href="/console/deployments">Deployments</a> <a href="/console/keys">API keys</a></nav>
+  <nav><a href="/console/">Hardware</a> <a href="/console/work">Work</a> <a href="/console/models">Models</a> <a href="/console/deployments">Deployments</a> <a href="/console/keys">API keys</a> <a href="/console/users">Users</a></nav>
   <button type="button" class="link" id="logout" data-testid="logout">Sign out</button>
 % end
 </header>

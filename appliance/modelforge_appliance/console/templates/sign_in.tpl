@@ -7,7 +7,10 @@
   <p>then reload this page.</p>
 % else:
   <form id="sign-in" method="post" action="/console/sign-in" autocomplete="off">
-    <label for="password">Admin password</label>
+    <label for="user">User name</label>
+    <input id="user" name="user" value="admin" required maxlength="64" autocapitalize="none"
+           autocomplete="username" spellcheck="false" data-testid="login-user">
+    <label for="password">Password</label>
     <input id="password" name="password" type="password" required autofocus
            autocomplete="current-password" data-testid="login-password">
     <button type="submit" data-testid="login-submit">Sign in</button>
