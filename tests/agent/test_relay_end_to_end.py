@@ -92,6 +92,14 @@ def test_chat_relayed_over_the_agent_s_tunnel_matches_the_runtime_directly(
         ]  # fmt: skip
         assert completion and float(completion[0].split()[-1]) >= 12
         assert key not in metrics
+        # The key's usage is exactly what llama-server reported in its answers (the stream
+        # asked for none: "usage" rides only where the runtime sends it).
+        reported = relayed.json()["usage"]
+        [used] = cp.admin("GET", "/api/v1/admin/usage?by=key").json()["usage"]
+        assert used["key_id"] == key.split("_")[1] and used["requests"] == 2
+        assert used["prompt_tokens"] == reported["prompt_tokens"] > 0
+        assert used["completion_tokens"] == reported["completion_tokens"] > 0
+        assert used["errors"] == 0
         assert key not in log and "zebra quartz" not in log and want not in log
     finally:
         node.close()
