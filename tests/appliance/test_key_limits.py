@@ -138,7 +138,9 @@ def test_usage_equals_the_runtime_reported_usage_by_key_deployment_and_day(cp, r
     assert deployment["prompt_tokens"] == 50 and deployment["completion_tokens"] == 100
     [day] = cp.admin("GET", "/api/v1/admin/usage?by=day&since=2000-01-01").json()["usage"]
     assert day["requests"] == 5
-    assert cp.admin("GET", "/api/v1/admin/usage?by=user").status_code == 400
+    [owner] = cp.admin("GET", "/api/v1/admin/usage?by=user").json()["usage"]
+    assert owner["user"] == "admin" and owner["requests"] == 5  # both keys are admin's
+    assert cp.admin("GET", "/api/v1/admin/usage?by=planet").status_code == 400
     assert cp.admin("GET", "/api/v1/admin/usage?since=yesterday").status_code == 400
     # The CLI reads what the control plane wrote.
     done = run_cli("usage", "--by", "deployment", "--json", env=store_env(cp.settings), check=True)

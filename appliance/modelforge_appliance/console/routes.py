@@ -67,7 +67,9 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
     def console_without_slash():
         return redirect(CONSOLE)
 
-    def sign_in_form(error: str = "", status: int = 200) -> bottle.HTTPResponse:
+    def sign_in_form(
+        error: str = "", status: int = 200, user: str = FIRST_USER
+    ) -> bottle.HTTPResponse:
         return page(
             "sign_in",
             status=status,
@@ -75,6 +77,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
             command=sessions.SET_PASSWORD_COMMAND,
             session=None,
             error=error,
+            user=user[:64],
         )
 
     @app.get(SIGN_IN, auth=PUBLIC)
@@ -103,7 +106,7 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
                 shown = "Wrong user name or password." if refusal.status == 401 else refusal.message
                 if refusal.next_step and refusal.status != 401:
                     shown += f" {refusal.next_step}"
-                response = sign_in_form(shown, refusal.status)
+                response = sign_in_form(shown, refusal.status, user)
             else:
                 response = json_response(refusal.body(), refusal.status)
             if "retry_after_seconds" in refusal.extra:

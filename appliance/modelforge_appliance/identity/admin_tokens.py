@@ -84,19 +84,18 @@ def authenticate_admin(store: Store, header_value: str | None) -> AdminToken:
         raise Unauthorized(
             "this call needs an admin token", code=ADMIN_TOKEN_REQUIRED, next_step=_NEXT_STEP
         )
-    parsed = tokens.parse(header_value, KIND_ADMIN)
-    invalid = Unauthorized(
-        "the admin token is unknown, malformed or revoked",
-        code=ADMIN_TOKEN_INVALID,
-        next_step=_NEXT_STEP,
-    )
-    if parsed is None:
-        raise invalid
-    token_id, secret = parsed
-    with store.connection():
-        row = AdminToken.get_or_none(AdminToken.token_id == token_id)
-    if row is None or not tokens.digest_matches(secret, row.digest) or row.revoked_at is not None:
-        raise invalid
+
+    def lookup(token_id: str) -> AdminToken | None:
+        with store.connection():
+            return AdminToken.get_or_none(AdminToken.token_id == token_id)
+
+    row = tokens.verified(header_value, KIND_ADMIN, lookup, lambda found: found.digest)
+    if row is None or row.revoked_at is not None:
+        raise Unauthorized(
+            "the admin token is unknown, malformed or revoked",
+            code=ADMIN_TOKEN_INVALID,
+            next_step=_NEXT_STEP,
+        )
     _mark_used(store, row)
     return row
 

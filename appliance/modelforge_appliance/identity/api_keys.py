@@ -62,12 +62,9 @@ _REVOKED_NEXT_STEP = (
     "(`modelforge api-keys create --name NAME`)."
 )
 
-# Compared against when the key id is unknown, so an unknown id and a wrong secret take
-# the same time.
-_NO_DIGEST = tokens.digest("mfk_0000000000000000_unknown")
 
 _CALLER_SQL = (
-    "SELECT digest, revoked_at, last_used_at, name, deployments, expires_at, rpm, "
+    "SELECT key_id, digest, revoked_at, last_used_at, name, deployments, expires_at, rpm, "
     "tokens_per_day FROM api_key WHERE key_id = ?"
 )
 # The most deployments one key may be limited to, and the bounds of its rates.
@@ -265,16 +262,18 @@ def authenticate_api_key(store: Store, authorization: str | None) -> ApiKeyCalle
         next_step=_NEXT_STEP,
     )
     scheme, _, value = authorization.strip().partition(" ")
-    parsed = tokens.parse(value, KIND_API_KEY) if scheme.lower() == "bearer" else None
-    if parsed is None:
+
+    def lookup(key_id: str) -> tuple | None:
+        with store.connection():
+            return store.db.execute_sql(
+                _CALLER_SQL.replace("?", store.db.param), (key_id,)
+            ).fetchone()
+
+    row = tokens.verified(value if scheme.lower() == "bearer" else None, KIND_API_KEY, lookup,
+                          lambda found: found[1])  # fmt: skip
+    if row is None:
         raise invalid
-    key_id, secret = parsed
-    with store.connection():
-        row = store.db.execute_sql(_CALLER_SQL.replace("?", store.db.param), (key_id,)).fetchone()
-    stored = row[0] if row is not None else _NO_DIGEST
-    if not tokens.digest_matches(secret, stored) or row is None:
-        raise invalid
-    _, revoked_at, last_used_at, name, deployments, expires_at, rpm, tokens_per_day = row
+    key_id, _, revoked_at, last_used_at, name, deployments, expires_at, rpm, tokens_per_day = row
     if revoked_at is not None:
         raise Unauthorized(
             "the API key has been revoked; revoked keys stay refused",

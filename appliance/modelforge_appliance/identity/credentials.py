@@ -154,22 +154,22 @@ def authenticate_credential(store: Store, authorization: str | None) -> Credenti
     401: unknown, malformed or revoked. 403: its node is decommissioned. Runs before the
     request's body is read, so an unauthenticated caller never has its body parsed.
     """
-    secret = bearer_secret(authorization)
-    parsed = tokens.parse(secret, KIND_CREDENTIAL)
-    invalid = Unauthorized(
-        "the node credential is unknown or malformed",
-        code=CREDENTIAL_INVALID,
-        next_step=_REENROLL,
-    )
-    if parsed is None:
-        raise invalid
-    credential_id, secret = parsed
-    with store.connection():
-        row = store.db.execute_sql(
-            _CALLER_SQL.replace("?", store.db.param), (credential_id,)
-        ).fetchone()
-    if row is None or not tokens.digest_matches(secret, row[0]):
-        raise invalid
+
+    def lookup(credential_id: str) -> tuple | None:
+        with store.connection():
+            found = store.db.execute_sql(
+                _CALLER_SQL.replace("?", store.db.param), (credential_id,)
+            ).fetchone()
+        return None if found is None else (credential_id, *found)
+
+    row = tokens.verified(bearer_secret(authorization), KIND_CREDENTIAL, lookup, lambda r: r[1])
+    if row is None:
+        raise Unauthorized(
+            "the node credential is unknown or malformed",
+            code=CREDENTIAL_INVALID,
+            next_step=_REENROLL,
+        )
+    credential_id, row = row[0], row[1:]
     _, revoked_at, owner, decommissioned_at, accelerator_mode = row[:5]
     if decommissioned_at is not None:
         raise Forbidden(

@@ -33,13 +33,17 @@ from ..core.settings import Settings
 from ..store import audit
 from ..store.database import Store
 from ..store.tables import ConsoleSession, SignInThrottle, User
-from .users import ADMIN, FIRST_USER, mirror_admin_password
+from .users import (  # noqa: F401 - PasswordRefused and check_new_password are used from here
+    ADMIN,
+    FIRST_USER,
+    PASSWORD_MAX_BYTES,
+    PasswordRefused,
+    check_new_password,
+    mirror_admin_password,
+)
 
 log = logging.getLogger(__name__)
 
-PASSWORD_MIN_LENGTH = 12
-# bcrypt reads at most 72 bytes; a longer password would be silently cut.
-PASSWORD_MAX_BYTES = 72
 BCRYPT_ROUNDS = 12
 SET_PASSWORD_COMMAND = "modelforge admin-password set"
 
@@ -59,21 +63,6 @@ GLOBAL_FIRST_WAIT_SECONDS = 5
 GLOBAL_MAX_WAIT_SECONDS = 300
 # A session's last use is written at most this often: reads stay reads.
 TOUCH_EVERY_SECONDS = 30
-
-
-class PasswordRefused(ValueError):
-    """The new password does not meet the rules; the message says which."""
-
-
-def check_new_password(password: str) -> None:
-    if len(password) < PASSWORD_MIN_LENGTH:
-        raise PasswordRefused(f"the password must be at least {PASSWORD_MIN_LENGTH} characters")
-    if len(password.encode("utf-8")) > PASSWORD_MAX_BYTES:
-        raise PasswordRefused(f"the password must be at most {PASSWORD_MAX_BYTES} bytes")
-    if password != password.strip() or any(ord(c) < 32 for c in password):
-        raise PasswordRefused(
-            "the password must not start or end with spaces or contain control characters"
-        )
 
 
 def set_admin_password(store: Store, password: str, actor: str) -> int:
@@ -274,16 +263,15 @@ def _expired() -> Unauthorized:
 
 def session_for(store: Store, settings: Settings, cookie: str | None) -> Session:
     """The live session behind a cookie, or 401 SESSION_EXPIRED; touches its last use."""
-    parsed = tokens.parse(cookie, KIND_SESSION)
-    if parsed is None:
-        raise _expired()
-    session_id, secret = parsed
+
+    def lookup(session_id: str) -> ConsoleSession | None:
+        with store.connection():
+            return ConsoleSession.get_or_none(ConsoleSession.session_id == session_id)
+
     now = store.clock.now()
-    with store.connection():
-        row = ConsoleSession.get_or_none(ConsoleSession.session_id == session_id)
+    row = tokens.verified(cookie, KIND_SESSION, lookup, lambda found: found.digest)
     if (
         row is None
-        or not tokens.digest_matches(secret, row.digest)
         or row.ended_at is not None
         or row.expires_at <= now
         or row.last_seen_at + settings.session_idle_seconds <= now
@@ -292,9 +280,9 @@ def session_for(store: Store, settings: Settings, cookie: str | None) -> Session
     if now - row.last_seen_at >= TOUCH_EVERY_SECONDS:
         with store.write():
             ConsoleSession.update(last_seen_at=now).where(
-                (ConsoleSession.session_id == session_id) & (ConsoleSession.last_seen_at < now)
+                (ConsoleSession.session_id == row.session_id) & (ConsoleSession.last_seen_at < now)
             ).execute()
-    return Session(session_id, csrf_token_for(secret), row.user_name)
+    return Session(row.session_id, csrf_token_for(str(cookie)), row.user_name)
 
 
 def check_csrf(session: Session, header_value: str | None) -> None:

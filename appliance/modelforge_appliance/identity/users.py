@@ -31,6 +31,24 @@ RANK = {role: rank for rank, role in enumerate(ROLES)}
 BCRYPT_ROUNDS = 12
 FIRST_USER = "admin"  # the user migration 17 made of the console's one password
 _NAME = re.compile(r"[a-z][a-z0-9._-]{0,63}")
+PASSWORD_MIN_LENGTH = 12
+# bcrypt reads at most 72 bytes; a longer password would be silently cut.
+PASSWORD_MAX_BYTES = 72
+
+
+class PasswordRefused(ValueError):
+    """The new password does not meet the rules; the message says which."""
+
+
+def check_new_password(password: str) -> None:
+    if len(password) < PASSWORD_MIN_LENGTH:
+        raise PasswordRefused(f"the password must be at least {PASSWORD_MIN_LENGTH} characters")
+    if len(password.encode("utf-8")) > PASSWORD_MAX_BYTES:
+        raise PasswordRefused(f"the password must be at most {PASSWORD_MAX_BYTES} bytes")
+    if password != password.strip() or any(ord(c) < 32 for c in password):
+        raise PasswordRefused(
+            "the password must not start or end with spaces or contain control characters"
+        )
 
 
 @dataclass(frozen=True)
@@ -73,8 +91,6 @@ def check_role(role: object) -> str:
 
 
 def _hash(password: str) -> str:
-    from .sessions import PasswordRefused, check_new_password
-
     try:
         check_new_password(password)
     except PasswordRefused as refused:

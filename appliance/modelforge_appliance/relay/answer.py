@@ -398,28 +398,49 @@ class Relay:
         and the key's usage counted (the runtime's own token counts)."""
         started = time.monotonic()
         usage = Usage(sse)
-        whole = False
-        try:
-            async for chunk in stream.body_of(
-                KEEPALIVE if sse else None, None if sse else self.idle_timeout
-            ):
-                usage.see(chunk)
-                yield chunk
-            whole = True
-        except (LinkLost, StreamReset, BodyIdle) as failure:
-            self.metrics.relay_errors.labels(deployment, _code(failure)).inc()
-            if sse:
-                yield _error_event(_code(failure), "the node serving this stream stopped")
-            # A sized body cut short: the client sees fewer bytes than Content-Length said.
-        finally:
-            stream.close()
-            self.shares.leave(ticket)
-            self.metrics.relay_seconds.labels(deployment).observe(time.monotonic() - started)
+        counted = False
+
+        def count(whole: bool) -> None:
+            nonlocal counted
+            if counted:
+                return
+            counted = True
             tokens = usage.tokens() or (0, 0)
             self.metrics.relay_tokens.labels(deployment, "prompt").inc(tokens[0])
             self.metrics.relay_tokens.labels(deployment, "completion").inc(tokens[1])
             self.usage.add(key, deployment, prompt=tokens[0], completion=tokens[1],
                            error=not whole or status >= 400)  # fmt: skip
+
+        # A sized body's last piece is held until the body is whole and counted: its client
+        # knows it has the answer once the last byte arrives, and a key's next request must
+        # see these tokens. An event stream ends only with its terminator, sent after this.
+        held = b""
+        try:
+            async for chunk in stream.body_of(
+                KEEPALIVE if sse else None, None if sse else self.idle_timeout
+            ):
+                usage.see(chunk)
+                if sse:
+                    yield chunk
+                    continue
+                if held:
+                    yield held
+                held = chunk
+            count(whole=True)
+            if held:
+                yield held
+        except (LinkLost, StreamReset, BodyIdle) as failure:
+            self.metrics.relay_errors.labels(deployment, _code(failure)).inc()
+            count(whole=False)
+            if sse:
+                yield _error_event(_code(failure), "the node serving this stream stopped")
+            elif held:  # a sized body cut short: the client sees fewer bytes than it said
+                yield held
+        finally:
+            stream.close()
+            self.shares.leave(ticket)
+            self.metrics.relay_seconds.labels(deployment).observe(time.monotonic() - started)
+            count(whole=False)
 
     # -- a request on a waitress thread -------------------------------------------------
 

@@ -8,7 +8,7 @@
 % else:
   <form id="sign-in" method="post" action="/console/sign-in" autocomplete="off">
     <label for="user">User name</label>
-    <input id="user" name="user" value="admin" required maxlength="64" autocapitalize="none"
+    <input id="user" name="user" value="{{user}}" required maxlength="64" autocapitalize="none"
            autocomplete="username" spellcheck="false" data-testid="login-user">
     <label for="password">Password</label>
     <input id="password" name="password" type="password" required autofocus
