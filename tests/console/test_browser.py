@@ -431,7 +431,9 @@ def test_sign_in_wrong_password_throttling_expiry_and_sign_out(
     for attempt in range(5):
         page.get_by_test_id("login-password").fill(f"wrong password {attempt}")
         page.get_by_test_id("login-submit").click()
-        page.get_by_test_id("login-error").filter(has_text="Wrong user name or password.").wait_for()
+        page.get_by_test_id("login-error").filter(
+            has_text="Wrong user name or password."
+        ).wait_for()
         page.evaluate("document.getElementById('sign-in-error').textContent = ''")
     page.get_by_test_id("login-password").fill(PASSWORD)
     page.get_by_test_id("login-submit").click()
@@ -614,7 +616,9 @@ def test_sign_in_works_with_javascript_off_and_never_puts_the_password_in_a_url(
             page.goto(cp.url + "/console/")
             page.get_by_test_id("login-password").fill("not the password")
             page.get_by_test_id("login-submit").click()
-            page.get_by_test_id("login-error").filter(has_text="Wrong user name or password.").wait_for()
+            page.get_by_test_id("login-error").filter(
+                has_text="Wrong user name or password."
+            ).wait_for()
             page.get_by_test_id("login-password").fill(PASSWORD)
             page.get_by_test_id("login-submit").click()
             page.wait_for_url(cp.url + "/console/")
