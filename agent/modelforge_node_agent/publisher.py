@@ -140,12 +140,15 @@ class Health:
         return body
 
 
-def host_facts() -> dict[str, Any]:
+def host_facts(hostname: str | None = None) -> dict[str, Any]:
+    """What the inventory says of the host; its name too when ``hostname`` is given."""
     try:
         os_name = platform.freedesktop_os_release().get("PRETTY_NAME") or platform.system()
     except OSError:
         os_name = platform.system()
     facts: dict[str, Any] = {"os": os_name[:200], "kernel": platform.release()[:200]}
+    if hostname:
+        facts["hostname"] = hostname[:253]
     if os.cpu_count():
         facts["cpu_count"] = os.cpu_count()
     # Not every platform says; the field is optional.
@@ -202,6 +205,10 @@ class Publisher:
         self.models_generation: Callable[[object], None] | None = None
         # The same for deployments (issue 25): the answer's ``servers_generation``.
         self.servers_generation: Callable[[object], None] | None = None
+        # Optional inventory fields the control plane said it takes (its heartbeat answer's
+        # ``accepts``): an older one refuses a field it does not know, so none is sent
+        # before it says so.
+        self.accepts: frozenset[str] = frozenset()
 
     # -- shared ------------------------------------------------------------------
 
@@ -251,6 +258,7 @@ class Publisher:
             if answer is None:
                 return
             self.republish.ask(answer.get("republish"), sent_at)
+            self._take_accepts(answer.get("accepts"))
             if self.models_generation is not None:
                 self.models_generation(answer.get("models_generation"))
             if self.servers_generation is not None:
@@ -258,6 +266,16 @@ class Publisher:
             self._take_interval(answer.get("heartbeat_interval_seconds"))
             if self.stop.wait(self.heartbeat_interval):
                 return
+
+    def _take_accepts(self, value: object) -> None:
+        accepts = frozenset(
+            item for item in (value if isinstance(value, list) else [])[:64]
+            if isinstance(item, str) and len(item) <= 64
+        )  # fmt: skip
+        if accepts != self.accepts:
+            self.accepts = accepts
+            if "host.hostname" in accepts:  # the node's name follows this host's at once
+                self.republish.ask([REPUBLISH_INVENTORY], time.monotonic())
 
     def _take_interval(self, value: object) -> None:
         """Follow the control plane's interval, only when it is one an agent can keep."""
@@ -302,7 +320,7 @@ class Publisher:
         inventory = {
             "node_id": self.state.node_id,
             "agent_version": __version__,
-            "host": host_facts(),
+            "host": host_facts(self.settings.hostname if "host.hostname" in self.accepts else None),
             "accelerators": accelerators,
             "storage_roots": roots,
         }

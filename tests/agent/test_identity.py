@@ -16,7 +16,7 @@ from modelforge_node_agent.identity import (
     save_state,
     state_path,
 )
-from tests.harness.agent_process import AgentProcess, agent_env, run_agent
+from tests.harness.agent_process import AgentProcess, agent_env, run_agent, wait_until
 from tests.harness.control_plane import free_port
 
 CREDENTIAL = "mfc_0123456789abcdef_" + "C" * 43
@@ -120,3 +120,20 @@ def test_identity_is_written_before_enrolling(tmp_path):
         agent.terminate()
     assert isinstance(stored, NodeState) and stored.node_id is None
     assert stored.identity_id in agent.log()
+
+
+def test_a_node_s_hostname_follows_what_its_agent_reports(restartable_control_plane, tmp_path):
+    """Joined from a throw-away container, a node was recorded under that container's id;
+    its agent, started under the host's name, puts the host's name on record (issue 37)."""
+    from .test_end_to_end import audit_actions, cpu_agent_env, online_with_inventory, only_node
+
+    cp = restartable_control_plane
+    env = cpu_agent_env(cp, tmp_path, cp.plane.mint()["token"])
+    with AgentProcess({**env, "MODELFORGE_AGENT_HOSTNAME": "3f2a9c1d0b7e"},
+                      tmp_path / "first.log") as agent:  # fmt: skip
+        wait_until(lambda: online_with_inventory(cp), what="enrolled and published")
+        assert only_node(cp)["hostname"] == "3f2a9c1d0b7e"
+        agent.terminate()
+    with AgentProcess({**env, "MODELFORGE_AGENT_HOSTNAME": "gpu-box"}, tmp_path / "second.log"):
+        wait_until(lambda: only_node(cp)["hostname"] == "gpu-box", what="the host's name")
+    assert audit_actions(cp).count("node.hostname_changed") == 1

@@ -103,6 +103,9 @@ def add_routes(app: bottle.Bottle, context: ApiContext) -> None:
                 # Additive (issue 25): changes when the node's servers do; an agent that
                 # sees a new value fetches GET /agent/servers.
                 "servers_generation": caller.servers_generation,
+                # Additive (issue 37): optional inventory fields this control plane takes
+                # (an older one refuses a field it does not know, so the agent asks first).
+                "accepts": ["host.hostname"],
             }
         )
 

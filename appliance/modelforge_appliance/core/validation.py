@@ -290,6 +290,10 @@ STORAGE_ROOT_FIELDS = {
 }
 
 HOST_FIELDS = {
+    # Additive (issue 37): the host's name as its agent sees it; the node's recorded
+    # hostname follows it. Sent only to a control plane whose heartbeat answer says it
+    # accepts it ("accepts": ["host.hostname"]).
+    "hostname": Field(str, required=False, low=1, high=253, name=True),
     "os": Field(str, required=False, high=200),
     "kernel": Field(str, required=False, high=200),
     "cpu_count": Field(int, required=False, low=1, high=100000),

@@ -122,8 +122,25 @@ def record_inventory(
             inventory_at=now,
             **source_update(source_address),
         ).where(Node.node_id == caller.node_id).execute()
+        _follow_hostname(store, caller.node_id, (inventory.get("host") or {}).get("hostname"))
         mark_credential_used(caller, now)
     return now
+
+
+def _follow_hostname(store: Store, node_id: str, reported: str | None) -> None:
+    """Inside the inventory's write: the node's hostname becomes what its agent reports (a
+    node joined from a throw-away container, renamed, or moved), audited when it changes."""
+    if not reported:
+        return
+    reported = reported.lower()
+    changed = (
+        Node.update(hostname=reported)
+        .where((Node.node_id == node_id) & (Node.hostname != reported))
+        .execute()
+    )
+    if changed:
+        audit.record(store, f"node:{node_id}", "node.hostname_changed", node_id=node_id,
+                     hostname=reported)  # fmt: skip
 
 
 def source_update(address: str | None) -> dict[str, str]:
