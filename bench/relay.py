@@ -127,7 +127,7 @@ def role_cp(work: Path) -> None:
     stdin closes; the hub's stats are written to stats.json every 0.1 s."""
     from dataclasses import replace
 
-    from modelforge_appliance.identity.api_keys import create_api_key
+    from modelforge_appliance.identity.api_keys import KeyLimits, create_api_key
     from tests.appliance.test_deployments import ServingNode, deploy, held, tiny_model
     from tests.harness.control_plane import make_settings, serve
 
@@ -145,6 +145,10 @@ def role_cp(work: Path) -> None:
         lease = node.claim_server(server_id).json()["lease"]
         node.renew_server(server_id, lease["lease_id"], "running")
         _, key = create_api_key(cp.store, "bench", "bench")
+        # The same calls with every limit of a key on (none of them reached): scope, requests
+        # a minute, tokens a day (issue 36), to measure what holding them costs.
+        limits = KeyLimits((DEPLOYMENT,), None, 1_000_000, 10**12)
+        _, limited_key = create_api_key(cp.store, "bench-limited", "bench", limits)
         info = {
             "url": cp.url,
             "port": int(cp.url.rsplit(":", 1)[1]),
@@ -152,6 +156,7 @@ def role_cp(work: Path) -> None:
             "node_id": node.node_id,
             "server_id": server_id,
             "key": key,
+            "limited_key": limited_key,
         }
         (work / "cp.json.tmp").write_text(json.dumps(info))
         (work / "cp.json.tmp").rename(work / "cp.json")
@@ -536,6 +541,7 @@ class Bench:
             "stall": lambda: self.stalled(4 if quick else 8),
             "concurrent": self.concurrent,
             "many": self.many,
+            "limits": self.limits,
             "restart": self.restarts,
             "llama": self.llama,
         }
@@ -565,6 +571,23 @@ class Bench:
             f"{r50:.2f} / {r99:.2f} ms",
             f"+{r50 - d50:.2f} / +{r99 - d99:.2f} ms",
             "≤ +0.8 ms p50",
+        )
+
+    def limits(self) -> None:
+        """Small requests with a key without limits and one with every limit on, side by
+        side (interleaved, one keep-alive connection each)."""
+        info = json.loads((self.work / "cp.json").read_text())
+        limited = Target("limited", info["port"], info["limited_key"])
+        count = 300 if self.args.quick else 2000
+        lat = small_latencies([self.relayed, limited], count)
+        r50, r99 = pct(lat["relayed"], 0.5), pct(lat["relayed"], 0.99)
+        l50, l99 = pct(lat["limited"], 0.5), pct(lat["limited"], 0.99)
+        self.row(
+            "small request p50 / p99, a key without limits | with every limit on",
+            f"{r50:.2f} / {r99:.2f} ms",
+            f"{l50:.2f} / {l99:.2f} ms",
+            f"+{l50 - r50:.2f} / +{l99 - r99:.2f} ms",
+            "the limits cost little",
         )
 
     def sse(self) -> None:
@@ -930,7 +953,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        help="comma-separated parts: small,sse,bulk,stall,concurrent,many,restart,llama",
+        help="comma-separated parts: small,sse,bulk,stall,concurrent,many,limits,restart,llama",
     )
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
     parser.add_argument("--role", choices=("cp", "agent", "origin"), help=argparse.SUPPRESS)

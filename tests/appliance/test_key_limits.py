@@ -9,8 +9,10 @@ import json
 
 import pytest
 
+from modelforge_appliance.core.clock import ManualClock
 from modelforge_appliance.identity.api_keys import KeyLimits, create_api_key
-from modelforge_appliance.relay.limits import UsageBook
+from modelforge_appliance.relay.limits import UsageBook, usage_report
+from modelforge_appliance.store.database import Store
 from modelforge_appliance.store.tables import ApiKey
 from tests.harness.control_plane import run_cli, store_env
 
@@ -147,12 +149,23 @@ def test_usage_equals_the_runtime_reported_usage_by_key_deployment_and_day(cp, r
     assert json.loads(done.stdout)["usage"] == [deployment]
 
 
-def test_a_key_s_tokens_of_the_day_survive_a_restart(cp):
-    book = UsageBook(cp.store)
-    book.add("k1", "svc", prompt=7, completion=5)
-    book.add("k1", "other", prompt=1, completion=1, error=True)
+def test_a_key_s_tokens_of_the_day_survive_a_restart_on_either_store(database_url):
+    store = Store(database_url, ManualClock(1_800_000_000))
+    store.migrate()
+    made, _ = create_api_key(store, "batch", "tests")
+    book = UsageBook(store)
+    book.add(made["key_id"], "svc", prompt=7, completion=5)
+    book.add(made["key_id"], "other", prompt=1, completion=1, error=True)
     book.flush()
-    again = UsageBook(cp.store)  # a restarted control plane reads what was written
-    assert again.tokens_today("k1") == 14
-    again.add("k1", "svc", prompt=1, completion=1)
-    assert again.tokens_today("k1") == 16
+    book.add(made["key_id"], "svc", prompt=3, completion=0)
+    book.flush()  # added to the stored counts, not written over them
+    again = UsageBook(store)  # a restarted control plane reads what was written
+    assert again.tokens_today(made["key_id"]) == 17
+    again.add(made["key_id"], "svc", prompt=1, completion=1)
+    assert again.tokens_today(made["key_id"]) == 19
+    by_deployment = {r["deployment"]: r for r in usage_report(store, "deployment", None)}
+    assert by_deployment["svc"]["requests"] == 2 and by_deployment["svc"]["prompt_tokens"] == 10
+    assert by_deployment["other"]["errors"] == 1
+    [owner] = usage_report(store, "user", "2000-01-01")
+    assert owner["user"] == "admin" and owner["requests"] == 3
+    store.close()

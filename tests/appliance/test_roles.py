@@ -11,6 +11,7 @@ import bottle
 import pytest
 import requests
 
+from modelforge_appliance.core.errors import Conflict, Unauthorized
 from modelforge_appliance.identity import admin_tokens, api_keys, users
 from modelforge_appliance.identity.roles import MIN_ROLE
 from modelforge_appliance.web.auth import ADMIN, Authentication, UndeclaredRoute, refuse_undeclared
@@ -156,3 +157,23 @@ def test_users_over_the_cli_and_the_api_agree_and_never_show_a_password(cp):
     assert role.status_code == 400 and role.json()["error"]["code"] == "FIELD_CHOICE"
     assert run_cli("users", "set-role", "erin", "operator", env=env, check=True).returncode == 0
     assert cp.admin("GET", "/api/v1/admin/users").json()["users"][1]["role"] == "operator"
+
+
+def test_users_and_their_rules_on_either_store(database_url):
+    from modelforge_appliance.core.clock import ManualClock
+    from modelforge_appliance.store.database import Store
+
+    store = Store(database_url, ManualClock(1_800_000_000))
+    store.migrate()
+    assert [u["name"] for u in users.list_users(store)] == ["admin"]  # made by migration 17
+    users.add_user(store, "alice", "operator", PASSWORD, "cli")
+    with pytest.raises(Conflict, match="last enabled admin"):
+        users.set_role(store, "admin", "viewer", "cli")
+    users.set_role(store, "alice", "admin", "cli")
+    assert users.set_role(store, "admin", "viewer", "cli")["role"] == "viewer"
+    users.set_disabled(store, "admin", True, "cli")
+    with pytest.raises(Unauthorized, match="disabled"):
+        users.role_of(store, "admin")
+    _, secret = admin_tokens.create_admin_token(store, "t", "cli", "alice")
+    assert admin_tokens.authenticate_admin(store, secret).user_name == "alice"
+    store.close()
