@@ -455,3 +455,26 @@ def test_more_http_fallback_tunnels_than_threads_leave_the_api_its_threads(cp):
     for sock in downloads:
         sock.close()
     wait_until(lambda: not any(hub.connected(n.node_id) for n in nodes), what="tunnels down")
+
+
+def test_a_client_call_pipelined_behind_an_admin_call_is_answered_on_waitress_too(
+    cp, relay, origin, monkeypatch
+):
+    # Both requests in one write: waitress reads the second with the first, so it is
+    # answered by the route on waitress's thread, which waits on the relay's loop.
+    origin.json_body = b'{"ok": true}'
+    on_waitress = []
+    real = cp.server.app.relay.answer_blocking
+    monkeypatch.setattr(
+        cp.server.app.relay, "answer_blocking", lambda r: on_waitress.append(r) or real(r)
+    )
+    with socket.create_connection(("127.0.0.1", port_of(cp)), timeout=30) as sock:
+        sock.sendall(get_request("/healthz") + chat_request(relay.key, {"model": "svc"}))
+        status, _, _ = read_answer(sock)
+        assert status == 200
+        status, headers, body = read_answer(sock)
+    assert status == 200 and body == b'{"ok": true}'
+    assert headers["content-type"] == "application/json"
+    assert len(on_waitress) == 1
+    shares = cp.server.app.relay.shares
+    wait_until(lambda: shares.in_flight == 0, what="its place given back")
