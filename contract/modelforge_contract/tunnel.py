@@ -1,5 +1,8 @@
 """The relay tunnel's wire contract: frames, limits, paths and error codes (docs/architecture.md §12).
 
+docs/tunnel-protocol.md says what each side does with each frame, exactly as the hub and
+the agent do it (tests/appliance/test_tunnel_protocol.py holds it to both).
+
 Each agent keeps one outbound connection to the control plane and carries many client
 streams over it. The connection is a WebSocket (``GET /api/v1/agent/tunnel``, subprotocol
 ``modelforge.tunnel.v1``, compression off) with exactly one frame per binary message, or,
@@ -22,21 +25,23 @@ Types, who sends them, and their payloads:
 ====== ========= ========================================================================
 type   sender    payload
 ====== ========= ========================================================================
-OPEN   control   JSON ``{server_id, method, path, headers: [[name, value], …],
-       plane     resume_from?}``: a client request for one server placed on this node.
+OPEN   control   JSON ``{server_id, method, path, headers: [[name, value], …]}``: a
+       plane     client request for one server placed on this node.
 HEAD   agent     JSON ``{status, headers}``: the runtime's status line and headers.
 DATA   both      raw body bytes; the sender spends that much of the stream's credit.
-WINDOW both      u32: credit returned to the other side, in body bytes, never 0.
+WINDOW control   u32: credit returned to the agent, in body bytes, never 0 (a request's
+       plane     body is sent whole and bounded, so the agent grants none).
 END    both      none: this direction of the stream is over (like DATA + END_STREAM).
 RESET  both      JSON ``{code, message}``: the stream is over in both directions. On
                  stream 0 the whole tunnel is being closed; the sender closes next
                  (going away, below).
 PING   both      8 opaque bytes, answered by a PONG carrying the same 8 bytes.
 PONG   both      8 bytes.
-RESUME control   JSON ``{streams: [{stream_id, delivered}, …]}``: sent first after a
-       plane     reconnect; ``delivered`` counts the DATA payload bytes of that stream
-                 the control plane has taken (its client has them). The agent resends
-                 from there; a stream it cannot resume it RESETs (RESUME_FAILED).
+RESUME control   JSON ``{streams: [{stream_id, received, delivered, head}, …]}``: the
+       plane     first frame of every tunnel; ``received`` counts the DATA payload bytes of
+                 that stream that reached the control plane, ``delivered`` those its
+                 client took, ``head`` whether the HEAD arrived. The agent sends on from
+                 ``received``; a stream it cannot resume it RESETs (RESUME_FAILED).
 ====== ========= ========================================================================
 
 ``FLAG_END_STREAM`` may be set on OPEN (no request body follows), HEAD (no response body)
