@@ -11,25 +11,13 @@ for other tools (``HF_TOKEN``, ``~/.cache/huggingface/token``) is never picked u
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn, TypeVar
-
-import httpx2
-from huggingface_hub import HfApi
-from huggingface_hub import __version__ as hub_client_version
-from huggingface_hub.errors import (
-    GatedRepoError,
-    HfHubHTTPError,
-    OfflineModeIsEnabled,
-    RemoteEntryNotFoundError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
-from huggingface_hub.file_download import get_hf_file_metadata, hf_hub_url
-from huggingface_hub.utils import build_hf_headers, filter_repo_objects
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from modelforge_contract import __version__
 from modelforge_contract.hub import (
@@ -51,6 +39,34 @@ from modelforge_contract.models import (
 )
 
 from ..core.errors import ApiError, Invalid
+
+if TYPE_CHECKING:
+    from huggingface_hub.errors import HfHubHTTPError
+
+
+@functools.cache
+def client() -> SimpleNamespace:
+    """huggingface_hub and its HTTP client, imported when a pull first needs them: the import
+    takes a fifth of a second, which the control plane's start (and every CLI command that
+    does not pull) should not pay."""
+    import httpx2
+    from huggingface_hub import HfApi, errors
+    from huggingface_hub import __version__ as version
+    from huggingface_hub.file_download import get_hf_file_metadata, hf_hub_url, http_get
+    from huggingface_hub.utils import build_hf_headers, filter_repo_objects
+
+    return SimpleNamespace(
+        HfApi=HfApi,
+        errors=errors,
+        version=version,
+        transport_error=httpx2.TransportError,
+        get_hf_file_metadata=get_hf_file_metadata,
+        hf_hub_url=hf_hub_url,
+        http_get=http_get,
+        build_hf_headers=build_hf_headers,
+        filter_repo_objects=filter_repo_objects,
+    )
+
 
 log = logging.getLogger(__name__)
 
@@ -107,19 +123,23 @@ class PullPlan:
         return sum(f.size for f in self.files)
 
     def file_url(self, file: HubFile) -> str:
-        return hf_hub_url(self.source.repo, file.path, revision=self.commit, endpoint=self.endpoint)
+        return client().hf_hub_url(
+            self.source.repo, file.path, revision=self.commit, endpoint=self.endpoint
+        )
 
 
 def request_headers(token: str | None) -> dict[str, str]:
     """The headers of a request to the hub: its user agent, and the token only when set."""
-    return build_hf_headers(token=token or False, library_name=LIBRARY, library_version=__version__)
+    return client().build_hf_headers(
+        token=token or False, library_name=LIBRARY, library_version=__version__
+    )
 
 
 def plan_pull(endpoint: str, source: HubSource, token: str | None) -> PullPlan:
     """Resolve source's revision to a commit, list its files and choose the matching ones,
     then check with one file's metadata that this token may download them. Nothing is
     written; every refusal is an ApiError naming what to do."""
-    api = HfApi(endpoint=endpoint, token=token or False, library_name=LIBRARY,
+    api = client().HfApi(endpoint=endpoint, token=token or False, library_name=LIBRARY,
                 library_version=__version__)  # fmt: skip
     info = asking(
         source,
@@ -137,7 +157,7 @@ def plan_pull(endpoint: str, source: HubSource, token: str | None) -> PullPlan:
         )
     listed = [_hub_file(s, source) for s in info.siblings or ()]
     chosen = list(
-        filter_repo_objects(
+        client().filter_repo_objects(
             listed,
             allow_patterns=list(source.include) or None,
             ignore_patterns=list(source.exclude) or None,
@@ -161,7 +181,7 @@ def plan_pull(endpoint: str, source: HubSource, token: str | None) -> PullPlan:
         source,
         endpoint,
         token,
-        lambda: get_hf_file_metadata(
+        lambda: client().get_hf_file_metadata(
             plan.file_url(chosen[0]),
             token=token or False,
             library_name=LIBRARY,
@@ -177,7 +197,7 @@ def plan_pull(endpoint: str, source: HubSource, token: str | None) -> PullPlan:
         len(chosen),
         len(listed),
         plan.bytes_total,
-        hub_client_version,
+        client().version,
     )
     return plan
 
@@ -239,16 +259,16 @@ def asking(
     """call(), with whatever the hub (or the way to it) refused turned into an ApiError."""
     try:
         return call()
-    except HfHubHTTPError as exc:
+    except client().errors.HfHubHTTPError as exc:
         refuse(exc, source, endpoint, token, gated)
-    except (httpx2.TransportError, OfflineModeIsEnabled) as exc:
+    except (client().transport_error, client().errors.OfflineModeIsEnabled) as exc:
         raise unreachable(exc, endpoint) from None
 
 
 def unreachable(exc: Exception, endpoint: str) -> HubError:
     why = (
         "HF_HUB_OFFLINE is set"
-        if isinstance(exc, OfflineModeIsEnabled)
+        if isinstance(exc, client().errors.OfflineModeIsEnabled)
         else f"{type(exc).__name__}"
     )
     return HubError(
@@ -267,21 +287,22 @@ def refuse(
     """Raise the ApiError for a hub's HTTP refusal, saying which status it answered."""
     status = exc.response.status_code if exc.response is not None else 0
     page = f"{endpoint}/{source.repo}"
-    if isinstance(exc, RevisionNotFoundError):
+    errors = client().errors
+    if isinstance(exc, errors.RevisionNotFoundError):
         raise Invalid(
             f"{source.repo} has no revision {source.revision!r} (the hub answered {status})",
             code=HUB_REVISION_NOT_FOUND,
             next_step=f"Name a branch, tag or commit of {page} (or leave @REVISION out for main).",
         ) from None
-    if isinstance(exc, GatedRepoError) or (status in (401, 403) and gated):
+    if isinstance(exc, errors.GatedRepoError) or (status in (401, 403) and gated):
         raise _gated(status, source, page, token) from None
-    if isinstance(exc, RemoteEntryNotFoundError):
+    if isinstance(exc, errors.RemoteEntryNotFoundError):
         raise HubError(
             f"{page} lists a file it does not serve (the hub answered {status})",
             next_step="Pull again; if it persists, the repository changed meanwhile: pull "
             "its new commit.",
         ) from None
-    if isinstance(exc, RepositoryNotFoundError):
+    if isinstance(exc, errors.RepositoryNotFoundError):
         private = (
             "the token set may not read it, if it is private"
             if token

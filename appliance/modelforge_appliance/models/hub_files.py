@@ -37,17 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx2
-from huggingface_hub.errors import HfHubHTTPError
-from huggingface_hub.file_download import http_get
-
 from modelforge_contract.files import fsync_directory
 from modelforge_contract.hub import HUB_DOWNLOAD_FAILED, PULL_IN_PROGRESS
 from modelforge_contract.models import DIGEST_MISMATCH, DISK_FULL, INSUFFICIENT_SPACE
 
 from ..core.errors import ApiError, Conflict
 from . import cache, hub
-from .hub import HubError, HubFile, PullPlan
+from .hub import HubError, HubFile, PullPlan, client
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +295,7 @@ def _download(
     progress: Progress,
 ) -> None:
     try:
-        http_get(
+        client().http_get(
             plan.file_url(file),
             writer,  # type: ignore[arg-type]
             resume_size=done,
@@ -308,9 +304,9 @@ def _download(
             displayed_filename=file.path,
             tqdm_class=lambda **_: _Bar(progress),  # type: ignore[arg-type]
         )
-    except HfHubHTTPError as exc:
+    except client().errors.HfHubHTTPError as exc:
         hub.refuse(exc, plan.source, plan.endpoint, token, plan.gated)
-    except (httpx2.TransportError, ConnectionError) as exc:
+    except (client().transport_error, ConnectionError) as exc:
         raise HubError(
             f"the connection to {plan.endpoint} broke while downloading {file.path} "
             f"({type(exc).__name__})",
