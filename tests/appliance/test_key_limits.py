@@ -10,7 +10,7 @@ import json
 import pytest
 
 from modelforge_appliance.core.clock import ManualClock
-from modelforge_appliance.identity.api_keys import KeyLimits, create_api_key
+from modelforge_appliance.identity.api_keys import KeyLimits, create_api_key, list_api_keys
 from modelforge_appliance.relay.limits import UsageBook, usage_report
 from modelforge_appliance.store.database import Store
 from modelforge_appliance.store.tables import ApiKey
@@ -168,4 +168,29 @@ def test_a_key_s_tokens_of_the_day_survive_a_restart_on_either_store(database_ur
     assert by_deployment["other"]["errors"] == 1
     [owner] = usage_report(store, "user", "2000-01-01")
     assert owner["user"] == "admin" and owner["requests"] == 3
+    store.close()
+
+
+def test_usage_and_key_limits_survive_a_backup_and_restore(tmp_path):
+    from modelforge_appliance.store import backup
+    from tests.harness.control_plane import make_settings
+
+    settings = make_settings(tmp_path / "state")
+    store = Store(settings.database_url, ManualClock(1_800_000_000))
+    store.migrate()
+    made, _ = create_api_key(store, "batch", "tests", KeyLimits(("svc",), None, 5, 100))
+    book = UsageBook(store)
+    book.add(made["key_id"], "svc", prompt=4, completion=6)
+    book.flush()
+    copy = tmp_path / "backup.sqlite3"
+    backup.backup(settings, copy)
+    book.add(made["key_id"], "svc", prompt=1, completion=1)
+    book.flush()
+    store.close()
+    backup.restore(settings, copy, ManualClock(1_800_000_100))
+    store = Store(settings.database_url, ManualClock(1_800_000_100))
+    [row] = usage_report(store, "key", None)
+    assert row["requests"] == 1 and row["prompt_tokens"] == 4 and row["completion_tokens"] == 6
+    [key] = [k for k in list_api_keys(store) if k["key_id"] == made["key_id"]]
+    assert key["rpm"] == 5 and key["tokens_per_day"] == 100 and key["deployments"] == ["svc"]
     store.close()
