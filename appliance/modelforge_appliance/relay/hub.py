@@ -344,12 +344,20 @@ class Tunnel:
                 return
 
     def shut(self, code: int = 1011, reason: str = "") -> None:
-        """Stop sending and close the link (its reader then unregisters it)."""
+        """Stop sending and close the link (its reader then unregisters it). Never waits: a
+        WebSocket's close waits for the agent's answer, up to its close timeout, and the
+        caller may be the relay's event loop; the link is closed on a thread of its own."""
         with self.send_lock:
             was_open, self.open = self.open, False
-        if was_open:
-            with contextlib.suppress(queue.Full):
-                self._out.put_nowait(None)
+        if not was_open:
+            return
+        with contextlib.suppress(queue.Full):
+            self._out.put_nowait(None)
+        threading.Thread(
+            target=self._close_link, args=(code, reason), name=f"close-{self.node_id}", daemon=True
+        ).start()
+
+    def _close_link(self, code: int, reason: str) -> None:
         with contextlib.suppress(Exception):  # it is going anyway
             self.link.close(code, reason)
 
