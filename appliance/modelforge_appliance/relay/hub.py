@@ -77,7 +77,7 @@ class BodyIdle(Exception):
 
 
 class StreamLimit(Exception):
-    """The process (or the node's tunnel) carries as many relayed streams as it may."""
+    """The node's tunnel carries as many relayed streams as it may."""
 
 
 class StreamReset(Exception):
@@ -443,10 +443,10 @@ class Hub:
         keepalive: float = KEEPALIVE_SECONDS,
         max_streams: int = wire.MAX_STREAMS_PER_TUNNEL,
         on_protocol_error: Callable[[], None] | None = None,
-        max_total: int = 4096,
     ) -> None:
+        # The relay's own bounds (in all, per key, per deployment) are shares.Shares'; the
+        # hub keeps only the tunnel's, which no agent may be asked past.
         self.grace, self.keepalive, self.max_streams = grace, keepalive, max_streams
-        self.max_total = max_total  # streams of all tunnels (each holds a waitress thread)
         self._lock = threading.Lock()
         self._tunnels: dict[str, Tunnel] = {}
         # Each node's tunnels until their reader ends: the live one and those closing.
@@ -575,13 +575,13 @@ class Hub:
         wait: bool = True,
     ) -> Stream | None:
         """A new stream to the server on the node's tunnel; None when the node has no
-        tunnel here. StreamLimit when this process, or the node's tunnel, carries its cap."""
+        tunnel here. StreamLimit when the node's tunnel carries its cap."""
         with self._lock:
             tunnel = self._tunnels.get(node_id)
             if tunnel is None:
                 return None
             carried = sum(1 for s in self._streams.values() if s.node_id == node_id)
-            if carried >= self.max_streams or len(self._streams) >= self.max_total:
+            if carried >= self.max_streams:
                 raise StreamLimit()
             stream = Stream(self, next(self._ids), node_id, server_id)
             stream.tunnel = tunnel

@@ -80,7 +80,7 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     admin_deployments.add_routes(app, context)
     agent_servers.add_routes(app, context)
     # The relay's streams wait on its own event loop, within its fair shares.
-    hub = app.hub = Hub(on_protocol_error=metrics.relay_tunnel_errors.inc, max_total=1 << 20)
+    hub = app.hub = Hub(on_protocol_error=metrics.relay_tunnel_errors.inc)
     shares = Shares(
         settings.relay_streams,
         settings.relay_streams_per_key,
