@@ -161,7 +161,7 @@ def _volumes(service: dict) -> list[dict]:
 
 
 def test_the_agent_state_volume_is_durable_and_the_token_comes_from_the_shell(tmp_path):
-    model = compose_model(tmp_path, "docker-compose.yml", "docker-compose.node-agent.yml")
+    model = compose_model(tmp_path, "docker-compose.node-agent.yml")
     agent = model["services"]["node-agent"]
     (state,) = [v for v in _volumes(agent) if v["target"] == "/var/lib/modelforge-node-agent"]
     assert state["type"] == "volume" and state["source"] == "node-agent-state"
@@ -195,11 +195,7 @@ def test_the_agent_container_reports_the_host_name_it_is_given(tmp_path):
 
 
 def test_the_private_ca_file_mounts_the_ca_and_maps_the_control_plane_host(tmp_path):
-    files = (
-        "docker-compose.yml",
-        "docker-compose.node-agent.yml",
-        "docker-compose.node-agent.private-ca.yml",
-    )
+    files = ("docker-compose.node-agent.yml", "docker-compose.node-agent.private-ca.yml")
     ca = tmp_path / "ca.pem"
     ca.write_text("-----BEGIN CERTIFICATE-----\n")
     agent = compose_model(
@@ -246,7 +242,6 @@ def test_the_private_ca_file_says_which_variable_is_missing(tmp_path):
 def test_the_runtime_worker_shares_a_socket_volume_with_the_agent_and_no_gpus(tmp_path):
     model = compose_model(
         tmp_path,
-        "docker-compose.yml",
         "docker-compose.node-agent.yml",
         "docker-compose.runtime-worker.yml",
         MODELFORGE_WORKER_ACCELERATOR_MODE="cpu",
@@ -280,7 +275,7 @@ def test_the_agent_polls_runtimes_in_the_workers_namespace_and_the_worker_reads_
     the node's host name moves to the worker (Docker refuses one on a container in another's
     namespace, which takes that one's), and the artifact root is its own volume, apart from
     the identity, mounted read-only in the worker."""
-    files = ("docker-compose.yml", "docker-compose.node-agent.yml")
+    files = ("docker-compose.node-agent.yml",)
     alone = compose_model(tmp_path, *files, MODELFORGE_NODE_AGENT_HOSTNAME="gpu-7")
     agent = alone["services"]["node-agent"]
     assert agent["environment"]["MODELFORGE_AGENT_ARTIFACT_ROOT"] == ARTIFACT_ROOT
@@ -325,10 +320,25 @@ def test_every_node_compose_file_puts_the_agent_in_the_workers_namespace():
         assert f":{ARTIFACT_ROOT}:ro" in text, name
 
 
+def test_the_node_side_files_create_nothing_of_the_control_planes(tmp_path):
+    """A node runs the node-side files alone, as every documented command names them: no
+    control-plane service and no control-plane-state volume appear on a GPU host."""
+    model = compose_model(
+        tmp_path,
+        "docker-compose.node-agent.yml",
+        "docker-compose.runtime-worker.yml",
+        "docker-compose.gpu.yml",
+    )
+    assert set(model["services"]) == {"node-agent", "runtime-worker"}
+    assert set(model["volumes"]) == {"node-agent-state", "node-agent-artifacts", "worker-socket"}
+    for name in COMPOSE_FILES[1:]:
+        assert "-f docker-compose.yml" not in (ROOT / name).read_text(), name
+    assert "-f docker-compose.yml" not in (ROOT / "docs" / "node-agent.md").read_text()
+
+
 def test_the_gpu_file_gives_the_agent_and_the_worker_the_nvidia_gpus(tmp_path):
     model = compose_model(
         tmp_path,
-        "docker-compose.yml",
         "docker-compose.node-agent.yml",
         "docker-compose.runtime-worker.yml",
         "docker-compose.gpu.yml",

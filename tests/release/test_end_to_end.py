@@ -34,7 +34,9 @@ from tests.harness.release_images import (
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 CONTROL_PLANE = ["docker-compose.yml"]
-AGENT = ["docker-compose.yml", "docker-compose.node-agent.yml", "docker-compose.runtime-worker.yml"]
+# A node names its own files only, as docs/node-agent.md does: no control-plane-state volume.
+NODE = ["docker-compose.node-agent.yml", "docker-compose.runtime-worker.yml"]
+BOTH = CONTROL_PLANE + NODE  # this test's one project: the node reaches control-plane by name
 RECOVERY = ["docker-compose.node-recovery.yml"]
 ORIGIN = "http://control-plane:8000"  # how the agents reach it on the compose network
 
@@ -111,7 +113,7 @@ def deployment(docker_client, built_images, release_version, release_bundle, tmp
         empty.touch()
         result = subprocess.run(
             ["docker-compose", "-p", project]
-            + [arg for name in AGENT + RECOVERY for arg in ("-f", str(release_bundle / name))]
+            + [arg for name in BOTH + RECOVERY for arg in ("-f", str(release_bundle / name))]
             + ["down", "-v", "--remove-orphans"],
             cwd=release_bundle,
             env={
@@ -156,7 +158,7 @@ def test_control_plane_and_agent_from_the_compose_files(
     assert "MODELFORGE_AGENT_HOSTNAME=" not in minted["env_file"].replace("# MODELFORGE", "")
     deployment.env["MODELFORGE_NODE_AGENT_HOSTNAME"] = "gpu-node"
     deployment.compose(
-        AGENT,
+        NODE,
         "up",
         "-d",
         "--no-build",
@@ -204,15 +206,15 @@ def test_control_plane_and_agent_from_the_compose_files(
     worker_before = deployment.container(docker_client, "runtime-worker").id
     agent_before = deployment.container(docker_client, "node-agent").id
     deployment.compose(
-        AGENT, "up", "-d", "--no-build", "--no-deps", "--force-recreate", "node-agent"
+        NODE, "up", "-d", "--no-build", "--no-deps", "--force-recreate", "node-agent"
     )
     assert deployment.container(docker_client, "node-agent").id != agent_before
     assert deployment.container(docker_client, "runtime-worker").id == worker_before
     wait_for("the node to be ready after the recreate", ready, worker_logs)
 
     # down/up without the token: the same node, from the identity in the state volume.
-    deployment.compose(AGENT, "down")
-    deployment.compose(AGENT, "up", "-d", "--no-build")
+    deployment.compose(BOTH, "down")
+    deployment.compose(BOTH, "up", "-d", "--no-build")
     wait_for_healthz(
         deployment.container(docker_client, "control-plane"), deployment.url + "/healthz"
     )
@@ -337,9 +339,8 @@ def test_a_cpu_node_becomes_ready_against_the_unraid_templates_control_plane(
         env_file.write_text(minted["env_file"])
         deployment.env["MODELFORGE_NODE_AGENT_ENV_FILE"] = str(env_file)
         deployment.env["MODELFORGE_NODE_AGENT_HOSTNAME"] = "unraid-node"
-        node_files = AGENT[1:]  # the node stack only: the control plane is Unraid's
         deployment.compose(
-            node_files,
+            NODE,  # the node stack only: the control plane is Unraid's
             "up",
             "-d",
             "--no-build",
