@@ -227,6 +227,7 @@ def run_agent(
             # The tunnel (issue 26): client requests for those servers, over one outbound
             # connection; the same stop. It reaches only the servers the serve loop runs.
             tunnel = TunnelClient(settings, lambda: client.credential, serve.server_of, run_stop)
+            serve.open_link = tunnel.open_link  # a split's main server reaches its helpers
             publisher.health.tunnel = lambda tunnel=tunnel: tunnel.state
             tunnel_thread = tunnel.start()
             try:

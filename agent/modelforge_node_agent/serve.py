@@ -21,9 +21,11 @@ longer lists is stopped. Log lines name servers and states, never a body (invari
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +41,8 @@ from modelforge_contract.deployments import (
     PATH_AGENT_SERVER_CLAIM,
     PATH_AGENT_SERVER_RENEW,
     PATH_AGENT_SERVERS,
+    ROLE_HELPER,
+    ROLE_MAIN,
     RUNTIME_EXITED,
     RUNTIME_LAUNCH_FAILED,
     RUNTIME_LLAMA_CPP,
@@ -60,6 +64,7 @@ from .backoff import BACKOFF_STEPS, seconds
 from .blobs import BlobStore
 from .client import ControlPlaneClient, Refused, TransportFailure, checked_node_id, printable
 from .generation import Generation
+from .links import Listener
 from .settings import AgentSettings
 from .work import WorkerClient, WorkerUnavailable, WorkerWatch
 
@@ -123,9 +128,15 @@ class ServeRefused(Exception):
         self.code, self.message = code, message
 
 
-def ready(runtime: str, port: int, served_name: str) -> bool:
+def ready(runtime: str, port: int, served_name: str, role: str | None = None) -> bool:
     """The runtime's own readiness answer on 127.0.0.1 (llama.cpp /health; vLLM /v1/models
-    naming the served model)."""
+    naming the served model; a split's helper, ggml-rpc-server, accepting a connection)."""
+    if role == ROLE_HELPER:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=READY_PROBE_TIMEOUT).close()
+        except OSError:
+            return False
+        return True
     path = "/health" if runtime == RUNTIME_LLAMA_CPP else "/v1/models"
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=READY_PROBE_TIMEOUT)
     try:
@@ -188,6 +199,10 @@ class ServeLoop:
         self.generation = Generation()  # the heartbeat answer's servers_generation
         self._fetch = self.generation.wanted
         self._stops: dict[str, threading.Event] = {}  # stops in flight, by server
+        # A split's main server: a loopback listener per helper (links.py), by server id;
+        # each connection there rides the tunnel (set once the tunnel exists).
+        self.open_link: Callable[[str, str, socket.socket], None] | None = None
+        self._listeners: dict[str, list[Listener]] = {}
 
     def server_of(self, server_id: str) -> tuple[int, str, str | None] | None:
         """The loopback port, served name and model directory of a server this agent runs
@@ -242,6 +257,7 @@ class ServeLoop:
         renewals. The event is set once it has stopped (or the worker could not say)."""
         done = threading.Event()
         self._stops[server_id] = done
+        self._close_listeners(server_id)
 
         def stop() -> None:
             try:
@@ -310,8 +326,10 @@ class ServeLoop:
             return
         if stopping is not None:
             running = self.worker.servers().get(server_id)
-        if entry.get("state") == SERVER_PENDING and running is not None:
-            # Restarted by an administrator (or placed here again): a fresh start.
+        fresh = entry.get("state") == SERVER_PENDING
+        if (fresh or _role(entry) == ROLE_MAIN) and running is not None:
+            # Restarted by an administrator (or placed here again): a fresh start. So too
+            # a split's main server, whose helpers' listeners were this agent's before.
             self.worker.stop_server(server_id)
             running = None
         path = server_path(PATH_AGENT_SERVER_CLAIM, server_id)
@@ -338,7 +356,7 @@ class ServeLoop:
             held.port = running.get("port")
             held.launched_at = time.monotonic()
             if held.port and ready(
-                str(entry.get("runtime")), held.port, str(entry.get("deployment"))
+                str(entry.get("runtime")), held.port, str(entry.get("deployment")), _role(entry)
             ):
                 held.state = SERVER_RUNNING  # reported as it is, never "starting" again
             log.info("server %s (%s) adopted: its runtime still runs on 127.0.0.1:%s",
@@ -346,12 +364,51 @@ class ServeLoop:
             return
         self.launch(held)
 
+    def _link_to(self, server_id: str, peer_server_id: str, sock: socket.socket) -> None:
+        if self.open_link is None:
+            sock.close()
+            return
+        self.open_link(server_id, peer_server_id, sock)
+
+    def _close_listeners(self, server_id: str) -> None:
+        for listener in self._listeners.pop(server_id, []):
+            listener.close()
+
+    def _split_body(self, held: Held, member: dict[str, Any]) -> dict[str, Any] | None:
+        """A split member's part of the launch: a helper's cache, or the main server's
+        listeners (one per helper, new at each launch) and shares. None: refused."""
+        role = member.get("role")
+        if role == ROLE_HELPER:
+            cache = self.settings.artifacts_dir / "rpc-cache"
+            with contextlib.suppress(OSError):
+                cache.mkdir(mode=0o770, exist_ok=True)
+            return {"role": ROLE_HELPER, "cache_dir": str(cache) if cache.is_dir() else None}
+        helpers = member.get("helpers")
+        if role != ROLE_MAIN or not isinstance(helpers, list) or not helpers:
+            self.fail(held, RUNTIME_UNSUPPORTED, "a split member of a role this agent lacks")
+            return None
+        self._close_listeners(held.server_id)
+        listeners = [
+            Listener(held.server_id, str(peer), self._link_to)
+            for peer in helpers
+            if checked_node_id(peer) is not None
+        ]
+        self._listeners[held.server_id] = listeners
+        shares = member.get("shares") if isinstance(member.get("shares"), list) else []
+        return {
+            "role": ROLE_MAIN,
+            "rpc": [listener.endpoint for listener in listeners],
+            "tensor_split": shares,
+        }
+
     def launch(self, held: Held) -> None:
         entry = held.entry
+        member = entry.get("split") if isinstance(entry.get("split"), dict) else None
         digest = str((entry.get("model") or {}).get("digest") or "")
         digest_hex = digest[len("sha256:") :] if digest.startswith("sha256:") else ""
         model_dir = self.models.model_dir(digest_hex) if len(digest_hex) == 64 else None
-        if model_dir is None or not model_dir.is_dir():
+        helper = member is not None and member.get("role") == ROLE_HELPER
+        if not helper and (model_dir is None or not model_dir.is_dir()):
             self.fail(held, MODEL_NOT_ON_NODE, f"the model {digest[:19]}… is not on this node")
             return
         settings = entry.get("settings") if isinstance(entry.get("settings"), dict) else {}
@@ -359,13 +416,18 @@ class ServeLoop:
             "server_id": held.server_id,
             "runtime": entry.get("runtime"),
             "served_name": entry.get("deployment"),
-            "model_dir": str(model_dir),
-            "model_file": settings.get("model_file"),
+            "model_dir": None if helper else str(model_dir),
+            "model_file": None if helper else settings.get("model_file"),
             "gpus": entry.get("gpus") or [],
             "context_length": settings.get("context_length"),
-            "args": settings.get("args") or [],
+            "args": [] if helper else settings.get("args") or [],
             "image_id": settings.get("image_id"),
         }
+        if member is not None:
+            extra = self._split_body(held, member)
+            if extra is None:
+                return
+            body.update(extra)
         try:
             launched = self.worker.launch(body)
         except ServeRefused as refused:
@@ -425,7 +487,9 @@ class ServeLoop:
 
     def check_ready(self, held: Held, now: float) -> None:
         entry = held.entry
-        if held.port and ready(str(entry.get("runtime")), held.port, str(entry.get("deployment"))):
+        if held.port and ready(
+            str(entry.get("runtime")), held.port, str(entry.get("deployment")), _role(entry)
+        ):
             held.state = SERVER_RUNNING
             held.dirty = True
             log.info("server %s (%s) is ready", held.server_id, printable(entry.get("deployment")))
@@ -520,6 +584,11 @@ class ServeLoop:
         how = "restarted" if ended == LEASE_END_RESTARTED else printable(ended)
         log.info("server %s: its lease ended (%s); stopping its runtime", held.server_id, how)
         self.stop_runtime(held.server_id)
+
+
+def _role(entry: dict[str, Any]) -> str | None:
+    member = entry.get("split")
+    return str(member.get("role")) if isinstance(member, dict) else None
 
 
 class _Terminal(Exception):

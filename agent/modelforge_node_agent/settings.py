@@ -150,6 +150,13 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "vLLM /v1/models) before it is stopped and started again after a backoff (RUNTIME_NOT_READY).",
     ),
     SettingSpec(
+        "MODELFORGE_AGENT_RPC_STALL_SECONDS",
+        "60",
+        "A model split across nodes: a link to a helper that sends nothing back this long "
+        "after the main server asked it something is ended (LINK_STALLED), so llama-server "
+        "exits and the serve loop starts the group again instead of hanging.",
+    ),
+    SettingSpec(
         "MODELFORGE_AGENT_TUNNEL_TRANSPORT",
         "auto",
         "How the relay tunnel reaches the control plane. auto: WebSocket, and the HTTP "
@@ -203,6 +210,7 @@ class AgentSettings:
     quarantine_root: Path | None = None
     model_stall_seconds: float = 30.0
     serve_ready_seconds: float = 600.0
+    rpc_stall_seconds: float = 60.0
     tunnel_transport: str = "auto"
     # Observed, not ours: the NVIDIA container toolkit sets it when GPUs are requested.
     nvidia_visible_devices: str | None = None
@@ -381,6 +389,7 @@ def load_settings(
         quarantine_root=_path(env, "MODELFORGE_AGENT_QUARANTINE_ROOT"),
         model_stall_seconds=_float(env, "MODELFORGE_AGENT_MODEL_STALL_SECONDS", 0.1, 3600),
         serve_ready_seconds=_float(env, "MODELFORGE_AGENT_SERVE_READY_SECONDS", 1, 86400),
+        rpc_stall_seconds=_float(env, "MODELFORGE_AGENT_RPC_STALL_SECONDS", 0.1, 86400),
         tunnel_transport=transport,
     )
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import http.client
+import itertools
 import json
 import logging
 import select
@@ -41,6 +42,7 @@ from modelforge_contract.scrub import SseScrubber, scrub_body
 
 from . import __version__, transport
 from .backoff import BACKOFF_STEPS, Backoff, seconds
+from .links import LinkPump
 from .settings import AgentSettings
 
 log = logging.getLogger(__name__)
@@ -582,6 +584,10 @@ class TunnelClient:
         self.transport = settings.tunnel_transport  # auto becomes http once WebSocket fails
         self.runtime_connections = RuntimeConnections()
         self.going = False  # said on the tunnel that this agent stops: no new stream
+        # Links of a split model (links.py), by stream id: those this agent opened (ids
+        # with LINK_STREAM_BIT) and those the control plane opened to a helper here.
+        self._links: dict[int, LinkPump] = {}
+        self._link_ids = itertools.count(1)
 
     # -- what the streams use ---------------------------------------------------------
 
@@ -620,6 +626,89 @@ class TunnelClient:
             except Exception:
                 return False
         return True
+
+    # -- links (a model split across nodes) -----------------------------------------------
+
+    def open_link(self, server_id: str, peer_server_id: str, sock: socket.socket) -> None:
+        """A connection the main server made to a helper's listener: a LINK on the tunnel;
+        closed at once when there is no tunnel (llama-server then fails and is restarted)."""
+        with self._lock:
+            up = self._link is not None and not self.going
+            stream_id = wire.LINK_STREAM_BIT | (next(self._link_ids) % wire.LINK_STREAM_BIT)
+            pump = LinkPump(stream_id, sock, self.send, self._link_finished,
+                            self.settings.rpc_stall_seconds)  # fmt: skip
+            if up:
+                self._links[stream_id] = pump
+        if not up or not self.send(wire.link_frame(stream_id, server_id, peer_server_id)):
+            log.warning("link to server %s: no tunnel; closing it", peer_server_id)
+            with self._lock:
+                self._links.pop(stream_id, None)
+            sock.close()
+            return
+        pump.start()
+
+    def _accept_link(self, frame: wire.Frame) -> None:
+        """The control plane's LINK to a helper this node runs: connect to its
+        ggml-rpc-server on 127.0.0.1."""
+        value = wire.json_of(frame)
+        target = self.server_of(str(value.get("server_id")))
+        if target is None:
+            self.send(wire.reset_frame(frame.stream_id, rel.SERVER_NOT_ON_NODE, "no such helper"))
+            return
+        try:
+            sock = socket.create_connection(("127.0.0.1", target[0]), timeout=CONNECT_TIMEOUT)
+        except OSError as exc:
+            self.send(
+                wire.reset_frame(frame.stream_id, rel.RUNTIME_UNREACHABLE, type(exc).__name__)
+            )
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pump = LinkPump(frame.stream_id, sock, self.send, self._link_finished)
+        with self._lock:
+            if frame.stream_id in self._links:
+                sock.close()
+                raise wire.FrameError("LINK for a link that exists")
+            self._links[frame.stream_id] = pump
+        pump.start()
+
+    def _link_finished(self, pump: LinkPump) -> None:
+        with self._lock:
+            if self._links.get(pump.stream_id) is pump:
+                del self._links[pump.stream_id]
+
+    def links(self) -> int:
+        with self._lock:
+            return len(self._links)
+
+    def _link_frame(self, frame: wire.Frame) -> bool:
+        """A frame of one of this agent's links; False when it is not a link's."""
+        with self._lock:
+            pump = self._links.get(frame.stream_id)
+        if pump is None:
+            # One of this agent's links that ended meanwhile: nothing to do.
+            return wire.is_link_id(frame.stream_id)
+        kind = frame.type
+        if kind == wire.DATA:
+            pump.on_data(frame.payload)
+            if frame.end_stream:
+                pump.on_end()
+        elif kind == wire.WINDOW:
+            pump.on_window(wire.window_of(frame))
+        elif kind == wire.END:
+            pump.on_end()
+        elif kind == wire.RESET:
+            pump.on_reset()
+        else:
+            raise wire.FrameError(f"{kind.name} on a link")
+        return True
+
+    def _end_links(self) -> None:
+        """The tunnel is gone: a link is never resumed."""
+        with self._lock:
+            pumps = list(self._links.values())
+            self._links.clear()
+        for pump in pumps:
+            pump.close(tell=False)
 
     def finished(self, stream: AgentStream) -> None:
         """A stream's thread ended: it no longer counts against the cap, and is kept for a
@@ -721,6 +810,7 @@ class TunnelClient:
                 with self._lock:
                     self._link, self._lost_at = None, time.monotonic()
                     streams = list(self._streams.values())
+                self._end_links()
                 self.state = "down"
                 for stream in streams:
                     with stream.cond:
@@ -786,6 +876,11 @@ class TunnelClient:
             return
         if kind == wire.RESUME:
             self._resume(wire.json_of(frame))
+            return
+        if kind == wire.LINK:
+            self._accept_link(frame)
+            return
+        if self._link_frame(frame):
             return
         stream = self._held(frame.stream_id)
         if kind == wire.OPEN:

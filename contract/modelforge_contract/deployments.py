@@ -55,6 +55,25 @@ def server_path(template: str, server_id: str) -> str:
 RUNTIME_LLAMA_CPP = "llama.cpp"
 RUNTIME_VLLM = "vllm"
 RUNTIMES = (RUNTIME_LLAMA_CPP, RUNTIME_VLLM)
+# What a worker also offers when it can be a helper of a llama.cpp model split across nodes
+# (it finds ggml-rpc-server): not a runtime a deployment names, a role a member takes.
+RUNTIME_LLAMA_CPP_RPC = "llama.cpp-rpc"
+# A split deployment's members (docs/deployments.md, "Splitting a model across nodes"): the
+# main node runs llama-server over the helpers, each helper a ggml-rpc-server.
+ROLE_MAIN = "main"
+ROLE_HELPER = "helper"
+ROLES = (ROLE_MAIN, ROLE_HELPER)
+SPLIT_MAX = 8  # members of one split: the main node and up to 7 helpers
+SPLIT_FIXED = "SPLIT_FIXED"  # 409: a split deployment's members are fixed at deploy time
+# Arguments the worker sets itself on a split deployment's main server.
+SPLIT_RESERVED_ARGS = frozenset(
+    {"-ts", "--tensor-split", "-ot", "--override-tensor", "-cram", "--cache-ram", "-sm",
+     "--split-mode", "-mg", "--main-gpu", "-dev", "--device", "-ngl", "--n-gpu-layers",
+     "--gpu-layers"}
+)  # fmt: skip
+# The output layer stays on the main node (anchored: unanchored it also takes every
+# attn_output.weight, and costs round trips on each token).
+SPLIT_OUTPUT_ON_MAIN = r"^output\.weight$=CPU"
 CAPABILITY_SERVE = "serve"  # what a worker with at least one runtime offers
 
 # -- server states (docs/deployments.md, "What each state means") ----------------------

@@ -129,6 +129,12 @@ RESUME_FAILED = "RESUME_FAILED"  # the agent no longer holds the bytes to resume
 TUNNEL_REPLACED = "TUNNEL_REPLACED"  # RESET of stream 0: a newer tunnel of the node won
 TUNNEL_CLOSING = "TUNNEL_CLOSING"  # RESET of stream 0: the sender shuts down
 HEAD_TIMEOUT = "HEAD_TIMEOUT"  # 504: no head within MODELFORGE_RELAY_HEAD_TIMEOUT_SECONDS
+# A link of a model split across nodes (LINK) that the control plane will not splice: the
+# server is not this node's main, the peer is not a helper of the same deployment, or the
+# peer's node has no tunnel.
+LINK_REFUSED = "LINK_REFUSED"
+# A link whose helper sent nothing back within MODELFORGE_AGENT_RPC_STALL_SECONDS.
+LINK_STALLED = "LINK_STALLED"
 BODY_IDLE_TIMEOUT = "BODY_IDLE_TIMEOUT"  # a body that is not SSE went quiet past its deadline
 RELAY_ERROR_CODES = (
     MODEL_NOT_DEPLOYED,
@@ -147,6 +153,8 @@ RELAY_ERROR_CODES = (
     BODY_ENCODED,
     HEAD_TIMEOUT,
     BODY_IDLE_TIMEOUT,
+    LINK_REFUSED,
+    LINK_STALLED,
 )
 # A RESET with one of these codes says the node did not serve the request (it could not
 # reach the runtime, does not run the server, carries its most streams, lost the stream over

@@ -42,6 +42,14 @@ RESUME control   JSON ``{streams: [{stream_id, received, delivered, head}, …]}
                  that stream that reached the control plane, ``delivered`` those its
                  client took, ``head`` whether the HEAD arrived. The agent sends on from
                  ``received``; a stream it cannot resume it RESETs (RESUME_FAILED).
+LINK   both      JSON ``{server_id[, peer_server_id]}``: a byte link of a model split
+                 across nodes (docs/deployments.md). From an agent, on a stream id it
+                 chooses with LINK_STREAM_BIT set: its main server ``server_id`` dials
+                 the helper ``peer_server_id``. From the control plane, to the helper's
+                 agent on an id it chooses: connect to ``server_id``'s helper. Then DATA,
+                 WINDOW (from every receiver: both directions are credit-bounded), END and
+                 RESET as on any stream; the hub splices the two streams and keeps no
+                 bytes. A link is never resumed: a tunnel that drops RESETs its links.
 ====== ========= ========================================================================
 
 ``FLAG_END_STREAM`` may be set on OPEN (no request body follows), HEAD (no response body)
@@ -102,6 +110,8 @@ MAX_FRAME = HEADER_SIZE + MAX_PAYLOAD
 WINDOW_BYTES = 1024 * 1024  # initial credit of each direction of each stream
 MAX_STREAMS_PER_TUNNEL = 64  # the default cap on a tunnel's open streams
 MAX_STREAM_ID = 2**32 - 1
+# The ids an agent chooses for the links it opens (LINK): the control plane's never have it.
+LINK_STREAM_BIT = 0x80000000
 MAX_OFFSET = 2**63 - 1  # the most body bytes a resume_from or delivered may count
 MAX_HEADERS = 128  # the most [name, value] pairs in an OPEN or HEAD
 RESET_MESSAGE_MAX_CHARS = 1000  # reset_frame trims longer messages
@@ -119,16 +129,17 @@ class FrameType(enum.IntEnum):
     PING = 7
     PONG = 8
     RESUME = 9
+    LINK = 10
 
 
-OPEN, HEAD, DATA, WINDOW, END, RESET, PING, PONG, RESUME = FrameType
+OPEN, HEAD, DATA, WINDOW, END, RESET, PING, PONG, RESUME, LINK = FrameType
 FLAG_END_STREAM = 0x01
 
 _HEADER = struct.Struct(">BBHII")
-_JSON_TYPES = frozenset({OPEN, HEAD, RESET, RESUME})
+_JSON_TYPES = frozenset({OPEN, HEAD, RESET, RESUME, LINK})
 _FLAGS = {OPEN: FLAG_END_STREAM, HEAD: FLAG_END_STREAM, DATA: FLAG_END_STREAM}
 _TUNNEL_TYPES = frozenset({PING, PONG, RESUME})  # stream id 0 only
-_STREAM_TYPES = frozenset({OPEN, HEAD, DATA, WINDOW, END})  # a nonzero stream id only
+_STREAM_TYPES = frozenset({OPEN, HEAD, DATA, WINDOW, END, LINK})  # a nonzero stream id only
 _FIXED_LENGTH = {WINDOW: 4, PING: PING_BYTES, PONG: PING_BYTES, END: 0}
 
 
@@ -509,4 +520,29 @@ def _check_resume(body: dict) -> None:
         seen.add(stream_id)
 
 
-_SHAPES = {OPEN: _check_open, HEAD: _check_head, RESET: _check_reset, RESUME: _check_resume}
+def _check_link(body: dict) -> None:
+    for key in ("server_id", "peer_server_id"):
+        value = _field(body, LINK, key, str, optional=key == "peer_server_id")
+        if value is not None and not 0 < len(value) <= 128:
+            raise FrameError(f"LINK: {key} out of range")
+
+
+def link_frame(stream_id: int, server_id: str, peer_server_id: str | None = None) -> Frame:
+    body = {"server_id": server_id}
+    if peer_server_id is not None:
+        body["peer_server_id"] = peer_server_id
+    return Frame(LINK, stream_id, _json_payload(LINK, body))
+
+
+def is_link_id(stream_id: int) -> bool:
+    """Whether an agent chose this stream id (for a LINK it opened)."""
+    return bool(stream_id & LINK_STREAM_BIT)
+
+
+_SHAPES = {
+    OPEN: _check_open,
+    HEAD: _check_head,
+    RESET: _check_reset,
+    RESUME: _check_resume,
+    LINK: _check_link,
+}

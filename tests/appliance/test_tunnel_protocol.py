@@ -165,6 +165,27 @@ def test_reset_of_stream_zero_is_going_away_and_a_window_from_the_node_closes_th
     sock.close()
 
 
+def test_a_link_from_a_node_that_runs_no_split_s_main_server_is_refused(plane):
+    """A LINK reaches a helper's ggml-rpc-server only from its split's main server: a node
+    naming its own (whole) server, or any other, is refused, nothing is spliced, and an id
+    the agent may not choose closes its tunnel."""
+    cp, relay = plane
+    hub = cp.server.app.hub
+    node = Node(cp, relay.node.credential)
+    [server] = cp.admin("GET", "/api/v1/admin/deployments/svc").json()["servers"]
+    link_id = wire.LINK_STREAM_BIT | 1
+    node.send(wire.link_frame(link_id, server["server_id"], server["server_id"]))
+    refused = node.next(wire.RESET)
+    assert refused.stream_id == link_id and reset_code(refused) == "LINK_REFUSED"
+    node.send(wire.link_frame(link_id + 1, "someone-else", server["server_id"]))
+    assert reset_code(node.next(wire.RESET)) == "LINK_REFUSED"
+    assert hub.links() == 0
+    node.send(wire.data_frame(link_id, b"not a link"))  # nothing was spliced
+    assert reset_code(node.next(wire.RESET)) == "STREAM_UNKNOWN"
+    node.send(wire.link_frame(7, server["server_id"], server["server_id"]))
+    assert node.closed()
+
+
 # -- the agent's side: this test is the control plane ---------------------------------------
 
 
@@ -271,5 +292,6 @@ def test_every_reset_code_the_page_names_is_one_the_contract_has():
     codes = set(rel.RELAY_ERROR_CODES) | {"STREAM_UNKNOWN", "TOO_MANY_TUNNELS"}
     settings_and_others = {n for n in named if n.startswith(("MODELFORGE_", "FLAG_", "WINDOW_"))}
     frames = {kind.name for kind in wire.FrameType}
-    unknown = named - codes - settings_and_others - frames - {"END_STREAM", "FAILOVER_CODES"}
+    others = {"END_STREAM", "FAILOVER_CODES", "LINK_STREAM_BIT"}
+    unknown = named - codes - settings_and_others - frames - others
     assert unknown == set(), unknown

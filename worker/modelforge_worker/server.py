@@ -129,7 +129,9 @@ class WorkerServer(socketserver.ThreadingUnixStreamServer):
         self.docker_cache: dict[str, Any] = {}
         self.running = 0
         self.runs: dict[str, list[RunContext]] = {}  # by work id, while they run
-        self.servers = Servers(settings.accelerator_mode, settings.llama_server)
+        self.servers = Servers(
+            settings.accelerator_mode, settings.llama_server, settings.llama_rpc_server
+        )
         self.lock = threading.Lock()
         prepare_socket_path(settings.socket_path)
         # Created 0660 from the start: no moment where others could connect.

@@ -9,14 +9,19 @@ itself; the worker only starts, watches and stops (docs/deployments.md).
 from __future__ import annotations
 
 import logging
+import os
+import re
 import socket
 import threading
 from pathlib import Path
 from typing import Any
 
 from modelforge_contract.deployments import (
+    ROLE_HELPER,
+    ROLES,
     RUNTIME_LAUNCH_FAILED,
     RUNTIME_LLAMA_CPP,
+    RUNTIME_LLAMA_CPP_RPC,
     RUNTIME_VLLM,
 )
 from modelforge_contract.models import ManifestError, check_relative_path
@@ -29,6 +34,7 @@ log = logging.getLogger(__name__)
 STOP_SECONDS = 20.0
 LOG_TAIL_CHARS = 4000
 _ID_CHARS = set("0123456789abcdefghijklmnopqrstuvwxyz-_")
+_LOOPBACK_ENDPOINT = re.compile(r"127\.0\.0\.1:[1-9][0-9]{0,4}")
 
 
 def free_port() -> int:
@@ -53,9 +59,34 @@ def spec_from(body: dict[str, Any], accelerator_mode: str, port: int) -> ServeSp
     name = body.get("served_name")
     if not isinstance(name, str) or not 0 < len(name) <= 64:
         raise BadRequest("served_name must be the deployment's name")
+    role = body.get("role")
+    if role is not None and (runtime != RUNTIME_LLAMA_CPP or role not in ROLES):
+        raise BadRequest("role must be main or helper, for llama.cpp")
     model_dir = body.get("model_dir")
+    if role == ROLE_HELPER and model_dir is None:
+        model_dir = "/"  # a helper loads no file: the main node sends it its tensors
     if not isinstance(model_dir, str) or not Path(model_dir).is_absolute():
         raise BadRequest("model_dir must be an absolute path")
+    rpc = body.get("rpc") or []
+    if not isinstance(rpc, list) or not all(
+        isinstance(e, str) and _LOOPBACK_ENDPOINT.fullmatch(e) for e in rpc
+    ):
+        raise BadRequest("rpc must be a list of 127.0.0.1:<port> endpoints")
+    tensor_split = body.get("tensor_split") or []
+    if not isinstance(tensor_split, list) or not all(
+        isinstance(x, int | float) and not isinstance(x, bool) and 0 <= x <= 1e6
+        for x in tensor_split
+    ):
+        raise BadRequest("tensor_split must be a list of non-negative numbers")
+    cache_dir = body.get("cache_dir")
+    if cache_dir is not None and (
+        not isinstance(cache_dir, str) or not Path(cache_dir).is_absolute()
+    ):
+        raise BadRequest("cache_dir must be an absolute path")
+    if cache_dir is not None and not os.access(cache_dir, os.W_OK | os.X_OK):
+        log.warning("server %s: cannot write its tensor cache %s; running without one",
+                    server_id, cache_dir)  # fmt: skip
+        cache_dir = None
     model_file = body.get("model_file")
     if model_file is not None:
         try:
@@ -94,6 +125,10 @@ def spec_from(body: dict[str, Any], accelerator_mode: str, port: int) -> ServeSp
         args=tuple(args),
         image_id=image_id,
         accelerator_mode=accelerator_mode,
+        role=role,
+        rpc=tuple(rpc),
+        tensor_split=tuple(float(x) for x in tensor_split),
+        cache_dir=Path(cache_dir) if cache_dir is not None else None,
     )
 
 
@@ -104,6 +139,7 @@ def view(launched: Launched) -> dict[str, Any]:
         "runtime": spec.runtime,
         "served_name": spec.served_name,
         "port": spec.port,
+        "role": spec.role,
         "gpus": list(spec.gpus),
         "ident": launched.ident(),
         "started_at": launched.started_at,
@@ -115,9 +151,12 @@ def view(launched: Launched) -> dict[str, Any]:
 class Servers:
     """The runtimes this worker runs, by server id."""
 
-    def __init__(self, accelerator_mode: str, llama_server: str | None) -> None:
+    def __init__(
+        self, accelerator_mode: str, llama_server: str | None, llama_rpc_server: str | None = None
+    ) -> None:
         self.accelerator_mode = accelerator_mode
         self.llama_server = llama_server
+        self.llama_rpc_server = llama_rpc_server
         self._by_id: dict[str, Launched] = {}
         self._lock = threading.Lock()
         self._adopted = False
@@ -129,6 +168,8 @@ class Servers:
             offered.append(RUNTIME_LLAMA_CPP)
         if _vllm_unavailable() is None:
             offered.append(RUNTIME_VLLM)
+        if llama_cpp.find_rpc_binary(self.llama_rpc_server, self.llama_server) is not None:
+            offered.append(RUNTIME_LLAMA_CPP_RPC)  # can be a split deployment's helper
         return offered
 
     def _adopt(self) -> None:
@@ -162,13 +203,22 @@ class Servers:
             spec = spec_from(body, self.accelerator_mode, free_port())
             if existing is not None:
                 existing.stop(STOP_SECONDS)  # ended: removed before the new one
-            if spec.runtime == RUNTIME_LLAMA_CPP:
+            if spec.role == ROLE_HELPER:
+                binary = llama_cpp.find_rpc_binary(self.llama_rpc_server, self.llama_server)
+                if binary is None:
+                    raise LaunchFailed(
+                        RUNTIME_LAUNCH_FAILED,
+                        "no ggml-rpc-server here: this node cannot be a split's helper "
+                        "(set MODELFORGE_WORKER_LLAMA_RPC_SERVER)",
+                    )
+                launched: Launched = llama_cpp.launch(binary, spec)
+            elif spec.runtime == RUNTIME_LLAMA_CPP:
                 binary = llama_cpp.find_binary(self.llama_server)
                 if binary is None:
                     raise LaunchFailed(
                         RUNTIME_LAUNCH_FAILED, llama_cpp.unavailable(self.llama_server) or ""
                     )
-                launched: Launched = llama_cpp.launch(binary, spec)
+                launched = llama_cpp.launch(binary, spec)
             else:
                 problem = _vllm_unavailable()
                 if problem is not None:

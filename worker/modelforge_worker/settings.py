@@ -49,6 +49,13 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "Path of llama.cpp's llama-server for the llama.cpp runtime (scripts/llama-server-build "
         "makes one). Unset: llama-server on PATH; with neither, the worker offers no llama.cpp.",
     ),
+    SettingSpec(
+        "MODELFORGE_WORKER_LLAMA_RPC_SERVER",
+        None,
+        "Path of llama.cpp's ggml-rpc-server, which a helper of a model split across nodes "
+        "runs (scripts/llama-server-build makes it beside llama-server). Unset: the one beside "
+        "llama-server, else on PATH; with none, this node cannot be a helper.",
+    ),
     SettingSpec("MODELFORGE_WORKER_LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR."),
 )
 _NO_VISIBLE_DEVICES = ("", "void", "none")
@@ -70,6 +77,7 @@ class WorkerSettings:
     accelerator_mode: str  # the effective mode: nvidia or cpu
     log_level: str
     llama_server: str | None = None  # MODELFORGE_WORKER_LLAMA_SERVER
+    llama_rpc_server: str | None = None  # MODELFORGE_WORKER_LLAMA_RPC_SERVER
 
 
 _value = TABLE.value
@@ -118,16 +126,18 @@ def load_settings(env: Mapping[str, str] | None = None) -> WorkerSettings:
         socket_group=_group(_value(env, "MODELFORGE_WORKER_SOCKET_GROUP")),
         accelerator_mode=_mode(env),
         log_level=log_level,
-        llama_server=_llama_server(_value(env, "MODELFORGE_WORKER_LLAMA_SERVER")),
+        llama_server=_executable(env, "MODELFORGE_WORKER_LLAMA_SERVER"),
+        llama_rpc_server=_executable(env, "MODELFORGE_WORKER_LLAMA_RPC_SERVER"),
     )
 
 
-def _llama_server(raw: str | None) -> str | None:
+def _executable(env: Mapping[str, str], name: str) -> str | None:
+    raw = _value(env, name)
     if raw is None:
         return None
     path = Path(raw).expanduser()
     if not path.is_absolute():
-        raise ConfigError(f"MODELFORGE_WORKER_LLAMA_SERVER={raw!r} must be an absolute path")
+        raise ConfigError(f"{name}={raw!r} must be an absolute path")
     if not path.is_file() or not os.access(path, os.X_OK):
-        raise ConfigError(f"MODELFORGE_WORKER_LLAMA_SERVER={raw!r} is not an executable file")
+        raise ConfigError(f"{name}={raw!r} is not an executable file")
     return str(path)

@@ -85,9 +85,10 @@ def _server_line(s: dict[str, Any], now: float | None = None, name: str = "") ->
     restarts, when a backing-off one starts again, and why it is not running (with
     ``name``, the next step)."""
     gpus = f" gpus {','.join(g[-8:] for g in s['gpus'])}" if s["gpus"] else ""
+    role = f" [{s['role']}]" if s.get("role") else ""
     line = (
-        f"  {s['display_name']} ({s['node_id']}): {_state_words(s)} since {s['state_since']}"
-        f"{_ago(s['state_since'], now)}{gpus}"
+        f"  {s['display_name']} ({s['node_id']}){role}: {_state_words(s)} since "
+        f"{s['state_since']}{_ago(s['state_since'], now)}{gpus}"
     )
     if s["restarts"] or now is not None:
         line += f", {s['restarts']} restart{'' if s['restarts'] == 1 else 's'}"
@@ -102,9 +103,19 @@ def _server_line(s: dict[str, Any], now: float | None = None, name: str = "") ->
 
 def _lines(view: dict[str, Any], now: float | None = None) -> list[str]:
     name = view["name"] if now is not None else ""
+    split = view["settings"].get("split")
+    group = ""
+    if split:
+        shares = view["settings"].get("shares") or []
+        names = {s["node_id"]: s["display_name"] for s in view["servers"]}
+        parts = [
+            f"{names.get(n, n)} {round(100 * shares[i])}%" if i < len(shares) else names.get(n, n)
+            for i, n in enumerate(split)
+        ]
+        group = f", split across {len(split)} nodes ({', '.join(parts)} of the layers)"
     return [
         f"deployment {view['name']}: {view['state']} — {view['model']} revision "
-        f"{view['revision']} on {view['runtime']}",
+        f"{view['revision']} on {view['runtime']}{group}",
         *[_server_line(s, now, name) for s in view["servers"]],
     ]
 
@@ -114,9 +125,15 @@ def _lines(view: dict[str, Any], now: float | None = None) -> list[str]:
 @click.option("--model", "model", required=True, help="The imported model to serve.")
 @click.option(
     "--nodes",
-    required=True,
     shell_complete=complete_nodes,
     help="Comma-separated node ids, id prefixes or hostnames: one server on each.",
+)
+@click.option(
+    "--split",
+    "split",
+    shell_complete=complete_nodes,
+    help="llama.cpp: one model across these nodes instead (MAIN,HELPER[,HELPER…]): the main "
+    "node holds the model and serves, each helper holds layers, over the agents' tunnels.",
 )
 @click.option("--runtime", type=click.Choice(RUNTIMES), default="llama.cpp", show_default=True)
 @click.option("--revision", help="That revision of the model instead of the latest.")
@@ -147,7 +164,8 @@ def deploy_command(
     obj: Context,
     name: str,
     model: str,
-    nodes: str,
+    nodes: str | None,
+    split: str | None,
     runtime: str,
     revision: str | None,
     gpu_count: int | None,
@@ -163,9 +181,19 @@ def deploy_command(
     as_json: bool,
 ) -> None:
     """Serve MODEL as NAME on NODES: one server per node, each started by its agent."""
-    wanted = [n.strip() for n in nodes.split(",") if n.strip()]
-    if not wanted:
-        raise CliError("--nodes names no node", "Pass --nodes A,B.", EXIT_USAGE)
+    if (nodes is None) == (split is None):
+        raise CliError(
+            "name the nodes with one of --nodes or --split",
+            "Pass --nodes A,B (a server on each), or --split MAIN,HELPER (one model across them).",
+            EXIT_USAGE,
+        )
+    wanted = [n.strip() for n in (nodes or split or "").split(",") if n.strip()]
+    if not wanted or (split is not None and len(wanted) < 2):
+        raise CliError(
+            "--split names fewer than two nodes" if split is not None else "--nodes names no node",
+            "Pass --split MAIN,HELPER[,HELPER…]." if split is not None else "Pass --nodes A,B.",
+            EXIT_USAGE,
+        )
     idle_unload_seconds = parse_duration(idle_unload) if idle_unload is not None else None
     store = obj.store()
     try:
@@ -186,6 +214,9 @@ def deploy_command(
             },
             "replicate": replicate,
         }
+        if split is not None:
+            fields["settings"]["split"] = fields["node_ids"]
+            fields["node_ids"] = fields["node_ids"][:1]
         view = servers.deploy(store, obj.settings, fields, audit.CLI_ACTOR)
     except ApiError as exc:
         raise refused(exc) from None

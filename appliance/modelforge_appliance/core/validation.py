@@ -491,6 +491,10 @@ DEPLOYMENT_SETTINGS_FIELDS = {
     ),
     "image_id": Field(str, required=False, nullable=True, low=71, high=71),
     "model_file": Field(str, required=False, nullable=True, low=1, high=1024),
+    # A model split across nodes (deployments/split.py): the main node, then its helpers.
+    "split": Field(
+        list, required=False, nullable=True, low=2, high=deploy_contract.SPLIT_MAX, items=_ID
+    ),
     # Load on demand (deployments/idle.py): unloaded after this long without a request.
     "idle_unload_seconds": Field(
         int, required=False, nullable=True, low=1, high=deploy_contract.IDLE_UNLOAD_MAX

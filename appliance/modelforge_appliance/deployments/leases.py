@@ -26,6 +26,7 @@ from modelforge_contract.deployments import (
     LEASE_END_REPLACED,
     NODE_OFFLINE,
     NODE_STOPPING,
+    ROLE_HELPER,
     SERVER_BACKOFF,
     SERVER_FAILED,
     SERVER_LEASE_LOST,
@@ -44,7 +45,7 @@ from ..models.replicas import shown_state
 from ..store import audit
 from ..store.database import Store
 from ..store.tables import Deployment, DeploymentServer, Model, ModelReplica, Node
-from . import placement, reconcile
+from . import placement, reconcile, split
 from .servers import apply_outcome, member_of
 
 log = logging.getLogger(__name__)
@@ -78,15 +79,15 @@ def desired_for(store: Store, node_id: str) -> dict[str, Any]:
                 & ModelReplica.model.in_([row.deployment.model_id for row in rows])
             )
         }
-    servers = []
-    for row in rows:
-        deployment, model = row.deployment, row.deployment.model
-        replica = replicas.get(model.model_id)
-        if replica is None or shown_state(replica, node) != "present":
-            continue  # waiting for the model: listed once the node reports it present
-        settings = json.loads(deployment.settings)
-        servers.append(
-            {
+        servers = []
+        for row in rows:
+            deployment, model = row.deployment, row.deployment.model
+            replica = replicas.get(model.model_id)
+            present = replica is not None and shown_state(replica, node) == "present"
+            if not present and row.role != ROLE_HELPER:  # a helper loads no file itself
+                continue  # waiting for the model: listed once the node reports it present
+            settings = json.loads(deployment.settings)
+            entry = {
                 "server_id": row.server_id,
                 "deployment": deployment.name,
                 "model": {"name": model.name, "revision": model.revision, "digest": model.digest},
@@ -96,7 +97,10 @@ def desired_for(store: Store, node_id: str) -> dict[str, Any]:
                 "state": row.state,
                 "restarts": row.restarts,
             }
-        )
+            member = split.agent_entry(row, settings)
+            if member is not None:
+                entry["split"] = member
+            servers.append(entry)
     return {"servers": servers, "servers_generation": node.servers_generation}
 
 

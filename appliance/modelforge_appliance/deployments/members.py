@@ -13,6 +13,7 @@ undeploying is what ends a deployment. Clients keep calling the deployment by it
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,7 @@ from modelforge_contract.deployments import (
     LAST_MEMBER,
     NOT_A_MEMBER,
     SERVER_IDLE,
+    SPLIT_FIXED,
 )
 
 from ..core.errors import Conflict, NotFound
@@ -55,6 +57,16 @@ def _refuse_stopping(deployment: Deployment) -> None:
             code=DEPLOYMENT_STOPPING,
             next_step=f"Wait for it to go (modelforge undeploy {deployment.name} --wait), then "
             "deploy it again on the nodes it should run on.",
+        )
+
+
+def _refuse_split(deployment: Deployment) -> None:
+    if json.loads(deployment.settings).get("split"):
+        raise Conflict(
+            f"deployment {deployment.name} is split across nodes; its members are fixed",
+            code=SPLIT_FIXED,
+            next_step=f"Undeploy it (modelforge undeploy {deployment.name} --wait) and deploy "
+            "it again with the --split you want.",
         )
 
 
@@ -117,6 +129,7 @@ def add_members(
         deployment = _get(name)
         model = deployment.model
         _refuse_stopping(deployment)
+        _refuse_split(deployment)
         _refuse_members(deployment, node_ids)
         found = {n.node_id: n for n in Node.select().where(Node.node_id.in_(node_ids))}
         joining = [
@@ -183,6 +196,7 @@ def remove_member(store: Store, name: str, node_id: str, actor: str) -> dict[str
         _lock(store, name, [])
         deployment = _get(name)
         _refuse_stopping(deployment)
+        _refuse_split(deployment)
         rows = _servers_of([deployment.deployment_id])[deployment.deployment_id]
         server = next((s for s, n in rows if n.node_id == node_id), None)
         if server is None:

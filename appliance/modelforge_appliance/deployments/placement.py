@@ -70,16 +70,21 @@ def check_member(
     worker = (reported.health or {}).get("worker") or {}
     runtimes = worker.get("runtimes") or []
     if runtime not in runtimes:
-        offered = ", ".join(runtimes) or "none"
-        raise Conflict(
-            f"the runtime worker of node {node.display_name} ({node.node_id}) does not offer "
-            f"the {runtime} runtime (it offers: {offered})",
-            code=RUNTIME_UNSUPPORTED,
-            next_step="Install the runtime on the node (docs/deployments.md, 'Runtimes') and "
-            "wait for its worker to report it, or choose another runtime or node.",
-            extra={"node_id": node.node_id, "runtimes": runtimes},
-        )
+        refuse_runtime(node, runtime, runtimes)
     return node
+
+
+def refuse_runtime(node: Node, runtime: str, runtimes: list[str]) -> None:
+    """409 RUNTIME_UNSUPPORTED: the node's worker does not offer ``runtime``."""
+    offered = ", ".join(runtimes) or "none"
+    raise Conflict(
+        f"the runtime worker of node {node.display_name} ({node.node_id}) does not offer "
+        f"the {runtime} runtime (it offers: {offered})",
+        code=RUNTIME_UNSUPPORTED,
+        next_step="Install the runtime on the node (docs/deployments.md, 'Runtimes') and "
+        "wait for its worker to report it, or choose another runtime or node.",
+        extra={"node_id": node.node_id, "runtimes": runtimes},
+    )
 
 
 def missing_on(store: Store, model: Model, nodes: list[Node]) -> list[Node]:

@@ -26,7 +26,9 @@ from modelforge_contract.deployments import (
     GOAL_REMOVE,
     GOAL_RUN,
     MODEL_FORMAT_UNSUPPORTED,
+    ROLE_HELPER,
     RUNTIME_LLAMA_CPP,
+    RUNTIME_LLAMA_CPP_RPC,
     RUNTIME_VLLM,
     SERVER_ACTIVE_STATES,
     SERVER_IDLE,
@@ -42,7 +44,7 @@ from ..models import catalog, replicas
 from ..store import audit
 from ..store.database import Store
 from ..store.tables import Deployment, DeploymentServer, Model, Node
-from . import placement, reconcile
+from . import placement, reconcile, split
 
 _IMAGE_ID_LENGTH = 71
 
@@ -68,6 +70,7 @@ def server_view(server: DeploymentServer, node: Node) -> dict[str, Any]:
         "error": _load(server.error),
         "gpus": _load(server.gpus) or [],
         "restarts": server.restarts,
+        "role": server.role,
         "next_attempt_at": isoformat(server.next_attempt_at),
         "goal": server.goal,
         "lease_expires_at": isoformat(server.lease_expires_at),
@@ -99,6 +102,8 @@ def deployment_view(
             "image_id": settings.get("image_id"),
             "model_file": settings.get("model_file"),
             "idle_unload_seconds": settings.get("idle_unload_seconds"),
+            "split": settings.get("split"),
+            "shares": settings.get("shares"),
         },
         # A member on its way out no longer counts towards how the deployment serves.
         "state": derived_state(
@@ -272,17 +277,26 @@ def deploy(
     runtime = fields["runtime"]
     server_settings = _settings_of(fields, model)
     idle_capable = server_settings.get("idle_unload_seconds") is not None
-    node_ids = list(dict.fromkeys(fields["node_ids"]))
+    group = split.members_of(fields)
+    node_ids = group or list(dict.fromkeys(fields["node_ids"]))
     now = store.clock.now()
     with store.connection():
         found = {n.node_id: n for n in Node.select().where(Node.node_id.in_(node_ids))}
         members = [
-            placement.check_member(found.get(i), i, runtime, now, settings, pending(i))
+            placement.check_member(
+                found.get(i),
+                i,
+                RUNTIME_LLAMA_CPP_RPC if split.role_for(group, i) == ROLE_HELPER else runtime,
+                now,
+                settings,
+                pending(i),
+            )
             for i in node_ids
         ]
         if Deployment.select().where(Deployment.name == name).exists():
             raise _exists(name)
-        missing = placement.missing_on(store, model, members)
+        # A split's helpers hold no replica: the main node sends them their tensors.
+        missing = placement.missing_on(store, model, members[:1] if group else members)
         # Checked before anything is replicated (and again where it decides, below).
         for node in members:
             place_server(store, node, fields, idle_capable)
@@ -305,6 +319,9 @@ def deploy(
             raise _exists(name)
         placed = {node.node_id: place_server(store, node, fields, idle_capable) for node in members}
         chosen = {node_id: gpus for node_id, (gpus, _) in placed.items()}
+        if group:
+            memory = [split.memory_of(node, chosen[node.node_id]) for node in members]
+            server_settings = {**server_settings, "split": group, "shares": split.shares(memory)}
         try:
             Deployment.create(
                 deployment_id=deployment_id,
@@ -331,6 +348,7 @@ def deploy(
                 error=None,
                 gpus=_dump(chosen[node.node_id]),
                 restarts=0,
+                role=split.role_for(group, node.node_id),
             )
         _bump(node_ids)
         audit.record(
@@ -346,6 +364,8 @@ def deploy(
             node_ids=node_ids,
             gpus=chosen,
             replicated=[n.node_id for n in missing],
+            split=server_settings.get("split"),
+            shares=server_settings.get("shares"),
         )
     return get_deployment(store, name)
 

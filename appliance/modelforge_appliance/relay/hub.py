@@ -299,6 +299,31 @@ class Stream:
         self.hub.forget(self)
 
 
+class LinkRefused(Exception):
+    """A LINK the control plane will not splice; the message says why (no secret)."""
+
+
+class LinkEnd:
+    """One side of a spliced link (a model split across nodes): the stream on one node's
+    tunnel, the credit that node still has toward the other (the other side's grants,
+    passed on as they come: the hub keeps no bytes), and the other side."""
+
+    __slots__ = ("credit", "peer", "stream_id", "tunnel")
+
+    def __init__(self, tunnel: Tunnel, stream_id: int) -> None:
+        self.tunnel, self.stream_id = tunnel, stream_id
+        self.credit = wire.WINDOW_BYTES
+        self.peer: LinkEnd | None = None
+
+
+# authorize(node_id, server_id, peer_server_id) -> the peer's node id, or LinkRefused
+LinkAuthority = Callable[[str, str, str], str]
+
+
+def _no_links(node_id: str, server_id: str, peer_server_id: str) -> str:
+    raise LinkRefused("this control plane splices no links")
+
+
 class Tunnel:
     """One agent's tunnel: its link, its reader thread, the streams it carries."""
 
@@ -393,6 +418,11 @@ class Tunnel:
             value = wire.json_of(frame)
             self.hub.going(self, str(value.get("code") or "RESET")[:64])
             return
+        if kind == wire.LINK:
+            self.hub.open_link(self, frame)
+            return
+        if self.hub.on_link_frame(self, frame):
+            return
         stream = self.hub.stream(frame.stream_id)
         if stream is None or stream.node_id != self.node_id:
             if stream is None and self.hub.ended_here(self.node_id, frame.stream_id):
@@ -443,6 +473,7 @@ class Hub:
         keepalive: float = KEEPALIVE_SECONDS,
         max_streams: int = wire.MAX_STREAMS_PER_TUNNEL,
         on_protocol_error: Callable[[], None] | None = None,
+        authorize_link: LinkAuthority = _no_links,
     ) -> None:
         # The relay's own bounds (in all, per key, per deployment) are shares.Shares'; the
         # hub keeps only the tunnel's, which no agent may be asked past.
@@ -459,6 +490,9 @@ class Hub:
         # are dropped; a frame for a stream the node never had closes its tunnel.
         self._ended: dict[str, collections.deque[int]] = {}
         self._on_protocol_error = on_protocol_error or (lambda: None)
+        # Spliced links (a model split across nodes), by (node id, stream id) of each side.
+        self._links: dict[tuple[str, int], LinkEnd] = {}
+        self.authorize_link = authorize_link
 
     def metrics_protocol_error(self) -> None:
         self._on_protocol_error()
@@ -508,6 +542,7 @@ class Hub:
                 del self._held[tunnel.node_id]
             streams = [s for s in self._streams.values() if s.tunnel is tunnel]
         tunnel.shut(1000, reason[:100])
+        self._drop_links(tunnel, rel.NODE_LINK_LOST, "the other node's tunnel went away")
         for stream in streams:
             stream.on_link_lost(tunnel)
         log.info("node %s: tunnel down (%s; %d stream(s) waiting)", tunnel.node_id, reason,
@@ -531,6 +566,7 @@ class Hub:
             ]
         for stream in streams:
             stream.on_gone()
+        self._drop_links(tunnel, rel.NODE_LINK_LOST, "the other node's agent is going")
         tunnel.shut(1000, why[:100])  # it closes next; nothing more to carry
         log.info("node %s: %s (%s); %d stream(s) ended", node_id, why, code,
                  len(streams))  # fmt: skip
@@ -616,6 +652,109 @@ class Hub:
                 self._in_flight[stream.server_id] -= 1
                 if self._in_flight[stream.server_id] <= 0:
                     del self._in_flight[stream.server_id]
+
+    # -- links (a model split across nodes) -------------------------------------------------
+
+    def open_link(self, tunnel: Tunnel, frame: wire.Frame) -> None:
+        """An agent's LINK: its main server dials a helper. Spliced to a new stream on the
+        helper node's tunnel when ``authorize_link`` allows it; else RESET LINK_REFUSED."""
+        value = wire.json_of(frame)
+        stream_id = frame.stream_id
+        if not wire.is_link_id(stream_id):
+            raise wire.FrameError(f"LINK on stream {stream_id}, an id the agent may not choose")
+        peer_server = value.get("peer_server_id")
+        if peer_server is None:
+            raise wire.FrameError("LINK from an agent names no peer_server_id")
+        with self._lock:
+            if (tunnel.node_id, stream_id) in self._links:
+                raise wire.FrameError(f"LINK for stream {stream_id}, a link that exists")
+        try:
+            peer_node = self.authorize_link(tunnel.node_id, str(value["server_id"]), peer_server)
+        except LinkRefused as refused:
+            log.warning("node %s: link to server %s refused: %s", tunnel.node_id, peer_server,
+                        refused)  # fmt: skip
+            tunnel.send(wire.reset_frame(stream_id, rel.LINK_REFUSED, str(refused)))
+            return
+        here: LinkEnd | None = None
+        with self._lock:
+            peer_tunnel = self._tunnels.get(peer_node)
+            if peer_tunnel is not None and peer_tunnel.open and tunnel.open:
+                here, there = LinkEnd(tunnel, stream_id), LinkEnd(peer_tunnel, next(self._ids))
+                here.peer, there.peer = there, here
+                self._links[(tunnel.node_id, stream_id)] = here
+                self._links[(peer_node, there.stream_id)] = there
+        if peer_tunnel is None or here is None:
+            tunnel.send(wire.reset_frame(stream_id, rel.LINK_REFUSED, "the helper's node is away"))
+            return
+        if not peer_tunnel.send(wire.link_frame(there.stream_id, peer_server)):
+            self._end_link(here, rel.NODE_LINK_LOST, "the helper's node is away")
+            return
+        log.info("node %s: link %d to server %s on node %s", tunnel.node_id, stream_id,
+                 peer_server, peer_node)  # fmt: skip
+
+    def on_link_frame(self, tunnel: Tunnel, frame: wire.Frame) -> bool:
+        """A frame of a spliced link, passed on to the other side; False when the frame is
+        not a link's. DATA beyond the sender's credit is a protocol error."""
+        with self._lock:
+            end = self._links.get((tunnel.node_id, frame.stream_id))
+        if end is None or end.tunnel is not tunnel:
+            if not wire.is_link_id(frame.stream_id):
+                return False
+            if frame.type != wire.RESET:  # a link that ended here meanwhile
+                tunnel.send(wire.reset_frame(frame.stream_id, "STREAM_UNKNOWN", "no such link"))
+            return True
+        peer = end.peer
+        assert peer is not None
+        kind = frame.type
+        if kind == wire.DATA:
+            with self._lock:
+                end.credit -= len(frame.payload)
+                over = end.credit < 0
+            if over:
+                raise wire.FrameError("DATA beyond the link's credit")
+            peer.tunnel.send(
+                wire.data_frame(peer.stream_id, frame.payload, end_stream=frame.end_stream)
+            )
+        elif kind == wire.WINDOW:
+            increment = wire.window_of(frame)
+            with self._lock:
+                peer.credit += increment  # what this side took, the other may send again
+                over = peer.credit > wire.WINDOW_BYTES
+            if over:
+                raise wire.FrameError("WINDOW beyond what the link carried")
+            peer.tunnel.send(wire.window_frame(peer.stream_id, increment))
+        elif kind == wire.END:
+            peer.tunnel.send(wire.end_frame(peer.stream_id))
+        elif kind == wire.RESET:
+            value = wire.json_of(frame)
+            self._end_link(
+                end, str(value.get("code") or "RESET")[:64], str(value.get("message") or "")[:500]
+            )
+        else:
+            raise wire.FrameError(f"{kind.name} on a link")
+        return True
+
+    def _end_link(self, end: LinkEnd, code: str, message: str) -> None:
+        """Forget both sides; the other side is told with RESET (this side said it, or its
+        tunnel is gone)."""
+        peer = end.peer
+        with self._lock:
+            self._links.pop((end.tunnel.node_id, end.stream_id), None)
+            if peer is not None:
+                self._links.pop((peer.tunnel.node_id, peer.stream_id), None)
+        if peer is not None:
+            peer.tunnel.send(wire.reset_frame(peer.stream_id, code, message), wait=False)
+
+    def _drop_links(self, tunnel: Tunnel, code: str, message: str) -> None:
+        with self._lock:
+            ends = [end for end in self._links.values() if end.tunnel is tunnel]
+        for end in ends:
+            self._end_link(end, code, message)
+
+    def links(self) -> int:
+        """Links spliced now (each counted once)."""
+        with self._lock:
+            return len(self._links) // 2
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

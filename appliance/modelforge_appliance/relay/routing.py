@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelforge_contract import FIELD_REQUIRED, FIELD_TYPE
-from modelforge_contract.deployments import SERVER_IDLE, SERVER_RUNNING
+from modelforge_contract.deployments import ROLE_MAIN, SERVER_IDLE, SERVER_RUNNING
 from modelforge_contract.relay import COLD_START_TIMEOUT, MODEL_NOT_DEPLOYED, NO_RUNNING_SERVER
 
 from ..core.errors import ApiError, Invalid, NotFound
@@ -39,6 +39,7 @@ def running_deployments(store: Store) -> list[dict[str, Any]]:
             .join(DeploymentServer)
             .where(
                 DeploymentServer.state.in_((SERVER_RUNNING, SERVER_IDLE))
+                & (DeploymentServer.role.is_null() | (DeploymentServer.role == ROLE_MAIN))
                 & (Deployment.stopping == False)  # noqa: E712 - peewee's expression
             )
             .distinct()
@@ -51,7 +52,7 @@ def running_deployments(store: Store) -> list[dict[str, Any]]:
 _PICK_SQL = (
     "SELECT d.stopping, s.server_id, s.node_id FROM deployment AS d "
     "LEFT JOIN deployment_server AS s ON s.deployment_id = d.deployment_id "
-    "AND s.state = 'running' WHERE d.name = ?"
+    "AND s.state = 'running' AND (s.role IS NULL OR s.role = 'main') WHERE d.name = ?"
 )
 
 

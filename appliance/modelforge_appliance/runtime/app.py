@@ -24,6 +24,7 @@ from ..core.settings import Settings
 from ..deployments.idle import Unloader, Usage
 from ..fleet.heartbeats import HeartbeatBuffer
 from ..fleet.telemetry import TelemetryHistory
+from ..relay import links
 from ..relay.answer import Relay
 from ..relay.hub import Hub
 from ..relay.limits import Limits, UsageBook
@@ -80,7 +81,10 @@ def make_app(settings: Settings, store: Store) -> bottle.Bottle:
     admin_deployments.add_routes(app, context)
     agent_servers.add_routes(app, context)
     # The relay's streams wait on its own event loop, within its fair shares.
-    hub = app.hub = Hub(on_protocol_error=metrics.relay_tunnel_errors.inc)
+    # A split model's main node reaches its helpers over the hub (relay/links.py).
+    hub = app.hub = Hub(
+        on_protocol_error=metrics.relay_tunnel_errors.inc, authorize_link=links.authorizer(store)
+    )
     shares = Shares(
         settings.relay_streams,
         settings.relay_streams_per_key,

@@ -437,6 +437,10 @@ _USERS = (
     'ALTER TABLE "api_key" ADD COLUMN "owner" VARCHAR(64) NOT NULL DEFAULT \'admin\'',
 )
 
+# 18: a model split across nodes (deployments/split.py): each server's role in its group,
+# main or helper; null for a whole server.
+_SERVER_ROLES = ('ALTER TABLE "deployment_server" ADD COLUMN "role" VARCHAR(8)',)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial", _INITIAL),
     Migration(2, "decommission confirmations", _DECOMMISSION_CONFIRMATIONS),
@@ -463,5 +467,6 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(15, "hub token", _HUB_TOKEN),
     Migration(16, "API key limits and usage", _KEY_LIMITS_AND_USAGE),
     Migration(17, "users with roles", _USERS),
+    Migration(18, "server roles of a split deployment", _SERVER_ROLES),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

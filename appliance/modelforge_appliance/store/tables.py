@@ -356,6 +356,8 @@ class DeploymentServer(BaseModel):
     # and, backing off, when its agent starts the runtime again.
     goal = pw.CharField(max_length=8, default="run")
     next_attempt_at = pw.DoubleField(null=True)
+    # A model split across nodes (migration 18): main or helper; None for a whole server.
+    role = pw.CharField(max_length=8, null=True)
 
     class Meta:
         indexes = (

@@ -29,6 +29,14 @@ class ServeSpec:
     args: tuple[str, ...]
     image_id: str | None  # vllm: the image, pinned by id, never pulled
     accelerator_mode: str  # nvidia or cpu
+    # A model split across nodes (docs/deployments.md): "main" runs llama-server with the
+    # helpers' endpoints (their agents' loopback listeners) in ``rpc`` and the layer shares
+    # in ``tensor_split``; "helper" runs ggml-rpc-server, with its tensor cache in
+    # ``cache_dir``. None: one whole server.
+    role: str | None = None
+    rpc: tuple[str, ...] = ()
+    tensor_split: tuple[float, ...] = ()
+    cache_dir: Path | None = None
 
 
 class LaunchFailed(Exception):

@@ -21,11 +21,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from modelforge_contract.deployments import RUNTIME_LAUNCH_FAILED, reserved_arg
+from modelforge_contract.deployments import (
+    ROLE_HELPER,
+    ROLE_MAIN,
+    RUNTIME_LAUNCH_FAILED,
+    SPLIT_OUTPUT_ON_MAIN,
+    SPLIT_RESERVED_ARGS,
+    reserved_arg,
+)
 
-from . import LaunchFailed, ServeSpec
+from . import LaunchFailed, ServeSpec, gguf_header
 
 LOG_LINES = 200
+RPC_SERVER = "ggml-rpc-server"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -35,6 +43,21 @@ def find_binary(configured: str | None) -> Path | None:
         path = Path(configured)
         return path if path.is_file() and os.access(path, os.X_OK) else None
     found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+def find_rpc_binary(configured: str | None, llama_server: str | None) -> Path | None:
+    """MODELFORGE_WORKER_LLAMA_RPC_SERVER, else ``ggml-rpc-server`` beside the llama-server
+    this worker runs (scripts/llama-server-build puts them together), else on PATH."""
+    if configured:
+        path = Path(configured)
+        return path if path.is_file() and os.access(path, os.X_OK) else None
+    main = find_binary(llama_server)
+    if main is not None:
+        beside = main.parent / RPC_SERVER
+        if beside.is_file() and os.access(beside, os.X_OK):
+            return beside
+    found = shutil.which(RPC_SERVER)
     return Path(found) if found else None
 
 
@@ -89,7 +112,34 @@ class _Spawner:
 _SPAWNER = _Spawner()
 
 
-def command(binary: Path, spec: ServeSpec) -> list[str]:
+def helper_command(binary: Path, spec: ServeSpec) -> list[str]:
+    """A split deployment's helper: ggml-rpc-server on 127.0.0.1 only (its agent carries the
+    main node's connections to it over the tunnels), with a tensor cache when it has one."""
+    argv = [str(binary), "--host", "127.0.0.1", "--port", str(spec.port)]
+    if spec.cache_dir is not None:
+        argv.append("--cache")
+    return [*argv, *spec.args]
+
+
+def split_placement(spec: ServeSpec, layers: int | None) -> tuple[int, list[float]]:
+    """A split's main server: how many layers go to devices (``--n-gpu-layers``) and the
+    devices' shares (``--tensor-split``). llama.cpp puts the RPC devices first, then this
+    node's GPUs; on a CPU node the layers this node keeps stay before the offloaded ones
+    (the first ``n + 1 - ngl`` of n, the output counting as one more)."""
+    shares = list(spec.tensor_split) or [0.0] + [1.0] * len(spec.rpc)
+    mine, helpers = shares[0], shares[1 : 1 + len(spec.rpc)]
+    helpers += [helpers[-1] if helpers else 1.0] * (len(spec.rpc) - len(helpers))
+    if spec.gpus:
+        return 999, [*helpers, *([mine / len(spec.gpus)] * len(spec.gpus))]
+    if layers is None:
+        return 999, helpers
+    total = mine + sum(helpers)
+    kept = round(layers * mine / total) if total > 0 else 0
+    kept = min(max(kept, 0), layers - 1)  # at least one layer on the helpers
+    return layers + 1 - kept, helpers
+
+
+def command(binary: Path, spec: ServeSpec, layers: int | None = None) -> list[str]:
     assert spec.model_file is not None
     argv = [
         str(binary),
@@ -104,7 +154,14 @@ def command(binary: Path, spec: ServeSpec) -> list[str]:
     ]
     if spec.context_length:
         argv += ["--ctx-size", str(spec.context_length)]
-    if spec.gpus and not any(a.split("=")[0] in ("-ngl", "--n-gpu-layers") for a in spec.args):
+    if spec.role == ROLE_MAIN:
+        offloaded, tensor_split = split_placement(spec, layers)
+        argv += ["--rpc", ",".join(spec.rpc), "--n-gpu-layers", str(offloaded)]
+        argv += ["--tensor-split", ",".join(f"{share:g}" for share in tensor_split)]
+        # The output layer on this node; no prompt cache (it copies the KV state back and
+        # forth over the helpers' round trips).
+        argv += ["--override-tensor", SPLIT_OUTPUT_ON_MAIN, "--cache-ram", "0"]
+    elif spec.gpus and not any(a.split("=")[0] in ("-ngl", "--n-gpu-layers") for a in spec.args):
         argv += ["--n-gpu-layers", "999"]  # every layer on the lease's GPUs
     return [*argv, *spec.args]
 
@@ -156,36 +213,56 @@ class LlamaServer:
 
 
 def launch(binary: Path, spec: ServeSpec) -> LlamaServer:
-    if spec.model_file is None:
-        raise LaunchFailed(RUNTIME_LAUNCH_FAILED, "llama.cpp needs the GGUF file to load")
+    """llama-server, or for a split deployment's helper ggml-rpc-server (``binary`` is then
+    that one)."""
     reserved = reserved_arg(spec.args)
+    if reserved is None and spec.role == ROLE_MAIN:
+        reserved = reserved_arg(spec.args, SPLIT_RESERVED_ARGS)
     if reserved is not None:
         raise LaunchFailed(
             RUNTIME_LAUNCH_FAILED, f"the argument {reserved} is set by the worker itself"
         )
-    model = spec.model_dir / spec.model_file
-    if not model.is_file():
-        raise LaunchFailed(RUNTIME_LAUNCH_FAILED, f"the model file {spec.model_file} is missing")
     env = {
         key: value
         for key, value in os.environ.items()
-        if not key.startswith(("MODELFORGE_", "LLAMA_ARG_"))  # nothing of ours, no overrides
-    }
+        if not key.startswith(("MODELFORGE_", "LLAMA_ARG_", "LLAMA_CACHE", "GGML_RPC"))
+    }  # nothing of ours, no overrides
     # Exactly the lease's GPUs; none at all for a server without any (never "all").
     env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
+    if spec.role == ROLE_HELPER:
+        argv, cwd = helper_command(binary, spec), "/"
+        if spec.cache_dir is not None:
+            env["LLAMA_CACHE"] = str(spec.cache_dir)  # the tensor cache: <it>/rpc
+    else:
+        if spec.model_file is None:
+            raise LaunchFailed(RUNTIME_LAUNCH_FAILED, "llama.cpp needs the GGUF file to load")
+        if spec.role == ROLE_MAIN and not spec.rpc:
+            raise LaunchFailed(RUNTIME_LAUNCH_FAILED, "a split's main server needs its helpers")
+        model = spec.model_dir / spec.model_file
+        if not model.is_file():
+            raise LaunchFailed(
+                RUNTIME_LAUNCH_FAILED, f"the model file {spec.model_file} is missing"
+            )
+        layers = None
+        if spec.role == ROLE_MAIN and not spec.gpus:
+            try:
+                layers = gguf_header.layer_count(model)
+            except (OSError, gguf_header.GgufError) as exc:
+                raise LaunchFailed(RUNTIME_LAUNCH_FAILED, f"cannot split it: {exc}") from None
+        argv, cwd = command(binary, spec, layers), str(spec.model_dir)
     try:
         process = _SPAWNER.popen(
-            command(binary, spec),
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,
-            cwd=str(spec.model_dir),
+            cwd=cwd,
             preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, async-signal-safe
             close_fds=True,
         )
     except OSError as exc:
         raise LaunchFailed(
-            RUNTIME_LAUNCH_FAILED, f"llama-server could not start ({exc.strerror or exc})"
+            RUNTIME_LAUNCH_FAILED, f"{binary.name} could not start ({exc.strerror or exc})"
         ) from None
     return LlamaServer(spec, process)

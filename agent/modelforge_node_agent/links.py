@@ -1,0 +1,197 @@
+"""Links of a model split across nodes, carried over the tunnel (docs/deployments.md).
+
+A split's main server runs ``llama-server --rpc``; its helpers run ``ggml-rpc-server`` on
+their own nodes' loopback. Nothing listens on a network: the main node's agent listens on
+127.0.0.1 for each helper (``Listener``), and each connection ``llama-server`` makes there
+becomes a LINK on this agent's tunnel, which the control plane splices to a stream on the
+helper's agent, which connects to its ``ggml-rpc-server``. Both directions are
+credit-bounded: a side sends at most WINDOW_BYTES beyond what the other granted back, so a
+link costs at most one window per direction anywhere on the way.
+
+A link is never resumed: when the tunnel drops, or the other side RESETs, the local
+connection is closed, and ``llama-server`` (which has no timeout of its own, and aborts
+when a helper goes) exits; the serve loop starts it again after its backoff. The main
+side also ends a link that stalls: bytes sent and nothing back for ``stall_seconds``
+(a helper whose node hangs would otherwise hang ``llama-server`` forever, ``/health`` 200).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from modelforge_contract import relay as rel
+from modelforge_contract import tunnel as wire
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK = 64 * 1024
+POLL_SECONDS = 0.5  # how often a reader looks for a stall or an end
+
+
+class LinkPump:
+    """One link: a local socket and the tunnel stream it rides."""
+
+    def __init__(
+        self,
+        stream_id: int,
+        sock: socket.socket,
+        send: Callable[[wire.Frame], bool],
+        finished: Callable[[LinkPump], None],
+        stall_seconds: float | None = None,
+    ) -> None:
+        self.stream_id, self.sock, self._send = stream_id, sock, send
+        self._finished, self.stall_seconds = finished, stall_seconds
+        self._cond = threading.Condition()
+        self.credit = wire.WINDOW_BYTES  # what it may still send
+        self._incoming: queue.Queue[bytes | None] = queue.Queue()
+        self.closed = False
+        # A stall: bytes sent since the last byte came back, and since when.
+        self._waiting_since: float | None = None
+
+    def start(self) -> None:
+        threading.Thread(target=self._read, name=f"link-{self.stream_id}", daemon=True).start()
+        threading.Thread(target=self._write, name=f"link-w-{self.stream_id}", daemon=True).start()
+
+    # -- from the tunnel ----------------------------------------------------------------
+
+    def on_data(self, payload: bytes) -> None:
+        with self._cond:
+            self._waiting_since = None  # the other side answers
+        self._incoming.put(payload)
+
+    def on_window(self, count: int) -> None:
+        with self._cond:
+            self.credit += count
+            if self.credit > wire.WINDOW_BYTES:
+                raise wire.FrameError("WINDOW beyond what the link sent")
+            self._cond.notify_all()
+
+    def on_end(self) -> None:
+        self._incoming.put(None)
+
+    def on_reset(self) -> None:
+        self.close(tell=False)
+
+    # -- its threads --------------------------------------------------------------------
+
+    def _read(self) -> None:
+        """The local socket to the tunnel, within the credit."""
+        self.sock.settimeout(POLL_SECONDS)
+        try:
+            while not self.closed:
+                with self._cond:
+                    while self.credit <= 0 and not self.closed:
+                        self._cond.wait(POLL_SECONDS)
+                        self._check_stall()
+                    room = min(self.credit, READ_CHUNK)
+                if self.closed:
+                    return
+                try:
+                    data = self.sock.recv(room)
+                except TimeoutError:
+                    with self._cond:
+                        self._check_stall()
+                    continue
+                if not data:  # the local side closed: this direction is over
+                    self._send(wire.end_frame(self.stream_id))
+                    return
+                with self._cond:
+                    self.credit -= len(data)
+                    if self._waiting_since is None:
+                        self._waiting_since = time.monotonic()
+                if not self._send(wire.data_frame(self.stream_id, data)):
+                    self.close(tell=False)  # the tunnel is gone: nothing to tell
+                    return
+        except _Stalled:
+            log.warning("link %d: no answer for %g s; ending it", self.stream_id,
+                        self.stall_seconds)  # fmt: skip
+            self._send(wire.reset_frame(self.stream_id, rel.LINK_STALLED, "the helper stalled"))
+            self.close(tell=False)
+        except OSError:
+            self.close()
+
+    def _check_stall(self) -> None:
+        """Inside the lock."""
+        if self.stall_seconds is None or self._waiting_since is None:
+            return
+        if time.monotonic() - self._waiting_since > self.stall_seconds:
+            raise _Stalled()
+
+    def _write(self) -> None:
+        """What the tunnel brought, to the local socket; credit back once it took it."""
+        while True:
+            data = self._incoming.get()
+            if data is None or self.closed:
+                if data is None:
+                    with contextlib.suppress(OSError):
+                        self.sock.shutdown(socket.SHUT_WR)
+                return
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.close()
+                return
+            self._send(wire.window_frame(self.stream_id, len(data)))
+
+    def close(self, tell: bool = True) -> None:
+        """End the link: the local connection is closed, and (``tell``) the other side is
+        told with RESET."""
+        with self._cond:
+            if self.closed:
+                return
+            self.closed = True
+            self._cond.notify_all()
+        self._incoming.put(None)
+        if tell:
+            self._send(wire.reset_frame(self.stream_id, rel.NODE_LINK_LOST, "the link ended"))
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._finished(self)
+
+
+class _Stalled(Exception):
+    pass
+
+
+class Listener:
+    """127.0.0.1:<port> for one helper of a main server: each connection becomes a link."""
+
+    def __init__(
+        self,
+        server_id: str,
+        peer_server_id: str,
+        open_link: Callable[[str, str, socket.socket], None],
+    ) -> None:
+        self.server_id, self.peer_server_id, self._open = server_id, peer_server_id, open_link
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, name=f"listen-{peer_server_id}", daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._open(self.server_id, self.peer_server_id, conn)
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()

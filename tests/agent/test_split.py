@@ -1,0 +1,102 @@
+"""One model across two nodes (issue 38): a real control plane splits the tiny GGUF between
+two real agents' workers, the main node's ``llama-server --rpc`` and the helper's
+``ggml-rpc-server``, both on their own loopback, linked only over the agents' tunnels. The
+greedy text through the relay is one process's; a helper whose agent dies takes the group
+down, and the group serves again once the agent is back, with no person."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import requests
+
+from modelforge_appliance.identity.api_keys import create_api_key
+from modelforge_contract.deployments import ROLE_HELPER, ROLE_MAIN
+from tests.harness.agent_process import AgentProcess, wait_until
+from tests.harness.llama import GREEDY
+
+from .test_serve import (  # noqa: F401
+    cp,
+    deploy,
+    model,
+    replicate,
+    serving_node,
+    sockets,
+    wait_servers,
+    worker_servers,
+)
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "the model"
+# One llama-server on the whole tiny GGUF says this (tests/worker/test_llama_server_binary.py).
+GOLDEN = "ll d for q with8 w n w nj runse with agent"
+
+
+def relayed_text(plane, key: str) -> requests.Response:
+    return requests.post(
+        f"{plane.url}/v1/completions",
+        json={"model": "tiny-split", "prompt": PROMPT, "max_tokens": 16, **GREEDY},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+    )
+
+
+def test_a_model_split_over_two_nodes_answers_as_one_and_comes_back_after_a_helper_is_lost(
+    cp,  # noqa: F811 - test_serve's fixtures, imported above
+    tmp_path,
+    sockets,  # noqa: F811
+    model,  # noqa: F811
+    llama_server_binary,
+):  # fmt: skip
+    main = serving_node(cp, tmp_path, sockets, "split-main", llama_server_binary)
+    helper = serving_node(cp, tmp_path, sockets, "split-helper", llama_server_binary)
+    try:
+        replicate(cp, [main])  # the helper needs no copy: the main node sends its tensors
+        made = deploy(cp, "tiny-split", [main], settings={"split": [main.node_id, helper.node_id]})
+        assert made.status_code == 201, made.text
+        view = made.json()
+        roles = {s["node_id"]: s["role"] for s in view["servers"]}
+        assert roles == {main.node_id: ROLE_MAIN, helper.node_id: ROLE_HELPER}
+        assert view["settings"]["split"] == [main.node_id, helper.node_id]
+        assert len(view["settings"]["shares"]) == 2 and sum(view["settings"]["shares"]) > 0.99
+        wait_servers(cp, "tiny-split", "running", timeout=180)
+
+        # The helper runs ggml-rpc-server on its loopback; the main llama-server dials it
+        # only through its agent's listener.
+        [held] = worker_servers(helper).values()
+        assert held["role"] == ROLE_HELPER
+        [served] = worker_servers(main).values()
+        assert served["role"] == ROLE_MAIN
+
+        _, key = create_api_key(cp.store, "split", "tests")
+        answer = relayed_text(cp, key)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == GOLDEN
+        assert cp.server.app.hub.links() >= 1
+        listed = requests.get(
+            f"{cp.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30
+        ).json()
+        assert [m["id"] for m in listed["data"]] == ["tiny-split"]
+
+        # The helper's agent dies: its links end, the main llama-server exits, and the
+        # group waits; the agent back, the group serves the same text again by itself.
+        helper.agent.process.send_signal(signal.SIGKILL)
+        helper.agent.process.wait(timeout=10)
+        helper.agent.close()
+        wait_until(lambda: cp.server.app.hub.links() == 0, timeout=30, what="links ended")
+        helper.agent = AgentProcess(helper.agent.env, tmp_path / "split-helper" / "agent-2.log")
+
+        def serves_again():
+            again = relayed_text(cp, key)
+            return again.json()["choices"][0]["text"] if again.status_code == 200 else None
+
+        assert wait_until(serves_again, timeout=180, what="the group serving again") == GOLDEN
+        shown = wait_servers(cp, "tiny-split", "running")
+        restarts = {s["role"]: s["restarts"] for s in shown["servers"]}
+        assert restarts[ROLE_MAIN] >= 1  # it went down with its helper, and came back
+        assert "SIGABRT" in main.agent.log()  # llama-server aborts when a helper goes
+    finally:
+        helper.close()
+        main.close()
