@@ -5,7 +5,8 @@ control-plane  modelforge.pyz, unpacked for a read-only start, and env (for its 
 node-agent     modelforge_node_agent with its locked wheels
 worker         modelforge_worker with its locked wheels
 cuda           the CUDA runtime from the nvidia-cuda-runtime-cu12 wheel
-llama-server   llama.cpp's static llama-server (scripts/llama-server-build), for the -cpu worker
+llama-server   llama.cpp's static llama-server and ggml-rpc-server (scripts/llama-server-build), for
+               the -cpu worker
 """
 
 from __future__ import annotations
@@ -183,7 +184,8 @@ LAYER_DESCRIPTIONS = {
     "node-agent": "modelforge_node_agent with its locked wheels",
     "worker": "modelforge_worker with its locked wheels",
     "cuda": "CUDA runtime from the nvidia-cuda-runtime-cu12 wheel",
-    "llama-server": "llama.cpp's static llama-server, built from the pinned llama-cpp-python sdist",
+    "llama-server": "llama.cpp's static llama-server and ggml-rpc-server, built from the pinned "
+    "llama-cpp-python sdist",
 }
 
 

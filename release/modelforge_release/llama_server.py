@@ -20,8 +20,11 @@ from .rootfs import Tree
 
 LLAMA_SERVER_ENV = "MODELFORGE_RELEASE_LLAMA_SERVER"
 BUILD_SCRIPT = Path("scripts") / "llama-server-build"
-# In the image: on PATH, and named by the worker's setting (ImageSpec.env).
+# In the image: on PATH, and named by the worker's setting (ImageSpec.env). The helper of a
+# model split across nodes sits beside it, where the worker looks for it.
 IMAGE_PATH = "usr/local/bin/llama-server"
+RPC_SERVER = "ggml-rpc-server"
+RPC_IMAGE_PATH = f"usr/local/bin/{RPC_SERVER}"
 _E_MACHINE = {"amd64": 62, "arm64": 183}  # EM_X86_64, EM_AARCH64
 _PT_INTERP = 3
 
@@ -69,16 +72,21 @@ def static_problem(data: bytes, architecture: str) -> str | None:
 
 
 def llama_server_layer(ctx: BuildContext, tree: Tree) -> None:
+    """llama-server and, from the same build (beside it), ggml-rpc-server."""
     binary = built_binary(ctx)
-    try:
-        data = binary.read_bytes()
-    except OSError as exc:
-        raise BuildError(f"cannot read llama-server at {binary}: {exc}") from None
-    problem = static_problem(data, ctx.lock.architecture)
-    if problem is not None:
-        raise BuildError(
-            f"{binary} cannot go into an image built from an empty root: {problem} "
-            f"(build it with {BUILD_SCRIPT} on a {ctx.lock.architecture} machine, or set "
-            f"{LLAMA_SERVER_ENV})"
-        )
-    tree.add_file(IMAGE_PATH, data, executable=True, origin=str(BUILD_SCRIPT))
+    for path, in_image in ((binary, IMAGE_PATH), (binary.parent / RPC_SERVER, RPC_IMAGE_PATH)):
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise BuildError(
+                f"cannot read {path.name} at {path}: {exc} (scripts/llama-server-build "
+                f"builds both; with {LLAMA_SERVER_ENV}, put {RPC_SERVER} beside it)"
+            ) from None
+        problem = static_problem(data, ctx.lock.architecture)
+        if problem is not None:
+            raise BuildError(
+                f"{path} cannot go into an image built from an empty root: {problem} "
+                f"(build it with {BUILD_SCRIPT} on a {ctx.lock.architecture} machine, or set "
+                f"{LLAMA_SERVER_ENV})"
+            )
+        tree.add_file(in_image, data, executable=True, origin=str(BUILD_SCRIPT))

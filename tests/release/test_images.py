@@ -264,6 +264,7 @@ def test_the_cpu_worker_image_runs_its_static_llama_server_on_the_tiny_gguf(
     files = files_of(docker_client, tag)
     assert files["usr/local/bin/llama-server"].isfile()
     assert files["usr/local/bin/llama-server"].mode & 0o111
+    assert files["usr/local/bin/ggml-rpc-server"].mode & 0o111  # beside it: a split's helper
     assert "usr/local/bin/llama-server" not in files_of(
         docker_client, built_images["images"]["modelforge-runtime-worker"]["tag"]
     )

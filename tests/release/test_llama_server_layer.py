@@ -12,7 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from modelforge_release.images import BuildError
-from modelforge_release.llama_server import IMAGE_PATH, llama_server_layer, static_problem
+from modelforge_release.llama_server import (
+    IMAGE_PATH,
+    RPC_IMAGE_PATH,
+    llama_server_layer,
+    static_problem,
+)
 from modelforge_release.rootfs import Tree
 
 ARCHITECTURE = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), "unknown")
@@ -45,6 +50,10 @@ def test_the_layer_puts_the_named_binary_on_the_path(llama_server_binary, monkey
     llama_server_layer(context(), tree)
     entry = tree.entries[IMAGE_PATH]
     assert entry.mode == 0o755 and entry.content() == llama_server_binary.read_bytes()
+    # ggml-rpc-server of the same build, beside it: a helper of a model split across nodes.
+    helper = tree.entries[RPC_IMAGE_PATH]
+    beside = llama_server_binary.parent / "ggml-rpc-server"
+    assert helper.mode == 0o755 and helper.content() == beside.read_bytes()
 
 
 def test_the_layer_refuses_a_binary_that_would_not_run_from_an_empty_root(monkeypatch):
