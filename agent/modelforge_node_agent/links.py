@@ -11,8 +11,10 @@ link costs at most one window per direction anywhere on the way.
 A link is never resumed: when the tunnel drops, or the other side RESETs, the local
 connection is closed, and ``llama-server`` (which has no timeout of its own, and aborts
 when a helper goes) exits; the serve loop starts it again after its backoff. The main
-side also ends a link that stalls: bytes sent and nothing back for ``stall_seconds``
-(a helper whose node hangs would otherwise hang ``llama-server`` forever, ``/health`` 200).
+side also ends a link that stalls: while a client request of its server is in flight,
+bytes sent and then no byte either way for ``stall_seconds`` (a helper whose node hangs
+would otherwise hang ``llama-server`` forever, ``/health`` 200). A long upload of tensors
+keeps sending, so it is no stall; a hang while loading is the readiness deadline's.
 """
 
 from __future__ import annotations
@@ -44,14 +46,15 @@ class LinkPump:
         send: Callable[[wire.Frame], bool],
         finished: Callable[[LinkPump], None],
         stall_seconds: float | None = None,
+        busy: Callable[[], bool] = lambda: True,
     ) -> None:
         self.stream_id, self.sock, self._send = stream_id, sock, send
-        self._finished, self.stall_seconds = finished, stall_seconds
+        self._finished, self.stall_seconds, self._busy = finished, stall_seconds, busy
         self._cond = threading.Condition()
         self.credit = wire.WINDOW_BYTES  # what it may still send
         self._incoming: queue.Queue[bytes | None] = queue.Queue()
         self.closed = False
-        # A stall: bytes sent since the last byte came back, and since when.
+        # A stall: bytes sent since the last byte came back, and when the last went.
         self._waiting_since: float | None = None
 
     def start(self) -> None:
@@ -103,8 +106,7 @@ class LinkPump:
                     return
                 with self._cond:
                     self.credit -= len(data)
-                    if self._waiting_since is None:
-                        self._waiting_since = time.monotonic()
+                    self._waiting_since = time.monotonic()
                 if not self._send(wire.data_frame(self.stream_id, data)):
                     self.close(tell=False)  # the tunnel is gone: nothing to tell
                     return
@@ -120,7 +122,7 @@ class LinkPump:
         """Inside the lock."""
         if self.stall_seconds is None or self._waiting_since is None:
             return
-        if time.monotonic() - self._waiting_since > self.stall_seconds:
+        if time.monotonic() - self._waiting_since > self.stall_seconds and self._busy():
             raise _Stalled()
 
     def _write(self) -> None:

@@ -635,8 +635,14 @@ class TunnelClient:
         with self._lock:
             up = self._link is not None and not self.going
             stream_id = wire.LINK_STREAM_BIT | (next(self._link_ids) % wire.LINK_STREAM_BIT)
-            pump = LinkPump(stream_id, sock, self.send, self._link_finished,
-                            self.settings.rpc_stall_seconds)  # fmt: skip
+            pump = LinkPump(
+                stream_id,
+                sock,
+                self.send,
+                self._link_finished,
+                self.settings.rpc_stall_seconds,
+                busy=lambda: self._serving(server_id),
+            )
             if up:
                 self._links[stream_id] = pump
         if not up or not self.send(wire.link_frame(stream_id, server_id, peer_server_id)):
@@ -670,6 +676,14 @@ class TunnelClient:
                 raise wire.FrameError("LINK for a link that exists")
             self._links[frame.stream_id] = pump
         pump.start()
+
+    def _serving(self, server_id: str) -> bool:
+        """Whether a client request of the server is in flight here."""
+        with self._lock:
+            return any(
+                s.opened.get("server_id") == server_id and not s.done
+                for s in self._streams.values()
+            )
 
     def _link_finished(self, pump: LinkPump) -> None:
         with self._lock:

@@ -6,6 +6,7 @@ down, and the group serves again once the agent is back, with no person."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -43,6 +44,18 @@ def relayed_text(plane, key: str) -> requests.Response:
     )
 
 
+def split_pair(cp, tmp_path, sockets, binary, prefix, **main_settings):  # noqa: F811
+    """Two nodes, the tiny model split across them and running; the API key to call it."""
+    main = serving_node(cp, tmp_path, sockets, f"{prefix}-main", binary, **main_settings)
+    helper = serving_node(cp, tmp_path, sockets, f"{prefix}-helper", binary)
+    replicate(cp, [main])  # the helper needs no copy: the main node sends its tensors
+    made = deploy(cp, "tiny-split", [main], settings={"split": [main.node_id, helper.node_id]})
+    assert made.status_code == 201, made.text
+    wait_servers(cp, "tiny-split", "running", timeout=180)
+    _, key = create_api_key(cp.store, prefix, "tests")
+    return main, helper, made.json(), key
+
+
 def test_a_model_split_over_two_nodes_answers_as_one_and_comes_back_after_a_helper_is_lost(
     cp,  # noqa: F811 - test_serve's fixtures, imported above
     tmp_path,
@@ -50,18 +63,12 @@ def test_a_model_split_over_two_nodes_answers_as_one_and_comes_back_after_a_help
     model,  # noqa: F811
     llama_server_binary,
 ):  # fmt: skip
-    main = serving_node(cp, tmp_path, sockets, "split-main", llama_server_binary)
-    helper = serving_node(cp, tmp_path, sockets, "split-helper", llama_server_binary)
+    main, helper, view, key = split_pair(cp, tmp_path, sockets, llama_server_binary, "split")
     try:
-        replicate(cp, [main])  # the helper needs no copy: the main node sends its tensors
-        made = deploy(cp, "tiny-split", [main], settings={"split": [main.node_id, helper.node_id]})
-        assert made.status_code == 201, made.text
-        view = made.json()
         roles = {s["node_id"]: s["role"] for s in view["servers"]}
         assert roles == {main.node_id: ROLE_MAIN, helper.node_id: ROLE_HELPER}
         assert view["settings"]["split"] == [main.node_id, helper.node_id]
         assert len(view["settings"]["shares"]) == 2 and sum(view["settings"]["shares"]) > 0.99
-        wait_servers(cp, "tiny-split", "running", timeout=180)
 
         # The helper runs ggml-rpc-server on its loopback; the main llama-server dials it
         # only through its agent's listener.
@@ -70,7 +77,6 @@ def test_a_model_split_over_two_nodes_answers_as_one_and_comes_back_after_a_help
         [served] = worker_servers(main).values()
         assert served["role"] == ROLE_MAIN
 
-        _, key = create_api_key(cp.store, "split", "tests")
         answer = relayed_text(cp, key)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == GOLDEN
@@ -97,6 +103,42 @@ def test_a_model_split_over_two_nodes_answers_as_one_and_comes_back_after_a_help
         restarts = {s["role"]: s["restarts"] for s in shown["servers"]}
         assert restarts[ROLE_MAIN] >= 1  # it went down with its helper, and came back
         assert "SIGABRT" in main.agent.log()  # llama-server aborts when a helper goes
+    finally:
+        helper.close()
+        main.close()
+
+
+def test_a_stalled_helper_ends_the_link_and_the_group_serves_again_once_it_answers(
+    cp,  # noqa: F811
+    tmp_path,
+    sockets,  # noqa: F811
+    model,  # noqa: F811
+    llama_server_binary,
+):  # fmt: skip
+    """RPC has no timeout: a helper that stops answering would hang llama-server forever
+    (its /health still 200). The main node's agent ends the link instead, the request fails,
+    the main server starts again, and once the helper answers the group serves."""
+    main, helper, _, key = split_pair(
+        cp, tmp_path, sockets, llama_server_binary, "stall", rpc_stall_seconds="2"
+    )
+    try:
+        assert relayed_text(cp, key).json()["choices"][0]["text"] == GOLDEN
+        [held] = worker_servers(helper).values()
+        os.kill(held["ident"]["pid"], signal.SIGSTOP)  # the helper's ggml-rpc-server hangs
+        try:
+            stalled = relayed_text(cp, key)
+            assert stalled.status_code != 200 or "error" in stalled.text
+            main.agent.wait_for_log(r"link \d+: no answer for 2 s; ending it", timeout=60)
+        finally:
+            os.kill(held["ident"]["pid"], signal.SIGCONT)
+
+        def serves_again():
+            again = relayed_text(cp, key)
+            return again.json()["choices"][0]["text"] if again.status_code == 200 else None
+
+        assert wait_until(serves_again, timeout=180, what="the group serving again") == GOLDEN
+        shown = wait_servers(cp, "tiny-split", "running")
+        assert {s["role"]: s["restarts"] for s in shown["servers"]}[ROLE_MAIN] >= 1
     finally:
         helper.close()
         main.close()
