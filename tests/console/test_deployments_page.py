@@ -473,3 +473,73 @@ def test_a_node_page_lists_the_servers_and_replicas_the_node_holds(browser, stil
     expect(page.get_by_test_id("node-servers-none")).to_be_visible()
     expect(page.get_by_test_id("node-replicas-none")).to_be_visible()
     assert page.get_by_test_id("node-server").count() == 0
+
+
+class HelperNode(ServingNode):
+    """A node whose worker can also be a split's helper (it found ggml-rpc-server)."""
+
+    def heartbeat(self, worker: dict | None = None, status: str = "ok") -> None:
+        offered = {**worker_health(), "capabilities": ["smoke", "container", "serve"]}
+        WorkNode.heartbeat(self, {**offered, "runtimes": ["llama.cpp", "llama.cpp-rpc"]}, status)
+
+
+def test_a_split_deployment_shows_each_member_s_role_and_share_and_its_members_are_fixed(
+    browser, still_plane, tmp_path
+):
+    cp = still_plane
+    model = import_gguf(cp, tmp_path, "tiny-llama")
+    main = ServingNode(cp, "big-main", gpus=[], mode="cpu")
+    plain = ServingNode(cp, "no-rpc", gpus=[], mode="cpu")
+    helper = HelperNode(cp, "big-helper", gpus=[], mode="cpu")
+    replicate_present(cp, model, [main])  # the helpers need no copy
+    body = {
+        "name": "big",
+        "model": "tiny-llama",
+        "runtime": "llama.cpp",
+        "node_ids": [main.node_id],
+    }
+
+    # A helper's worker must offer llama.cpp-rpc; nothing is made otherwise.
+    refused = cp.admin(
+        "POST", DEPLOYMENTS, json={**body, "settings": {"split": [main.node_id, plain.node_id]}}
+    )
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "RUNTIME_UNSUPPORTED"
+    assert "llama.cpp-rpc" in refused.json()["error"]["message"]
+    wrong = cp.admin(
+        "POST", DEPLOYMENTS, json={**body, "runtime": "vllm", "settings": {"split": [main.node_id, helper.node_id], "image_id": "sha256:" + "0" * 64}}
+    )  # fmt: skip
+    assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "FIELD_FORMAT"
+    assert cp.admin("GET", DEPLOYMENTS).json()["deployments"] == []
+
+    made = cp.admin(
+        "POST", DEPLOYMENTS, json={**body, "settings": {"split": [main.node_id, helper.node_id]}}
+    )
+    assert made.status_code == 201, made.text
+    roles = {s["node_id"]: s["role"] for s in made.json()["servers"]}
+    assert roles == {main.node_id: "main", helper.node_id: "helper"}
+    # The helper's agent is asked to run it at once (it loads no file); the main's lists its
+    # helper's server id.
+    listed = cp.agent("GET", "/api/v1/agent/servers", helper.credential).json()["servers"]
+    assert [s["split"] for s in listed] == [{"role": "helper"}]
+    [entry] = cp.agent("GET", "/api/v1/agent/servers", main.credential).json()["servers"]
+    helper_server = next(s for s in made.json()["servers"] if s["role"] == "helper")
+    assert entry["split"]["role"] == "main"
+    assert entry["split"]["helpers"] == [helper_server["server_id"]]
+
+    fixed = cp.admin("POST", f"{DEPLOYMENTS}/big/servers", json={"node_ids": [plain.node_id]})
+    assert fixed.status_code == 409 and fixed.json()["error"]["code"] == "SPLIT_FIXED"
+    fixed = cp.admin("DELETE", f"{DEPLOYMENTS}/big/servers/{helper.node_id}")
+    assert fixed.status_code == 409 and fixed.json()["error"]["code"] == "SPLIT_FIXED"
+
+    page = browser.new_page()
+    sign_in(page, cp.url)
+    page.goto(f"{cp.url}/console/deployments")
+    card = page.locator('[data-testid="deployment-card"][data-deployment="big"]')
+    expect(card).to_contain_text("split across 2 nodes")
+    shares = made.json()["settings"]["shares"]
+    for node, role, share in ((main, "main", shares[0]), (helper, "helper", shares[1])):
+        row = card.locator(f'[data-testid="server-row"][data-node-id="{node.node_id}"]')
+        expect(row.get_by_test_id("server-role")).to_have_text(
+            f" ({role}, {round(share * 100)}% of the layers)"
+        )
+    assert_nothing_injected(page)

@@ -172,7 +172,17 @@ function settingsText(deployment) {
   if (settings.context_length) parts.push(`context ${settings.context_length}`);
   if (settings.args && settings.args.length) parts.push(`args ${settings.args.join(" ")}`);
   if (settings.image_id) parts.push(`image ${shortUuid(settings.image_id)}`);
+  if (settings.split && settings.split.length) parts.push(`split across ${settings.split.length} nodes`);
   return parts.length ? ` · ${parts.join(" · ")}` : "";
+}
+
+// A split's member: its role and its part of the layers (settings.shares, in split order).
+function roleText(deployment, server) {
+  if (!server.role) return "";
+  const settings = deployment.settings || {};
+  const index = (settings.split || []).indexOf(server.node_id);
+  const share = index >= 0 && settings.shares ? settings.shares[index] : null;
+  return ` (${server.role}${share === null || share === undefined ? "" : `, ${Math.round(share * 100)}% of the layers`})`;
 }
 
 // Unset, a server gets one GPU on a node that has any and none elsewhere (the rows say which).
@@ -265,7 +275,12 @@ function serverRow(server, now, remove, card) {
   return el(
     "tr",
     { "data-testid": "server-row", "data-server-id": server.server_id, "data-node-id": server.node_id, "data-state": server.state },
-    el("td", {}, el("a", { href: `/console/nodes/${encodeURIComponent(server.node_id)}`, "data-testid": "server-node", text: name })),
+    el(
+      "td",
+      {},
+      el("a", { href: `/console/nodes/${encodeURIComponent(server.node_id)}`, "data-testid": "server-node", text: name }),
+      server.role ? el("span", { class: "muted", "data-testid": "server-role", text: roleText(card.deployment, server) }) : "",
+    ),
     stateCell(server),
     sinceCell(server, now),
     gpusCell(server),
@@ -281,7 +296,7 @@ function showServers(card, now) {
   const seen = new Set();
   for (const server of card.deployment.servers) {
     seen.add(server.server_id);
-    const shown = JSON.stringify([server.state, server.goal, card.deployment.state, server.state_since, sinceText(server, now), nextAttemptText(server, now), server.display_name, server.gpus, server.restarts, server.error]);
+    const shown = JSON.stringify([server.state, server.goal, card.deployment.state, server.state_since, sinceText(server, now), nextAttemptText(server, now), server.display_name, server.gpus, server.restarts, server.error, server.role]);
     const existing = card.rows.get(server.server_id);
     if (existing && existing.shown === shown) continue;
     const remove = existing ? existing.remove : removeButton(card, server);
