@@ -779,12 +779,13 @@ class TunnelClient:
             (HEADER_AGENT_PROTOCOL, str(PROTOCOL_VERSION)),
         ]
         context = tls_context(self.settings)
-        sock = None
-        if self.settings.control_plane_host_address:  # pinned: dial it, verify the name
-            port = parts.port or (443 if parts.scheme == "wss" else 80)
-            sock = socket.create_connection(
-                (self.settings.control_plane_host_address, port), timeout=CONNECT_TIMEOUT
-            )
+        # Pinned (control_plane_host_address): dial that address, verify the name. Either
+        # way without Nagle's delay: a split model's links are small requests and answers,
+        # each of which would otherwise wait for the previous one's acknowledgement.
+        port = parts.port or (443 if parts.scheme == "wss" else 80)
+        host = self.settings.control_plane_host_address or parts.hostname or ""
+        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return connect(
             url,
             sock=sock,

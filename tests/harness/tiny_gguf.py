@@ -111,16 +111,25 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_tiny_gguf(path: Path | str) -> Path:
-    """Write the tiny llama to ``path`` (overwritten) and return it; the same bytes every call."""
+def write_tiny_gguf(
+    path: Path | str,
+    *,
+    n_embd: int = N_EMBD,
+    n_layer: int = N_LAYER,
+    n_ff: int = N_FF,
+    n_head: int = N_HEAD,
+    n_head_kv: int = N_HEAD_KV,
+) -> Path:
+    """Write the tiny llama to ``path`` (overwritten) and return it; the same bytes every call.
+    Larger dimensions give a larger model of the same kind (bench/split.py)."""
     import gguf
     import numpy as np
 
     path = Path(path)
     tokens, scores, types = vocabulary()
     n_vocab = len(tokens)
-    head_dim = N_EMBD // N_HEAD
-    n_embd_kv = head_dim * N_HEAD_KV
+    head_dim = n_embd // n_head
+    n_embd_kv = head_dim * n_head_kv
     rng = np.random.default_rng(SEED)
 
     def weights(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
@@ -129,8 +138,8 @@ def write_tiny_gguf(path: Path | str) -> Path:
     def ones(size: int) -> np.ndarray:
         return np.ones(size, dtype=np.float32)
 
-    embedding = weights(n_vocab, N_EMBD, scale=np.sqrt(N_EMBD))
-    output = weights(n_vocab, N_EMBD, scale=4.0)
+    embedding = weights(n_vocab, n_embd, scale=np.sqrt(n_embd))
+    output = weights(n_vocab, n_embd, scale=4.0)
     # the control and byte tokens never win a greedy pick: their logit is always 0 while
     # the best of the few hundred others is well above it
     for token_id, kind in enumerate(types):
@@ -140,11 +149,11 @@ def write_tiny_gguf(path: Path | str) -> Path:
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("modelforge-tiny-llama")
     writer.add_context_length(CONTEXT_LENGTH)
-    writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER)
-    writer.add_feed_forward_length(N_FF)
-    writer.add_head_count(N_HEAD)
-    writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
@@ -162,18 +171,18 @@ def write_tiny_gguf(path: Path | str) -> Path:
     writer.add_chat_template(CHAT_TEMPLATE)
 
     writer.add_tensor("token_embd.weight", embedding)
-    for layer in range(N_LAYER):
+    for layer in range(n_layer):
         prefix = f"blk.{layer}"
-        writer.add_tensor(f"{prefix}.attn_norm.weight", ones(N_EMBD))
-        writer.add_tensor(f"{prefix}.attn_q.weight", weights(N_EMBD, N_EMBD))
-        writer.add_tensor(f"{prefix}.attn_k.weight", weights(n_embd_kv, N_EMBD))
-        writer.add_tensor(f"{prefix}.attn_v.weight", weights(n_embd_kv, N_EMBD))
-        writer.add_tensor(f"{prefix}.attn_output.weight", weights(N_EMBD, N_EMBD))
-        writer.add_tensor(f"{prefix}.ffn_norm.weight", ones(N_EMBD))
-        writer.add_tensor(f"{prefix}.ffn_gate.weight", weights(N_FF, N_EMBD))
-        writer.add_tensor(f"{prefix}.ffn_up.weight", weights(N_FF, N_EMBD))
-        writer.add_tensor(f"{prefix}.ffn_down.weight", weights(N_EMBD, N_FF))
-    writer.add_tensor("output_norm.weight", ones(N_EMBD))
+        writer.add_tensor(f"{prefix}.attn_norm.weight", ones(n_embd))
+        writer.add_tensor(f"{prefix}.attn_q.weight", weights(n_embd, n_embd))
+        writer.add_tensor(f"{prefix}.attn_k.weight", weights(n_embd_kv, n_embd))
+        writer.add_tensor(f"{prefix}.attn_v.weight", weights(n_embd_kv, n_embd))
+        writer.add_tensor(f"{prefix}.attn_output.weight", weights(n_embd, n_embd))
+        writer.add_tensor(f"{prefix}.ffn_norm.weight", ones(n_embd))
+        writer.add_tensor(f"{prefix}.ffn_gate.weight", weights(n_ff, n_embd))
+        writer.add_tensor(f"{prefix}.ffn_up.weight", weights(n_ff, n_embd))
+        writer.add_tensor(f"{prefix}.ffn_down.weight", weights(n_embd, n_ff))
+    writer.add_tensor("output_norm.weight", ones(n_embd))
     writer.add_tensor("output.weight", output)
 
     writer.write_header_to_file()

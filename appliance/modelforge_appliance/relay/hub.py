@@ -739,9 +739,15 @@ class Hub:
         tunnel is gone)."""
         peer = end.peer
         with self._lock:
-            self._links.pop((end.tunnel.node_id, end.stream_id), None)
-            if peer is not None:
-                self._links.pop((peer.tunnel.node_id, peer.stream_id), None)
+            # Frames either agent still sends for it are late, not a protocol error.
+            for side in (end, peer):
+                if side is not None and self._links.pop(
+                    (side.tunnel.node_id, side.stream_id), None
+                ):
+                    ended = self._ended.setdefault(
+                        side.tunnel.node_id, collections.deque(maxlen=ENDED_KEPT)
+                    )
+                    ended.append(side.stream_id)
         if peer is not None:
             peer.tunnel.send(wire.reset_frame(peer.stream_id, code, message), wait=False)
 
