@@ -379,9 +379,12 @@ class ServeLoop:
         listeners (one per helper, new at each launch) and shares. None: refused."""
         role = member.get("role")
         if role == ROLE_HELPER:
+            # The helper's tensor cache, for the worker (this agent's group under systemd) to
+            # write; a worker that cannot (a read-only mount) runs without one.
             cache = self.settings.artifacts_dir / "rpc-cache"
             with contextlib.suppress(OSError):
-                cache.mkdir(mode=0o770, exist_ok=True)
+                cache.mkdir(exist_ok=True)
+                cache.chmod(0o770)
             return {"role": ROLE_HELPER, "cache_dir": str(cache) if cache.is_dir() else None}
         helpers = member.get("helpers")
         if role != ROLE_MAIN or not isinstance(helpers, list) or not helpers:
