@@ -47,9 +47,11 @@ class LinkPump:
         finished: Callable[[LinkPump], None],
         stall_seconds: float | None = None,
         busy: Callable[[], bool] = lambda: True,
+        lost: Callable[[], None] = lambda: None,
     ) -> None:
         self.stream_id, self.sock, self._send = stream_id, sock, send
         self._finished, self.stall_seconds, self._busy = finished, stall_seconds, busy
+        self._lost = lost  # the other side went or stalled: the group cannot answer now
         self._cond = threading.Condition()
         self.credit = wire.WINDOW_BYTES  # what it may still send
         self._incoming: queue.Queue[bytes | None] = queue.Queue()
@@ -79,7 +81,9 @@ class LinkPump:
         self._incoming.put(None)
 
     def on_reset(self) -> None:
-        self.close(tell=False)
+        if not self.closed:
+            self.close(tell=False)
+            self._lost()
 
     # -- its threads --------------------------------------------------------------------
 
@@ -115,6 +119,7 @@ class LinkPump:
                         self.stall_seconds)  # fmt: skip
             self._send(wire.reset_frame(self.stream_id, rel.LINK_STALLED, "the helper stalled"))
             self.close(tell=False)
+            self._lost()
         except OSError:
             self.close()
 

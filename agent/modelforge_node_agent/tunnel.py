@@ -642,6 +642,7 @@ class TunnelClient:
                 self._link_finished,
                 self.settings.rpc_stall_seconds,
                 busy=lambda: self._serving(server_id),
+                lost=lambda: self._group_lost(server_id),
             )
             if up:
                 self._links[stream_id] = pump
@@ -684,6 +685,22 @@ class TunnelClient:
                 s.opened.get("server_id") == server_id and not s.done
                 for s in self._streams.values()
             )
+
+    def _group_lost(self, server_id: str) -> None:
+        """A link of the server's split ended under it (a helper went or stalled): its
+        llama-server cannot answer, so its clients' requests end now, NODE_LINK_LOST."""
+        with self._lock:
+            streams = [
+                s
+                for s in self._streams.values()
+                if s.opened.get("server_id") == server_id and not s.done
+            ]
+        for stream in streams:
+            self.send(wire.reset_frame(stream.stream_id, rel.NODE_LINK_LOST, "a helper went"))
+            stream.abort()
+        if streams:
+            log.warning("server %s: a helper's link ended; %d request(s) ended", server_id,
+                        len(streams))  # fmt: skip
 
     def _link_finished(self, pump: LinkPump) -> None:
         with self._lock:

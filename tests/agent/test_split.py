@@ -16,6 +16,7 @@ from modelforge_appliance.identity.api_keys import create_api_key
 from modelforge_contract.deployments import ROLE_HELPER, ROLE_MAIN
 from tests.harness.agent_process import AgentProcess, wait_until
 from tests.harness.llama import GREEDY
+from tests.harness.tiny_gguf import N_EMBD, N_FF, N_HEAD, N_HEAD_KV
 
 from .test_serve import (  # noqa: F401
     cp,
@@ -33,6 +34,10 @@ pytestmark = pytest.mark.slow
 PROMPT = "the model"
 # One llama-server on the whole tiny GGUF says this (tests/worker/test_llama_server_binary.py).
 GOLDEN = "ll d for q with8 w n w nj runse with agent"
+# One layer of the tiny GGUF in f32: two norms, q, k, v, the output projection and the
+# feed-forward's three matrices (tests/harness/tiny_gguf.py).
+_E, _KV, _FF = N_EMBD, N_EMBD // N_HEAD * N_HEAD_KV, N_FF
+LAYER_BYTES = 4 * (2 * _E + 2 * _E * _E + 2 * _KV * _E + 3 * _FF * _E)
 
 
 def relayed_text(plane, key: str) -> requests.Response:
@@ -81,6 +86,10 @@ def test_a_model_split_over_two_nodes_answers_as_one_and_comes_back_after_a_help
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == GOLDEN
         assert cp.server.app.hub.links() >= 1
+        # The helper holds its layers: the main node sent it at least the one layer of the
+        # two that is its share (about 148 KB of f32 weights), over the link.
+        assert cp.server.app.hub.link_bytes["to_helpers"] >= LAYER_BYTES
+        assert cp.server.app.hub.link_bytes["from_helpers"] > 0
         listed = requests.get(
             f"{cp.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30
         ).json()
@@ -127,7 +136,8 @@ def test_a_stalled_helper_ends_the_link_and_the_group_serves_again_once_it_answe
         os.kill(held["ident"]["pid"], signal.SIGSTOP)  # the helper's ggml-rpc-server hangs
         try:
             stalled = relayed_text(cp, key)
-            assert stalled.status_code != 200 or "error" in stalled.text
+            assert stalled.status_code == 502, stalled.text
+            assert stalled.json()["error"]["code"] == "NODE_LINK_LOST"
             main.agent.wait_for_log(r"link \d+: no answer for 2 s; ending it", timeout=60)
         finally:
             os.kill(held["ident"]["pid"], signal.SIGCONT)

@@ -493,6 +493,8 @@ class Hub:
         # Spliced links (a model split across nodes), by (node id, stream id) of each side.
         self._links: dict[tuple[str, int], LinkEnd] = {}
         self.authorize_link = authorize_link
+        # Bytes the links carried, from the main nodes to their helpers and back.
+        self.link_bytes = {"to_helpers": 0, "from_helpers": 0}
 
     def metrics_protocol_error(self) -> None:
         self._on_protocol_error()
@@ -710,6 +712,9 @@ class Hub:
             with self._lock:
                 end.credit -= len(frame.payload)
                 over = end.credit < 0
+                # The main node's side is the one whose id it chose (LINK_STREAM_BIT).
+                way = "to_helpers" if wire.is_link_id(end.stream_id) else "from_helpers"
+                self.link_bytes[way] += len(frame.payload)
             if over:
                 raise wire.FrameError("DATA beyond the link's credit")
             peer.tunnel.send(
