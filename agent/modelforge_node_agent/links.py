@@ -56,6 +56,7 @@ class LinkPump:
         self.credit = wire.WINDOW_BYTES  # what it may still send
         self._incoming: queue.Queue[bytes | None] = queue.Queue()
         self.closed = False
+        self._halves_done = 0  # each direction that ended cleanly (END): both, and it is over
         # A stall: bytes sent since the last byte came back, and when the last went.
         self._waiting_since: float | None = None
 
@@ -107,6 +108,7 @@ class LinkPump:
                     continue
                 if not data:  # the local side closed: this direction is over
                     self._send(wire.end_frame(self.stream_id))
+                    self._half_done()
                     return
                 with self._cond:
                     self.credit -= len(data)
@@ -135,9 +137,10 @@ class LinkPump:
         while True:
             data = self._incoming.get()
             if data is None or self.closed:
-                if data is None:
+                if data is None and not self.closed:
                     with contextlib.suppress(OSError):
                         self.sock.shutdown(socket.SHUT_WR)
+                    self._half_done()
                 return
             try:
                 self.sock.sendall(data)
@@ -145,6 +148,13 @@ class LinkPump:
                 self.close()
                 return
             self._send(wire.window_frame(self.stream_id, len(data)))
+
+    def _half_done(self) -> None:
+        with self._cond:
+            self._halves_done += 1
+            over = self._halves_done == 2
+        if over:  # both ways ended cleanly: nothing to tell
+            self.close(tell=False)
 
     def close(self, tell: bool = True) -> None:
         """End the link: the local connection is closed, and (``tell``) the other side is

@@ -85,11 +85,14 @@ def test_a_model_split_over_two_nodes_answers_as_one_and_comes_back_after_a_help
         answer = relayed_text(cp, key)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == GOLDEN
-        assert cp.server.app.hub.links() >= 1
         # The helper holds its layers: the main node sent it at least the one layer of the
         # two that is its share (about 148 KB of f32 weights), over the link.
         assert cp.server.app.hub.link_bytes["to_helpers"] >= LAYER_BYTES
         assert cp.server.app.hub.link_bytes["from_helpers"] > 0
+        # llama-server opens and closes a connection per question it asks a helper while it
+        # loads; each closed one is forgotten on both agents and in the hub.
+        # llama-server keeps one connection to its helper.
+        assert cp.server.app.hub.links() == 1
         listed = requests.get(
             f"{cp.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30
         ).json()

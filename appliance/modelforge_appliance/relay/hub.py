@@ -308,11 +308,12 @@ class LinkEnd:
     tunnel, the credit that node still has toward the other (the other side's grants,
     passed on as they come: the hub keeps no bytes), and the other side."""
 
-    __slots__ = ("credit", "peer", "stream_id", "tunnel")
+    __slots__ = ("credit", "ended", "peer", "stream_id", "tunnel")
 
     def __init__(self, tunnel: Tunnel, stream_id: int) -> None:
         self.tunnel, self.stream_id = tunnel, stream_id
         self.credit = wire.WINDOW_BYTES
+        self.ended = False  # this side sent END: it sends no more DATA
         self.peer: LinkEnd | None = None
 
 
@@ -720,6 +721,8 @@ class Hub:
             peer.tunnel.send(
                 wire.data_frame(peer.stream_id, frame.payload, end_stream=frame.end_stream)
             )
+            if frame.end_stream:
+                self._link_ended(end)
         elif kind == wire.WINDOW:
             increment = wire.window_of(frame)
             with self._lock:
@@ -730,6 +733,7 @@ class Hub:
             peer.tunnel.send(wire.window_frame(peer.stream_id, increment))
         elif kind == wire.END:
             peer.tunnel.send(wire.end_frame(peer.stream_id))
+            self._link_ended(end)
         elif kind == wire.RESET:
             value = wire.json_of(frame)
             self._end_link(
@@ -739,20 +743,31 @@ class Hub:
             raise wire.FrameError(f"{kind.name} on a link")
         return True
 
-    def _end_link(self, end: LinkEnd, code: str, message: str) -> None:
-        """Forget both sides; the other side is told with RESET (this side said it, or its
-        tunnel is gone)."""
-        peer = end.peer
+    def _link_ended(self, end: LinkEnd) -> None:
+        """One side sent END; once both have, the link is over and forgotten."""
+        with self._lock:
+            end.ended = True
+            over = end.peer is not None and end.peer.ended
+        if over:
+            self._forget_link(end)
+
+    def _forget_link(self, end: LinkEnd) -> None:
         with self._lock:
             # Frames either agent still sends for it are late, not a protocol error.
-            for side in (end, peer):
-                if side is not None and self._links.pop(
-                    (side.tunnel.node_id, side.stream_id), None
-                ):
+            for side in (end, end.peer):
+                if side is None:
+                    continue
+                if self._links.pop((side.tunnel.node_id, side.stream_id), None) is not None:
                     ended = self._ended.setdefault(
                         side.tunnel.node_id, collections.deque(maxlen=ENDED_KEPT)
                     )
                     ended.append(side.stream_id)
+
+    def _end_link(self, end: LinkEnd, code: str, message: str) -> None:
+        """Forget both sides; the other side is told with RESET (this side said it, or its
+        tunnel is gone)."""
+        peer = end.peer
+        self._forget_link(end)
         if peer is not None:
             peer.tunnel.send(wire.reset_frame(peer.stream_id, code, message), wait=False)
 
