@@ -484,6 +484,7 @@ class Hub:
         # Each node's tunnels until their reader ends: the live one and those closing.
         self._held: collections.Counter[str] = collections.Counter()
         self._streams: dict[int, Stream] = {}
+        self._carried: collections.Counter[str] = collections.Counter()  # streams by node
         self._ids = itertools.count(1)
         self._in_flight: collections.Counter[str] = collections.Counter()
         self._turns = itertools.count()  # routing takes turns among equally loaded servers
@@ -619,12 +620,12 @@ class Hub:
             tunnel = self._tunnels.get(node_id)
             if tunnel is None:
                 return None
-            carried = sum(1 for s in self._streams.values() if s.node_id == node_id)
-            if carried >= self.max_streams:
+            if self._carried[node_id] >= self.max_streams:
                 raise StreamLimit()
             stream = Stream(self, next(self._ids), node_id, server_id)
             stream.tunnel = tunnel
             self._streams[stream.stream_id] = stream
+            self._carried[node_id] += 1
             self._in_flight[server_id] += 1
         # The request's end rides on its last frame (OPEN when there is no body). A client
         # header the frame cannot carry is left out: the agent would close the tunnel.
@@ -652,6 +653,9 @@ class Hub:
             ended = self._ended.setdefault(stream.node_id, collections.deque(maxlen=ENDED_KEPT))
             ended.append(stream.stream_id)
             if self._streams.pop(stream.stream_id, None) is stream:
+                self._carried[stream.node_id] -= 1
+                if self._carried[stream.node_id] <= 0:
+                    del self._carried[stream.node_id]
                 self._in_flight[stream.server_id] -= 1
                 if self._in_flight[stream.server_id] <= 0:
                     del self._in_flight[stream.server_id]
