@@ -14,9 +14,10 @@ import requests
 
 from modelforge_appliance.identity.api_keys import create_api_key
 from modelforge_contract.deployments import ROLE_HELPER, ROLE_MAIN
+from modelforge_contract.models import PATH_ADMIN_MODELS
 from tests.harness.agent_process import AgentProcess, wait_until
-from tests.harness.llama import GREEDY
-from tests.harness.tiny_gguf import N_EMBD, N_FF, N_HEAD, N_HEAD_KV
+from tests.harness.llama import GREEDY, LlamaServer
+from tests.harness.tiny_gguf import N_EMBD, N_FF, N_HEAD, N_HEAD_KV, write_tiny_gguf
 
 from .test_serve import (  # noqa: F401
     cp,
@@ -38,25 +39,31 @@ GOLDEN = "ll d for q with8 w n w nj runse with agent"
 # feed-forward's three matrices (tests/harness/tiny_gguf.py).
 _E, _KV, _FF = N_EMBD, N_EMBD // N_HEAD * N_HEAD_KV, N_FF
 LAYER_BYTES = 4 * (2 * _E + 2 * _E * _E + 2 * _KV * _E + 3 * _FF * _E)
+# A larger model of the same kind: about 3 MB, six layers.
+DEEPER = {"n_embd": 128, "n_layer": 6, "n_ff": 384, "n_head": 4, "n_head_kv": 2}
 
 
-def relayed_text(plane, key: str) -> requests.Response:
+def relayed_text(plane, key: str, deployment: str = "tiny-split") -> requests.Response:
     return requests.post(
         f"{plane.url}/v1/completions",
-        json={"model": "tiny-split", "prompt": PROMPT, "max_tokens": 16, **GREEDY},
+        json={"model": deployment, "prompt": PROMPT, "max_tokens": 16, **GREEDY},
         headers={"Authorization": f"Bearer {key}"},
         timeout=60,
     )
 
 
-def split_pair(cp, tmp_path, sockets, binary, prefix, **main_settings):  # noqa: F811
-    """Two nodes, the tiny model split across them and running; the API key to call it."""
+def split_pair(cp, tmp_path, sockets, binary, prefix, model="tiny", **main_settings):  # noqa: F811
+    """Two nodes, the model split across them and running as ``<model>-split``; the API key
+    to call it."""
     main = serving_node(cp, tmp_path, sockets, f"{prefix}-main", binary, **main_settings)
     helper = serving_node(cp, tmp_path, sockets, f"{prefix}-helper", binary)
-    replicate(cp, [main])  # the helper needs no copy: the main node sends its tensors
-    made = deploy(cp, "tiny-split", [main], settings={"split": [main.node_id, helper.node_id]})
+    # Replicated to the main node only: the helper needs no copy, the main node sends it
+    # its tensors.
+    name = f"{model}-split"
+    split = {"split": [main.node_id, helper.node_id]}
+    made = deploy(cp, name, [main], model=model, settings=split, replicate=True)
     assert made.status_code == 201, made.text
-    wait_servers(cp, "tiny-split", "running", timeout=180)
+    wait_servers(cp, name, "running", timeout=180)
     _, key = create_api_key(cp.store, prefix, "tests")
     return main, helper, made.json(), key
 
@@ -120,25 +127,39 @@ def test_a_model_split_over_two_nodes_answers_as_one_and_comes_back_after_a_help
         main.close()
 
 
-def test_a_stalled_helper_ends_the_link_and_the_group_serves_again_once_it_answers(
+def test_a_larger_model_split_says_what_one_process_says_and_a_stalled_helper_ends_its_link(
     cp,  # noqa: F811
     tmp_path,
     sockets,  # noqa: F811
-    model,  # noqa: F811
     llama_server_binary,
 ):  # fmt: skip
-    """RPC has no timeout: a helper that stops answering would hang llama-server forever
-    (its /health still 200). The main node's agent ends the link instead, the request fails,
-    the main server starts again, and once the helper answers the group serves."""
-    main, helper, _, key = split_pair(
-        cp, tmp_path, sockets, llama_server_binary, "stall", rpc_stall_seconds="2"
+    """A larger generated model (six layers of four times the width), split in two, greedily
+    says what one llama-server says on the whole file. RPC has no timeout: a helper that
+    stops answering would hang llama-server forever (its /health still 200). The main
+    node's agent ends the link instead, the request fails, the main server starts again,
+    and once the helper answers the group serves."""
+    source = tmp_path / "deep"
+    source.mkdir()
+    deep = write_tiny_gguf(source / "deep.gguf", **DEEPER)
+    with LlamaServer(llama_server_binary, deep, tmp_path / "whole.log") as whole:
+        whole.wait_healthy()
+        golden = whole.complete(PROMPT, 16)
+    made = cp.admin(
+        "POST", PATH_ADMIN_MODELS, json={"name": "deep", "source": {"path": str(source)}}
     )
+    assert made.status_code == 201, made.text
+    main, helper, _, key = split_pair(
+        cp, tmp_path, sockets, llama_server_binary, "stall", model="deep", rpc_stall_seconds="2"
+    )
+    GOLDEN = golden  # noqa: N806 - the whole model's text, as in the tiny model's test
     try:
-        assert relayed_text(cp, key).json()["choices"][0]["text"] == GOLDEN
+        answer = relayed_text(cp, key, "deep-split")
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == GOLDEN and GOLDEN
         [held] = worker_servers(helper).values()
         os.kill(held["ident"]["pid"], signal.SIGSTOP)  # the helper's ggml-rpc-server hangs
         try:
-            stalled = relayed_text(cp, key)
+            stalled = relayed_text(cp, key, "deep-split")
             assert stalled.status_code == 502, stalled.text
             assert stalled.json()["error"]["code"] == "NODE_LINK_LOST"
             main.agent.wait_for_log(r"link \d+: no answer for 2 s; ending it", timeout=60)
@@ -146,11 +167,11 @@ def test_a_stalled_helper_ends_the_link_and_the_group_serves_again_once_it_answe
             os.kill(held["ident"]["pid"], signal.SIGCONT)
 
         def serves_again():
-            again = relayed_text(cp, key)
+            again = relayed_text(cp, key, "deep-split")
             return again.json()["choices"][0]["text"] if again.status_code == 200 else None
 
         assert wait_until(serves_again, timeout=180, what="the group serving again") == GOLDEN
-        shown = wait_servers(cp, "tiny-split", "running")
+        shown = wait_servers(cp, "deep-split", "running")
         assert {s["role"]: s["restarts"] for s in shown["servers"]}[ROLE_MAIN] >= 1
     finally:
         helper.close()
