@@ -42,13 +42,19 @@ PROMPT = "the model serves tokens on every node"
 LARGER = {"n_embd": 1024, "n_ff": 2816, "n_head": 16, "n_head_kv": 4}
 
 
-def decode_rate(url: str, tokens: int, runs: int, headers: dict[str, str] | None = None) -> float:
+TEXTS: dict[str, str] = {}  # each case's greedy text: one process's, every way
+
+
+def decode_rate(
+    label: str, url: str, tokens: int, runs: int, headers: dict[str, str] | None = None
+) -> float:
     """llama-server's own decode tokens/s, the median of ``runs`` after one warm-up."""
     body = {"model": "big", "prompt": PROMPT, "max_tokens": tokens, **GREEDY}
     rates = []
     for attempt in range(runs + 1):
         answer = requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=600)
         answer.raise_for_status()
+        TEXTS[label] = answer.json()["choices"][0]["text"]
         if attempt:  # the first one warms up
             rates.append(float(answer.json()["timings"]["predicted_per_second"]))
     return statistics.median(rates)
@@ -84,7 +90,7 @@ def direct(binary: Path, model: Path, work: Path, layers: int, args: argparse.Na
     found: dict[str, float] = {}
     with LlamaServer(binary, model, work / "alone.log", alias="big", context_length=512) as one:
         one.wait_healthy()
-        found["alone"] = decode_rate(one.base_url, args.tokens, args.runs)
+        found["alone"] = decode_rate("alone", one.base_url, args.tokens, args.runs)
     helper, port = rpc_server(binary)
     try:
         kept = layers // 2
@@ -97,7 +103,8 @@ def direct(binary: Path, model: Path, work: Path, layers: int, args: argparse.Na
             binary, model, work / "split.log", alias="big", context_length=512, args=split
         ) as two:
             two.wait_healthy()
-            found["split in two, loopback"] = decode_rate(two.base_url, args.tokens, args.runs)
+            label = "split in two, loopback"
+            found[label] = decode_rate(label, two.base_url, args.tokens, args.runs)
     finally:
         helper.kill()
         helper.wait()
@@ -147,7 +154,7 @@ def through_the_product(binary: Path, model: Path, work: Path, args: argparse.Na
                         "node_ids": split[:1], "settings": {"split": split, "context_length": 512}}  # fmt: skip
                 cp.admin("POST", "/api/v1/admin/deployments", json=body).raise_for_status()
                 wait_until(lambda: _running(cp), timeout=600, what=f"{label} running")
-                found[label] = decode_rate(cp.url, args.tokens, args.runs, auth)
+                found[label] = decode_rate(label, cp.url, args.tokens, args.runs, auth)
                 cp.admin("DELETE", "/api/v1/admin/deployments/big").raise_for_status()
                 wait_until(lambda: _gone(cp), timeout=120, what="undeployed")
         finally:
@@ -212,6 +219,8 @@ def main() -> None:
     loopback, tunnels = found["split in two, loopback"], found["split in two, tunnels"]
     print(f"\nthe tunnel hop per round trip: {1000 / tunnels - 1000 / loopback:+.1f} ms "
           f"(split in two through the tunnels less over loopback, one round trip a token)")  # fmt: skip
+    same = len(set(TEXTS.values())) == 1
+    print(f"greedy text of every case the same as alone: {'yes' if same else 'NO'}")
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
           f"{os.cpu_count()} cores")  # fmt: skip
 
