@@ -19,6 +19,7 @@ from modelforge_contract.tunnel import (
     FLAG_END_STREAM,
     HEAD,
     HEADER_SIZE,
+    LINK_STREAM_BIT,
     MAX_FRAME,
     MAX_JSON_PAYLOAD,
     MAX_PAYLOAD,
@@ -40,6 +41,7 @@ from modelforge_contract.tunnel import (
     going_away_frame,
     head_frame,
     json_of,
+    link_frame,
     open_frame,
     ping_frame,
     pong_frame,
@@ -73,6 +75,8 @@ def every_kind_of_frame() -> list[Frame]:
         pong_frame(ping_frame(b"\x00" * 8)),
         resume_frame({1: 0, 9: 123456789}),
         resume_frame({}),
+        link_frame(LINK_STREAM_BIT | 1, "srv-main", "srv-helper"),  # a main server dials
+        link_frame(12, "srv-helper"),  # the control plane, to the helper's agent
     ]
 
 
@@ -103,6 +107,7 @@ def test_the_type_numbers_are_the_documented_ones():
         "PING": 7,
         "PONG": 8,
         "RESUME": 9,
+        "LINK": 10,
     }
     assert FLAG_END_STREAM == 1
 
@@ -224,7 +229,8 @@ def test_an_oversized_length_fails_as_soon_as_the_header_is_in():
 
 BROKEN = [
     ("unknown type", header(0, 1, 0), "unknown frame type 0"),
-    ("unknown type", header(10, 1, 0), "unknown frame type 10"),
+    ("unknown type", header(11, 1, 0), "unknown frame type 11"),
+    ("link on stream 0", header(10, 0, 2), "LINK: stream id 0 where a stream is required"),
     ("reserved", header(END, 1, 0, reserved=1), "reserved bits"),
     ("reserved", header(END, 1, 0, reserved=0x8000), "reserved bits"),
     ("flags", header(DATA, 1, 0, flags=0x02), "unknown flags"),
