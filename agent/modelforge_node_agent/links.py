@@ -33,6 +33,9 @@ from modelforge_contract import tunnel as wire
 log = logging.getLogger(__name__)
 
 READ_CHUNK = 64 * 1024
+# Credit goes back in steps of this much (a quarter of the window, so a sender never waits
+# on it): a WINDOW per small RPC message would double the frames on each round trip.
+GRANT_BYTES = wire.WINDOW_BYTES // 4
 POLL_SECONDS = 0.5  # how often a reader looks for a stall or an end
 
 
@@ -134,6 +137,7 @@ class LinkPump:
 
     def _write(self) -> None:
         """What the tunnel brought, to the local socket; credit back once it took it."""
+        ungranted = 0
         while True:
             data = self._incoming.get()
             if data is None or self.closed:
@@ -147,7 +151,10 @@ class LinkPump:
             except OSError:
                 self.close()
                 return
-            self._send(wire.window_frame(self.stream_id, len(data)))
+            ungranted += len(data)
+            if ungranted >= GRANT_BYTES:
+                self._send(wire.window_frame(self.stream_id, ungranted))
+                ungranted = 0
 
     def _half_done(self) -> None:
         with self._cond:
