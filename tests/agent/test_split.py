@@ -22,6 +22,7 @@ from tests.harness.tiny_gguf import N_EMBD, N_FF, N_HEAD, N_HEAD_KV, write_tiny_
 from .test_serve import (  # noqa: F401
     cp,
     deploy,
+    deployment,
     model,
     replicate,
     serving_node,
@@ -79,6 +80,10 @@ def test_a_model_split_over_two_nodes_answers_as_one_and_comes_back_after_a_help
     try:
         roles = {s["node_id"]: s["role"] for s in view["servers"]}
         assert roles == {main.node_id: ROLE_MAIN, helper.node_id: ROLE_HELPER}
+        # The main server waited for its helper to run: it started once, and never failed.
+        running = {s["role"]: s for s in deployment(cp, "tiny-split")["servers"]}
+        assert running[ROLE_MAIN]["restarts"] == 0
+        assert running[ROLE_MAIN]["started_at"] >= running[ROLE_HELPER]["started_at"]
         assert view["settings"]["split"] == [main.node_id, helper.node_id]
         assert len(view["settings"]["shares"]) == 2 and sum(view["settings"]["shares"]) > 0.99
 

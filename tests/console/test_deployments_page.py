@@ -521,8 +521,14 @@ def test_a_split_deployment_shows_each_member_s_role_and_share_and_its_members_a
     # helper's server id.
     listed = cp.agent("GET", "/api/v1/agent/servers", helper.credential).json()["servers"]
     assert [s["split"] for s in listed] == [{"role": "helper"}]
-    [entry] = cp.agent("GET", "/api/v1/agent/servers", main.credential).json()["servers"]
+    # The main server waits for its helper to run, then is listed, with its helpers' ids.
+    assert cp.agent("GET", "/api/v1/agent/servers", main.credential).json()["servers"] == []
     helper_server = next(s for s in made.json()["servers"] if s["role"] == "helper")
+    generation = cp.agent("GET", "/api/v1/agent/servers", main.credential).json()
+    helper.renew_server(helper.claim_server(helper_server["server_id"]), "running")
+    again = cp.agent("GET", "/api/v1/agent/servers", main.credential).json()
+    assert again["servers_generation"] > generation["servers_generation"]  # told at once
+    [entry] = again["servers"]
     assert entry["split"]["role"] == "main"
     assert entry["split"]["helpers"] == [helper_server["server_id"]]
 

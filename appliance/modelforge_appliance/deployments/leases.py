@@ -86,6 +86,8 @@ def desired_for(store: Store, node_id: str) -> dict[str, Any]:
             present = replica is not None and shown_state(replica, node) == "present"
             if not present and row.role != ROLE_HELPER:  # a helper loads no file itself
                 continue  # waiting for the model: listed once the node reports it present
+            if split.waits_for_helpers(row):
+                continue  # a split's main server: listed once its helpers run
             settings = json.loads(deployment.settings)
             entry = {
                 "server_id": row.server_id,

@@ -27,6 +27,7 @@ from modelforge_contract.deployments import (
     GOAL_RUN,
     MODEL_FORMAT_UNSUPPORTED,
     ROLE_HELPER,
+    ROLE_MAIN,
     RUNTIME_LLAMA_CPP,
     RUNTIME_LLAMA_CPP_RPC,
     RUNTIME_VLLM,
@@ -456,6 +457,14 @@ def apply_outcome(
         return None
     if outcome.state == SERVER_STOPPED:
         reap(store, server.deployment_id, actor)
+    if server.role == ROLE_HELPER and outcome.state != server.state:
+        # A split's main server waits for its helpers to run (split.waits_for_helpers):
+        # its agent fetches again at its next heartbeat.
+        mains = DeploymentServer.select(DeploymentServer.node).where(
+            (DeploymentServer.deployment == server.deployment_id)
+            & (DeploymentServer.role == ROLE_MAIN)
+        )
+        _bump([row.node_id for row in mains])
     return False
 
 

@@ -24,6 +24,8 @@ from modelforge_contract.deployments import (
     ROLE_HELPER,
     ROLE_MAIN,
     RUNTIME_LLAMA_CPP,
+    SERVER_PENDING,
+    SERVER_RUNNING,
 )
 
 from ..core.errors import Invalid
@@ -106,14 +108,28 @@ def agent_entry(row: DeploymentServer, settings: dict[str, Any]) -> dict[str, An
     if row.role == ROLE_HELPER:
         return {"role": ROLE_HELPER}
     split = settings.get("split") or []
-    by_node = {
-        s.node_id: s.server_id
-        for s in DeploymentServer.select(DeploymentServer.server_id, DeploymentServer.node)
-        .where(DeploymentServer.deployment == row.deployment_id)
-        .where(DeploymentServer.role == ROLE_HELPER)
-    }
+    by_node = {s.node_id: s.server_id for s in _helpers(row)}
     return {
         "role": ROLE_MAIN,
         "helpers": [by_node[n] for n in split[1:] if n in by_node],
         "shares": settings.get("shares") or [],
     }
+
+
+def _helpers(row: DeploymentServer) -> list[DeploymentServer]:
+    return list(
+        DeploymentServer.select(
+            DeploymentServer.server_id, DeploymentServer.node, DeploymentServer.state
+        )
+        .where(DeploymentServer.deployment == row.deployment_id)
+        .where(DeploymentServer.role == ROLE_HELPER)
+    )
+
+
+def waits_for_helpers(row: DeploymentServer) -> bool:
+    """A split's main server not yet started waits until every helper runs: started
+    before them, its llama-server would find nobody at the other end of its links and exit
+    (once started, it comes back by itself after a helper is lost, as any runtime does)."""
+    if row.role != ROLE_MAIN or row.state != SERVER_PENDING:
+        return False
+    return any(helper.state != SERVER_RUNNING for helper in _helpers(row))
