@@ -422,3 +422,33 @@ def test_a_restart_picks_gpus_again_and_never_shares_one_taken_meanwhile(control
     assert (late.status_code, error_code(late)) == (409, "DEPLOYMENT_STOPPING")
     listed = cp.admin("GET", DEPLOYMENTS).json()
     assert listed["server_time"].endswith("Z")
+
+
+def test_the_cli_splits_a_model_across_nodes_and_says_each_member_s_role_and_share(
+    control_plane, tmp_path
+):
+    cp = control_plane
+    model = tiny_model(cp, tmp_path)
+    main = ServingNode(cp, "split-a")
+    helper = ServingNode(cp, "split-b", runtimes=("llama.cpp", "llama.cpp-rpc"))
+    held(cp, model, main)
+    both = cli(
+        cp, "deploy", "big", "--model", "tiny", "--nodes", "split-a", "--split", "split-a,split-b"
+    )
+    assert both.returncode == 2 and "one of --nodes or --split" in both.stderr
+    alone = cli(cp, "deploy", "big", "--model", "tiny", "--split", "split-a")
+    assert alone.returncode == 2 and "fewer than two nodes" in alone.stderr
+    made = cli(cp, "deploy", "big", "--model", "tiny", "--split", "split-a,split-b", "--json")
+    assert made.returncode == 0, made.stderr
+    view = json.loads(made.stdout)
+    assert view["settings"]["split"] == [main.node_id, helper.node_id]
+    assert {s["node_id"]: s["role"] for s in view["servers"]} == {
+        main.node_id: "main",
+        helper.node_id: "helper",
+    }
+    shown = cli(cp, "deployments", "show", "big")
+    assert shown.returncode == 0, shown.stderr
+    assert "split across 2 nodes (split-a 50%, split-b 50% of the layers)" in shown.stdout
+    assert "split-b (" in shown.stdout and "[helper]" in shown.stdout
+    fixed = cli(cp, "deployments", "add-nodes", "big", "split-b")
+    assert fixed.returncode != 0 and "SPLIT_FIXED" in fixed.stderr
