@@ -52,6 +52,8 @@ class LinkPump:
         busy: Callable[[], bool] = lambda: True,
         lost: Callable[[], None] = lambda: None,
     ) -> None:
+        """``lost`` (the main side's): called once the link ends under it, by a RESET, a
+        stall, or the helper closing it first."""
         self.stream_id, self.sock, self._send = stream_id, sock, send
         self._finished, self.stall_seconds, self._busy = finished, stall_seconds, busy
         self._lost = lost  # the other side went or stalled: the group cannot answer now
@@ -60,6 +62,7 @@ class LinkPump:
         self._incoming: queue.Queue[bytes | None] = queue.Queue()
         self.closed = False
         self._halves_done = 0  # each direction that ended cleanly (END): both, and it is over
+        self._local_ended = False  # the local side closed first (llama-server done with it)
         # A stall: bytes sent since the last byte came back, and when the last went.
         self._waiting_since: float | None = None
 
@@ -82,7 +85,11 @@ class LinkPump:
             self._cond.notify_all()
 
     def on_end(self) -> None:
+        with self._cond:
+            first = not self._local_ended
         self._incoming.put(None)
+        if first:  # the other side closed before this one: its helper went (or restarted)
+            self._lost()
 
     def on_reset(self) -> None:
         if not self.closed:
@@ -110,6 +117,8 @@ class LinkPump:
                         self._check_stall()
                     continue
                 if not data:  # the local side closed: this direction is over
+                    with self._cond:
+                        self._local_ended = True
                     self._send(wire.end_frame(self.stream_id))
                     self._half_done()
                     return
