@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import select
 import socket
 import threading
 import time
@@ -60,6 +61,10 @@ class LinkPump:
         self._cond = threading.Condition()
         self.credit = wire.WINDOW_BYTES  # what it may still send
         self._incoming: queue.Queue[bytes | None] = queue.Queue()
+        # Writes waiting for the writer thread, or being made: while there are any, what
+        # comes next queues behind them; with none, the tunnel's thread writes at once.
+        self._queued = 0
+        self._ungranted = 0  # bytes the local socket took, not yet granted back
         self.closed = False
         self._halves_done = 0  # each direction that ended cleanly (END): both, and it is over
         self._local_ended = False  # the local side closed first (llama-server done with it)
@@ -73,9 +78,37 @@ class LinkPump:
     # -- from the tunnel ----------------------------------------------------------------
 
     def on_data(self, payload: bytes) -> None:
+        """The other side's bytes: to the local socket now when it takes them without
+        waiting (one thread handoff less on each round trip), else through the writer."""
         with self._cond:
             self._waiting_since = None  # the other side answers
-        self._incoming.put(payload)
+            queued, self._queued = self._queued, self._queued + 1
+        if queued or self.closed:
+            self._incoming.put(payload)
+            return
+        try:
+            sent = self.sock.send(payload, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.close()
+            return
+        self._took(sent)
+        if sent < len(payload):
+            self._incoming.put(payload[sent:])  # the writer finishes it, still first in line
+            return
+        with self._cond:
+            self._queued -= 1
+
+    def _took(self, count: int) -> None:
+        """The local socket took ``count`` bytes: credit back in GRANT_BYTES steps."""
+        with self._cond:
+            self._ungranted += count
+            grant, over = self._ungranted, self._ungranted >= GRANT_BYTES
+            if over:
+                self._ungranted = 0
+        if over:
+            self._send(wire.window_frame(self.stream_id, grant))
 
     def on_window(self, count: int) -> None:
         with self._cond:
@@ -99,8 +132,9 @@ class LinkPump:
     # -- its threads --------------------------------------------------------------------
 
     def _read(self) -> None:
-        """The local socket to the tunnel, within the credit."""
-        self.sock.settimeout(POLL_SECONDS)
+        """The local socket to the tunnel, within the credit. The socket stays blocking (the
+        writer's sendall may wait on a busy runtime); reads wait in select, a stall check
+        every POLL_SECONDS."""
         try:
             while not self.closed:
                 with self._cond:
@@ -110,12 +144,13 @@ class LinkPump:
                     room = min(self.credit, READ_CHUNK)
                 if self.closed:
                     return
-                try:
-                    data = self.sock.recv(room)
-                except TimeoutError:
+                if not select.select([self.sock], [], [], POLL_SECONDS)[0]:
                     with self._cond:
                         self._check_stall()
                     continue
+                data = self.sock.recv(room)
+                if self.closed:  # closed under it (its socket's end woke the select)
+                    return
                 if not data:  # the local side closed: this direction is over
                     with self._cond:
                         self._local_ended = True
@@ -134,7 +169,7 @@ class LinkPump:
             self._send(wire.reset_frame(self.stream_id, rel.LINK_STALLED, "the helper stalled"))
             self.close(tell=False)
             self._lost()
-        except OSError:
+        except (OSError, ValueError):  # ValueError: select on a socket closed meanwhile
             self.close()
 
     def _check_stall(self) -> None:
@@ -146,7 +181,6 @@ class LinkPump:
 
     def _write(self) -> None:
         """What the tunnel brought, to the local socket; credit back once it took it."""
-        ungranted = 0
         while True:
             data = self._incoming.get()
             if data is None or self.closed:
@@ -156,14 +190,13 @@ class LinkPump:
                     self._half_done()
                 return
             try:
-                self.sock.sendall(data)
+                self.sock.sendall(data)  # a blocking socket: as long as its reader needs
             except OSError:
                 self.close()
                 return
-            ungranted += len(data)
-            if ungranted >= GRANT_BYTES:
-                self._send(wire.window_frame(self.stream_id, ungranted))
-                ungranted = 0
+            self._took(len(data))
+            with self._cond:
+                self._queued -= 1
 
     def _half_done(self) -> None:
         with self._cond:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 
 from modelforge_contract import tunnel as wire
-from modelforge_node_agent.links import GRANT_BYTES, LinkPump
+from modelforge_node_agent.links import GRANT_BYTES, POLL_SECONDS, LinkPump
 from tests.harness.agent_process import wait_until
 
 
@@ -103,3 +104,15 @@ def test_a_helper_closing_first_is_lost_and_llama_server_closing_first_is_not(li
     wait_until(lambda: quiet.closed, timeout=10, what="the link forgotten")
     assert calm["lost"] == 0
     there.close()
+
+
+def test_a_local_side_slow_to_read_keeps_its_link_and_gets_every_byte_in_order(link):
+    pump, local, _, _ = link
+    data = bytes(range(256)) * 4096  # 1 MiB: more than the socket pair holds
+    for at in range(0, len(data), 65536):
+        pump.on_data(data[at : at + 65536])
+    time.sleep(4 * POLL_SECONDS)  # the runtime is busy and does not read for a while
+    got = b""
+    while len(got) < len(data) and (chunk := local.recv(1 << 20)):
+        got += chunk
+    assert got == data and not pump.closed
