@@ -154,7 +154,15 @@ def through_the_product(binary: Path, model: Path, work: Path, args: argparse.Na
                         "node_ids": split[:1], "settings": {"split": split, "context_length": 512}}  # fmt: skip
                 cp.admin("POST", "/api/v1/admin/deployments", json=body).raise_for_status()
                 wait_until(lambda: _running(cp), timeout=600, what=f"{label} running")
+                hub = cp.server.app.hub
+                before = dict(hub.link_frames), dict(hub.link_bytes)
                 found[label] = decode_rate(label, cp.url, args.tokens, args.runs, auth)
+                tokens = args.tokens * (args.runs + 1)
+                out = hub.link_frames["to_helpers"] - before[0]["to_helpers"]
+                back = hub.link_frames["from_helpers"] - before[0]["from_helpers"]
+                sent = hub.link_bytes["to_helpers"] - before[1]["to_helpers"]
+                print(f"{label}: per token, {out / tokens:.1f} frames out ({sent / tokens / 1024:.1f}"
+                      f" KiB) and {back / tokens:.1f} back over the links", flush=True)  # fmt: skip
                 cp.admin("DELETE", "/api/v1/admin/deployments/big").raise_for_status()
                 wait_until(lambda: _gone(cp), timeout=120, what="undeployed")
         finally:
@@ -217,8 +225,8 @@ def main() -> None:
     for label, rate in found.items():
         print(f"{label:28} {rate:9.1f} {1000 / rate:9.1f} {rate / alone:9.2f}")
     loopback, tunnels = found["split in two, loopback"], found["split in two, tunnels"]
-    print(f"\nthe tunnel hop per round trip: {1000 / tunnels - 1000 / loopback:+.1f} ms "
-          f"(split in two through the tunnels less over loopback, one round trip a token)")  # fmt: skip
+    print(f"\nthe tunnels' cost per token, one helper: {1000 / tunnels - 1000 / loopback:+.1f} ms "
+          f"(split in two through the tunnels less over loopback)")  # fmt: skip
     same = len(set(TEXTS.values())) == 1
     print(f"greedy text of every case the same as alone: {'yes' if same else 'NO'}")
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "

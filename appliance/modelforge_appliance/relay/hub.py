@@ -497,6 +497,7 @@ class Hub:
         self.authorize_link = authorize_link
         # Bytes the links carried, from the main nodes to their helpers and back.
         self.link_bytes = {"to_helpers": 0, "from_helpers": 0}
+        self.link_frames = {"to_helpers": 0, "from_helpers": 0}  # DATA frames, likewise
 
     def metrics_protocol_error(self) -> None:
         self._on_protocol_error()
@@ -720,6 +721,7 @@ class Hub:
                 # The main node's side is the one whose id it chose (LINK_STREAM_BIT).
                 way = "to_helpers" if wire.is_link_id(end.stream_id) else "from_helpers"
                 self.link_bytes[way] += len(frame.payload)
+                self.link_frames[way] += 1
             if over:
                 raise wire.FrameError("DATA beyond the link's credit")
             peer.tunnel.send(
