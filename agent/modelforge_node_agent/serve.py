@@ -410,7 +410,7 @@ class ServeLoop:
         digest = str((entry.get("model") or {}).get("digest") or "")
         digest_hex = digest[len("sha256:") :] if digest.startswith("sha256:") else ""
         model_dir = self.models.model_dir(digest_hex) if len(digest_hex) == 64 else None
-        helper = member is not None and member.get("role") == ROLE_HELPER
+        helper = _role(entry) == ROLE_HELPER
         if not helper and (model_dir is None or not model_dir.is_dir()):
             self.fail(held, MODEL_NOT_ON_NODE, f"the model {digest[:19]}… is not on this node")
             return

@@ -678,23 +678,22 @@ class TunnelClient:
             self._links[frame.stream_id] = pump
         pump.start()
 
-    def _serving(self, server_id: str) -> bool:
-        """Whether a client request of the server is in flight here."""
+    def _in_flight(self, server_id: str) -> list[AgentStream]:
+        """The server's client requests in flight here."""
         with self._lock:
-            return any(
-                s.opened.get("server_id") == server_id and not s.done
-                for s in self._streams.values()
-            )
-
-    def _group_lost(self, server_id: str) -> None:
-        """A link of the server's split ended under it (a helper went or stalled): its
-        llama-server cannot answer, so its clients' requests end now, NODE_LINK_LOST."""
-        with self._lock:
-            streams = [
+            return [
                 s
                 for s in self._streams.values()
                 if s.opened.get("server_id") == server_id and not s.done
             ]
+
+    def _serving(self, server_id: str) -> bool:
+        return bool(self._in_flight(server_id))
+
+    def _group_lost(self, server_id: str) -> None:
+        """A link of the server's split ended under it (a helper went or stalled): its
+        llama-server cannot answer, so its clients' requests end now, NODE_LINK_LOST."""
+        streams = self._in_flight(server_id)
         for stream in streams:
             self.send(wire.reset_frame(stream.stream_id, rel.NODE_LINK_LOST, "a helper went"))
             stream.abort()
@@ -706,10 +705,6 @@ class TunnelClient:
         with self._lock:
             if self._links.get(pump.stream_id) is pump:
                 del self._links[pump.stream_id]
-
-    def links(self) -> int:
-        with self._lock:
-            return len(self._links)
 
     def _link_frame(self, frame: wire.Frame) -> bool:
         """A frame of one of this agent's links; False when it is not a link's."""

@@ -86,9 +86,10 @@ def desired_for(store: Store, node_id: str) -> dict[str, Any]:
             present = replica is not None and shown_state(replica, node) == "present"
             if not present and row.role != ROLE_HELPER:  # a helper loads no file itself
                 continue  # waiting for the model: listed once the node reports it present
-            if split.waits_for_helpers(row):
-                continue  # a split's main server: listed once its helpers run
             settings = json.loads(deployment.settings)
+            listed, member = split.agent_entry(row, settings)
+            if not listed:
+                continue  # a split's main server: listed once its helpers run
             entry = {
                 "server_id": row.server_id,
                 "deployment": deployment.name,
@@ -99,7 +100,6 @@ def desired_for(store: Store, node_id: str) -> dict[str, Any]:
                 "state": row.state,
                 "restarts": row.restarts,
             }
-            member = split.agent_entry(row, settings)
             if member is not None:
                 entry["split"] = member
             servers.append(entry)

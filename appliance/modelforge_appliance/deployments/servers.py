@@ -458,7 +458,7 @@ def apply_outcome(
     if outcome.state == SERVER_STOPPED:
         reap(store, server.deployment_id, actor)
     if server.role == ROLE_HELPER and outcome.state != server.state:
-        # A split's main server waits for its helpers to run (split.waits_for_helpers):
+        # A split's main server waits for its helpers to run (split.agent_entry):
         # its agent fetches again at its next heartbeat.
         mains = DeploymentServer.select(DeploymentServer.node).where(
             (DeploymentServer.deployment == server.deployment_id)

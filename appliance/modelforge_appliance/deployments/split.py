@@ -100,18 +100,26 @@ def role_for(split: list[str] | None, node_id: str) -> str | None:
     return ROLE_MAIN if node_id == split[0] else ROLE_HELPER
 
 
-def agent_entry(row: DeploymentServer, settings: dict[str, Any]) -> dict[str, Any] | None:
-    """What the agent of a split's member needs beyond the deployment: its role, and for
-    the main server its helpers' server ids (in the split's order) and the shares."""
+def agent_entry(
+    row: DeploymentServer, settings: dict[str, Any]
+) -> tuple[bool, dict[str, Any] | None]:
+    """Whether the server is listed to its agent now, and what the agent of a split's member
+    needs beyond the deployment: its role, and for the main server its helpers' server ids
+    (in the split's order) and the shares (None for a whole server)."""
     if row.role is None:
-        return None
+        return True, None
     if row.role == ROLE_HELPER:
-        return {"role": ROLE_HELPER}
+        return True, {"role": ROLE_HELPER}
     split = settings.get("split") or []
-    by_node = {s.node_id: s.server_id for s in _helpers(row)}
-    return {
+    by_node = {s.node_id: s for s in _helpers(row)}
+    if row.state == SERVER_PENDING and any(h.state != SERVER_RUNNING for h in by_node.values()):
+        # Not yet started, it waits until every helper runs: started before them, its
+        # llama-server would find nobody at the other end of its links and exit (once
+        # started, it comes back by itself after a helper is lost, as any runtime does).
+        return False, None
+    return True, {
         "role": ROLE_MAIN,
-        "helpers": [by_node[n] for n in split[1:] if n in by_node],
+        "helpers": [by_node[n].server_id for n in split[1:] if n in by_node],
         "shares": settings.get("shares") or [],
     }
 
@@ -124,12 +132,3 @@ def _helpers(row: DeploymentServer) -> list[DeploymentServer]:
         .where(DeploymentServer.deployment == row.deployment_id)
         .where(DeploymentServer.role == ROLE_HELPER)
     )
-
-
-def waits_for_helpers(row: DeploymentServer) -> bool:
-    """A split's main server not yet started waits until every helper runs: started
-    before them, its llama-server would find nobody at the other end of its links and exit
-    (once started, it comes back by itself after a helper is lost, as any runtime does)."""
-    if row.role != ROLE_MAIN or row.state != SERVER_PENDING:
-        return False
-    return any(helper.state != SERVER_RUNNING for helper in _helpers(row))

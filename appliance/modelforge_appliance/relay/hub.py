@@ -645,14 +645,19 @@ class Hub:
                 tunnel.send(frame, wait=wait)
         return stream
 
+    def _remember_ended(self, node_id: str, stream_id: int) -> None:
+        """Inside the lock: a stream (or link side) of the node ended here; frames the agent
+        still sends for it are dropped, not a protocol error."""
+        ended = self._ended.setdefault(node_id, collections.deque(maxlen=ENDED_KEPT))
+        ended.append(stream_id)
+
     def ended_here(self, node_id: str, stream_id: int) -> bool:
         with self._lock:
             return stream_id in self._ended.get(node_id, ())
 
     def forget(self, stream: Stream) -> None:
         with self._lock:
-            ended = self._ended.setdefault(stream.node_id, collections.deque(maxlen=ENDED_KEPT))
-            ended.append(stream.stream_id)
+            self._remember_ended(stream.node_id, stream.stream_id)
             if self._streams.pop(stream.stream_id, None) is stream:
                 self._carried[stream.node_id] -= 1
                 if self._carried[stream.node_id] <= 0:
@@ -764,10 +769,7 @@ class Hub:
                 if side is None:
                     continue
                 if self._links.pop((side.tunnel.node_id, side.stream_id), None) is not None:
-                    ended = self._ended.setdefault(
-                        side.tunnel.node_id, collections.deque(maxlen=ENDED_KEPT)
-                    )
-                    ended.append(side.stream_id)
+                    self._remember_ended(side.tunnel.node_id, side.stream_id)
 
     def _end_link(self, end: LinkEnd, code: str, message: str) -> None:
         """Forget both sides; the other side is told with RESET (this side said it, or its
