@@ -36,6 +36,16 @@ def wait_until_serving(port: int, process: subprocess.Popen, timeout: float = 30
     raise SystemExit("server did not start")
 
 
+def llama_server_binary(given: str | None) -> Path:
+    """``given``, else the binary scripts/llama-server-build prints (building it once)."""
+    if given:
+        return Path(given)
+    built = subprocess.run(
+        [str(ROOT / "scripts" / "llama-server-build")], check=True, capture_output=True, text=True
+    )
+    return Path(built.stdout.strip().splitlines()[-1])
+
+
 def process_usage(pid: int) -> tuple[float, int]:
     """(CPU seconds used, resident bytes) of a process, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -51,7 +51,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from _load import process_usage
+from _load import llama_server_binary, process_usage
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -836,17 +836,7 @@ class Bench:
         from tests.harness.llama import GREEDY, LlamaServer
         from tests.harness.tiny_gguf import write_tiny_gguf
 
-        binary = (
-            self.args.llama_server
-            or subprocess.run(
-                [str(ROOT / "scripts" / "llama-server-build")],
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            .stdout.strip()
-            .splitlines()[-1]
-        )
+        binary = llama_server_binary(self.args.llama_server)
         model = write_tiny_gguf(self.work / "tiny.gguf")
         server = LlamaServer(Path(binary), model, self.work / "llama.log", context_length=512)
         try:

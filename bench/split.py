@@ -32,6 +32,8 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _load import free_port, llama_server_binary, wait_until_serving  # noqa: E402
+
 from tests.harness.agent_process import wait_until  # noqa: E402
 from tests.harness.control_plane import make_settings, serve  # noqa: E402
 from tests.harness.llama import GREEDY, LlamaServer  # noqa: E402
@@ -61,28 +63,14 @@ def decode_rate(
 
 
 def rpc_server(binary: Path) -> tuple[subprocess.Popen, int]:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen(
         [str(binary.parent / "ggml-rpc-server"), "--host", "127.0.0.1", "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    wait_until(lambda: _connects(port), timeout=30, what="ggml-rpc-server")
+    wait_until_serving(port, process)
     return process, port
-
-
-def _connects(port: int) -> bool:
-    import socket
-
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
 
 
 def direct(binary: Path, model: Path, work: Path, layers: int, args: argparse.Namespace) -> dict:
@@ -199,18 +187,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6, help="layers of the generated model")
     parser.add_argument("--llama-server", help="default: scripts/llama-server-build's")
     args = parser.parse_args()
-    binary = (
-        args.llama_server
-        or subprocess.run(
-            [str(ROOT / "scripts" / "llama-server-build")],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        .stdout.strip()
-        .splitlines()[-1]
-    )
-    binary = Path(binary)
+    binary = llama_server_binary(args.llama_server)
     with tempfile.TemporaryDirectory(prefix="mf-split-") as tmp:
         work = Path(tmp)
         began = time.monotonic()
