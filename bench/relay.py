@@ -453,6 +453,9 @@ def first_events(target: Target, streams: int) -> list[float]:
     for sock in socks:
         sock.close()
     if len(first) < streams:
+        for fd, body in seen.items():  # what those got instead, to tell a refusal from a hang
+            if fd not in first:
+                print(f"  a stream without a first event got {bytes(body[:300])!r}")
         raise SystemExit(f"{target.label}: {streams - len(first)} stream(s) had no first event")
     return sorted(first.values())
 

@@ -7,6 +7,7 @@ never send."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -20,12 +21,12 @@ import requests
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
+from modelforge_appliance.core.errors import ApiError
 from modelforge_appliance.core.settings import ConfigError, load_settings
 from modelforge_appliance.runtime.server import OUTBUF_HIGH_WATERMARK
 from modelforge_appliance.runtime.tunnel_websocket import (
     MAX_MESSAGE_BYTES,
-    TunnelClosed,
-    TunnelConnection,
+    WebSocketLink,
     websocket_tunnel,
 )
 from modelforge_contract import (
@@ -48,11 +49,18 @@ REFUSAL_BODY = {
 }
 
 
-def accept(headers) -> tuple[int, dict] | None:
+def accept(headers) -> str:
     """The echo tunnel's check: one credential is refused, everything else upgrades."""
     if headers.get("Authorization") == REFUSED_CREDENTIAL:
-        return 401, REFUSAL_BODY
-    return None
+        error = REFUSAL_BODY["error"]
+        raise ApiError(
+            error["message"],
+            code=error["code"],
+            status=401,
+            next_step=error["next_step"],
+            extra={"compatibility": REFUSAL_BODY["compatibility"]},
+        )
+    return "admitted"
 
 
 class Echo:
@@ -61,23 +69,25 @@ class Echo:
     def __init__(self) -> None:
         self.headers: list = []
         self.peers: list = []
-        self.closed: list[int] = []
+        self.closed: list[int | None] = []
 
-    def __call__(self, connection: TunnelConnection) -> None:
-        self.headers.append(connection.headers)
-        self.peers.append(connection.peer)
-        try:
-            while True:
-                connection.send(connection.recv())
-        except TunnelClosed as closed:
-            self.closed.append(closed.code)
+    def __call__(self, link: WebSocketLink, admission: str) -> None:
+        assert admission == "admitted"
+        self.headers.append(link.headers)
+        self.peers.append(link.peer)
+        link.start(link.send, lambda reason: self.closed.append(link.close_code))
+
+
+def register(cp, handler) -> None:
+    """``handler`` on the front, run on the control plane's relay loop."""
+    cp.server.tunnel_front.register(handler, cp.server.app.relay.start)
 
 
 @contextlib.contextmanager
 def front_plane(settings) -> Iterator[tuple[object, Echo]]:
     echo = Echo()
     with serve(settings) as cp:
-        cp.server.tunnel_front.register(websocket_tunnel(accept, echo))
+        register(cp, websocket_tunnel(accept, echo))
         yield cp, echo
 
 
@@ -176,27 +186,28 @@ def test_the_handler_gets_the_head_and_not_a_byte_past_it(tmp_path):
     """A client that sends more right behind its head: those bytes stay on the socket."""
     seen: list[tuple[bytes, bytes]] = []
 
-    def raw(sock: socket.socket, head: bytes, peer: tuple) -> None:
-        sock.settimeout(20)
+    async def raw(sock: socket.socket, head: bytes, peer: tuple) -> None:
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
         rest = b""
         while len(rest) < 5:
-            rest += sock.recv(5 - len(rest))
+            rest += await loop.sock_recv(sock, 5 - len(rest))
         seen.append((head, rest))
-        sock.sendall(b"done")
+        await loop.sock_sendall(sock, b"done")
 
     with serve(make_settings(tmp_path / "state")) as cp:
-        cp.server.tunnel_front.register(raw)
+        register(cp, raw)
         head = upgrade_head()
         assert exchange(port_of(cp), head + b"AFTER") == b"done"
     assert seen == [(head, b"AFTER")]
 
 
 def test_a_handler_that_raises_closes_its_connection_and_nothing_else(tmp_path):
-    def broken(sock: socket.socket, head: bytes, peer: tuple) -> None:
+    async def broken(sock: socket.socket, head: bytes, peer: tuple) -> None:
         raise RuntimeError("a bug in the relay")
 
     with serve(make_settings(tmp_path / "state")) as cp:
-        cp.server.tunnel_front.register(broken)
+        register(cp, broken)
         assert exchange(port_of(cp), upgrade_head()) == b""
         assert requests.get(cp.url + "/healthz", timeout=20).status_code == 200
         wait_for(lambda: cp.server.tunnel_front.live == 0, "the broken tunnel is still held")

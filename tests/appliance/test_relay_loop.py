@@ -427,7 +427,7 @@ def test_a_refused_tunnel_request_is_closed_however_slowly_its_client_trickles(c
     assert closed
 
 
-def test_more_http_fallback_tunnels_than_threads_leave_the_api_its_threads(cp):
+def test_more_http_fallback_tunnels_than_threads_leave_the_api_its_threads_and_hold_none(cp):
     from modelforge_contract import HEADER_AGENT_PROTOCOL, PROTOCOL_VERSION
 
     from .test_deployments import ServingNode
@@ -449,6 +449,8 @@ def test_more_http_fallback_tunnels_than_threads_leave_the_api_its_threads(cp):
     wait_until(lambda: all(hub.connected(n.node_id) for n in nodes), what="every tunnel up")
     # Every thread of waitress would be held by now; the API answers all the same.
     assert healthz(cp) == 200
+    # And no tunnel has a thread of its own (a reader and a writer each, before).
+    assert [t.name for t in threading.enumerate() if t.name.startswith("tunnel")] == []
     nodes[0].heartbeat_answer()
     listed = cp.admin("GET", "/api/v1/admin/hardware/nodes")
     assert listed.status_code == 200
@@ -478,3 +480,59 @@ def test_a_client_call_pipelined_behind_an_admin_call_is_answered_on_waitress_to
     assert len(on_waitress) == 1
     shares = cp.server.app.relay.shares
     wait_until(lambda: shares.in_flight == 0, what="its place given back")
+
+
+# -- the tunnels on the loop ---------------------------------------------------------------
+
+
+def test_agents_tunnels_are_served_on_the_loop_without_a_thread_each(cp):
+    from tests.harness.scripted_node import WorkNode
+
+    nodes = [WorkNode(cp, f"quiet-{number}") for number in range(24)]
+    hub = cp.server.app.hub
+    before = threading.active_count()
+    held = []
+    for node in nodes:
+        sock, head = tunnel_upgrade(cp, node.credential)
+        assert head.startswith(b"HTTP/1.1 101"), head
+        held.append(sock)
+    wait_until(lambda: all(hub.connected(n.node_id) for n in nodes), what="every tunnel up")
+    grown = threading.active_count() - before
+    for sock in held:
+        sock.close()
+    wait_until(lambda: not any(hub.tunnels_held(n.node_id) for n in nodes), what="all closed")
+    # Three threads a tunnel before (the front's handler, websockets' reader, the hub's
+    # writer): 72 here. Now at most the loop's store threads that answered the upgrades.
+    assert grown <= 4, grown
+
+
+def test_an_agent_that_stops_reading_its_tunnel_loses_it(cp, relay, monkeypatch, caplog):
+    from modelforge_appliance.runtime import tunnel_websocket
+
+    monkeypatch.setattr(tunnel_websocket, "UNSENT_HIGH_BYTES", 64 * 1024)
+    monkeypatch.setattr(tunnel_websocket, "SEND_TIMEOUT_SECONDS", 0.5)
+    relay.close()  # the real agent goes; this socket is the node's tunnel, never read
+    hub = cp.server.app.hub
+    wait_until(lambda: not hub.connected(relay.node.node_id), what="agent gone")
+    sock, head = tunnel_upgrade(cp, relay.node.credential)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    wait_until(lambda: hub.connected(relay.node.node_id), what="tunnel up")
+    body = {"model": "svc", "messages": [{"role": "user", "content": "x" * 900_000}]}
+    clients = []
+    try:
+        # About 29 MB of requests for a node that takes none: more than loopback buffers.
+        for _ in range(32):
+            client = socket.create_connection(("127.0.0.1", port_of(cp)), timeout=30)
+            client.sendall(chat_request(relay.key, body))
+            clients.append(client)
+            if not hub.connected(relay.node.node_id):
+                break
+        wait_until(lambda: not hub.connected(relay.node.node_id), what="the tunnel closed")
+        wait_until(lambda: hub.tunnels_held(relay.node.node_id) == 0, what="its link gone")
+        assert "the agent stopped reading it" in caplog.text
+        # The control plane answers everyone else meanwhile.
+        assert cp.admin("GET", "/healthz").status_code == 200
+    finally:
+        for client in clients:
+            client.close()
+        sock.close()

@@ -15,8 +15,6 @@ WebSocket message does.
 
 from __future__ import annotations
 
-import threading
-
 import bottle
 
 from modelforge_contract import HEADER_AGENT_PROTOCOL
@@ -50,16 +48,10 @@ def add_routes(app: bottle.Bottle, context: ApiContext, hub: Hub) -> None:
             raise too_many_tunnels(request_header(HEADER_AGENT_PROTOCOL))
         link = HttpLink(node_id)
         sessions.add(link)
-        tunnel = hub.register(node_id, link, agent.caller.credential_id)
-
-        def serve() -> None:
-            try:
-                tunnel.serve()
-            finally:
-                link.close()
-                sessions.remove(link)
-
-        threading.Thread(target=serve, name=f"tunnel-http-{node_id[:12]}", daemon=True).start()
+        # No thread is the tunnel's: uploads feed it, the download streams it.
+        hub.register(node_id, link, agent.caller.credential_id).start(
+            then=lambda: sessions.remove(link)
+        )
         headers[wire.HEADER_TUNNEL_SESSION] = link.session_id
         headers["X-Accel-Buffering"] = "no"  # nginx: pass each frame on as it comes
         deferred = bottle.request.environ.get(DEFERRED)

@@ -344,7 +344,6 @@ class Relay:
                     request.path,
                     request.headers,
                     request.body,
-                    wait=False,
                 )
             except StreamLimit:  # the shares keep below it: only if set lower than them
                 self.shares.release(ticket)

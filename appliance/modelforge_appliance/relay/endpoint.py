@@ -9,7 +9,7 @@ opens streams by node), and a frame that breaks the contract closes it.
 
 from __future__ import annotations
 
-import threading
+from dataclasses import dataclass
 from typing import Any
 
 from modelforge_contract import (
@@ -27,7 +27,7 @@ from .hub import Hub
 
 # A node's tunnels at once: its live one and those still closing (a replaced tunnel closes
 # within the WebSocket close timeout). A node reconnecting faster than they close is refused
-# rather than holding a thread per attempt.
+# rather than holding a connection per attempt.
 MAX_TUNNELS_PER_NODE = 3
 RETRY_AFTER_SECONDS = 5
 
@@ -45,14 +45,22 @@ def too_many_tunnels(protocol: str | None) -> ApiError:
     )
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """A tunnel ``accept`` let through: the node it is and the credential that opened it."""
+
+    node_id: str
+    credential_id: str | None
+
+
 class TunnelEndpoint:
-    """``accept`` and ``serve`` for the front's WebSocket handler (runtime/front.py)."""
+    """``accept`` (on a store thread) and ``serve`` (on the relay's loop) for the front's
+    WebSocket handler (runtime/tunnel_websocket.py)."""
 
     def __init__(self, store: Store, hub: Hub) -> None:
         self.store, self.hub = store, hub
-        self._node = threading.local()  # accept and serve run on one thread, in turn
 
-    def accept(self, headers: Any) -> None:
+    def accept(self, headers: Any) -> Admitted:
         answer = compatibility_of(headers.get(HEADER_AGENT_PROTOCOL))
         if answer != COMPATIBLE:
             raise UpgradeRequired(
@@ -64,11 +72,8 @@ class TunnelEndpoint:
         credential = credentials.authenticate_credential(self.store, headers.get("Authorization"))
         if self.hub.tunnels_held(credential.owner) >= MAX_TUNNELS_PER_NODE:
             raise too_many_tunnels(headers.get(HEADER_AGENT_PROTOCOL))
-        self._node.node_id, self._node.credential_id = credential.owner, credential.credential_id
+        return Admitted(credential.owner, credential.credential_id)
 
-    def serve(self, connection: Any) -> None:
-        node_id = getattr(self._node, "node_id", None)
-        if node_id is None:  # accept refused (the front never calls serve then)
-            return
-        self._node.node_id = None
-        self.hub.register(node_id, connection, self._node.credential_id).serve()
+    def serve(self, link: Any, admitted: Admitted) -> None:
+        """The node's tunnel from now on (never waits: the link pushes its frames)."""
+        self.hub.register(admitted.node_id, link, admitted.credential_id).start()

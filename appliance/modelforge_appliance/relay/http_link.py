@@ -1,15 +1,15 @@
-"""The HTTP fallback's tunnel link (docs/architecture.md §12): a hub Link over plain HTTP.
+"""The HTTP fallback's tunnel link (docs/architecture.md §12): a hub link over plain HTTP.
 
-Where WebSocket is blocked, an agent holds its tunnel open as two halves on waitress: the
-streamed answer of ``GET …/tunnel/down`` carries the control plane's frames back to back
-(``body``), and each ``POST …/tunnel/up`` carries a batch of the agent's (``feed``). The hub
-sees one Link like any other: ``send`` one whole frame, ``recv`` one whole frame, ``close``.
+Where WebSocket is blocked, an agent holds its tunnel open as two halves: the streamed
+answer of ``GET …/tunnel/down`` carries the control plane's frames back to back (``body``,
+streamed on the relay's event loop), and each ``POST …/tunnel/up`` carries a batch of the
+agent's (``feed``), handed to the hub on the upload's own thread, in order, before the POST
+is answered. The link pushes, as a WebSocket tunnel does: no thread is the tunnel's.
 
-Both directions are bounded queues. A full outgoing queue (the agent stopped reading) holds
-the sender at most SEND_BLOCK_SECONDS, then closes the link; a full incoming queue (the hub's
-reader is behind) holds the uploading POST the same way. A quiet download carries a PING
-every PING_SECONDS, so no proxy times it out, and a client gone away is noticed at the next
-write at the latest: waitress then closes the answer's iterator, which closes the link.
+What waits for the download is bounded: past UNSENT_HIGH_BYTES for SEND_BLOCK_SECONDS, or
+past UNSENT_MAX_BYTES at all, the agent stopped reading and the link is closed. A quiet
+download carries a PING every PING_SECONDS, so no proxy times it out, and a client gone away
+is noticed at the next write at the latest: the download's end closes the link.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from modelforge_contract import tunnel as wire
 
 from .waking import Waker
 
-QUEUE_FRAMES = 256  # each way; a frame is at most wire.MAX_FRAME bytes
+UNSENT_HIGH_BYTES = 4 * 1024 * 1024
+UNSENT_MAX_BYTES = 64 * 1024 * 1024
 SEND_BLOCK_SECONDS = 5.0
 PING_SECONDS = 15.0
 BATCH_BYTES = 1024 * 1024  # the most bytes one write of the download carries
@@ -37,30 +38,33 @@ class LinkClosed(ConnectionError):
 
 
 class HttpLink:
-    """One HTTP tunnel session of one node: a hub Link (``send``/``recv``/``close``)."""
+    """One HTTP tunnel session of one node: a hub link that pushes (``start``, ``send``,
+    ``close``)."""
+
+    pushes = True
 
     def __init__(
         self,
         node_id: str,
         *,
-        queue_frames: int = QUEUE_FRAMES,
         send_block: float = SEND_BLOCK_SECONDS,
         ping_seconds: float = PING_SECONDS,
     ) -> None:
         self.node_id = node_id
         self.session_id = secrets.token_urlsafe(24)
-        self.queue_frames, self.send_block, self.ping_seconds = (
-            queue_frames,
-            send_block,
-            ping_seconds,
-        )
+        self.send_block, self.ping_seconds = send_block, ping_seconds
         self._cond = threading.Condition()
         self._out: collections.deque[bytes] = collections.deque()
-        self._in: collections.deque[bytes] = collections.deque()
+        self._unsent = 0  # bytes in _out
+        self._high_since: float | None = None  # when _unsent last went past the high mark
         self.closed = False
         self.reason = ""
         # The download streamed on the relay's event loop: each change wakes it.
         self._waker: Waker | None = None
+        # The hub's side: each uploaded frame, in order (one upload at a time), and the end.
+        self._feeding = threading.Lock()
+        self._receive: Callable[[bytes], None] | None = None
+        self._ended: Callable[[str], None] | None = None
 
     def _changed(self) -> None:
         """Inside the lock: wake the threads, and the loop streaming the download."""
@@ -70,34 +74,67 @@ class HttpLink:
 
     # -- the hub's side -----------------------------------------------------------------
 
-    def send(self, data: bytes) -> None:
-        """Queue one encoded frame for the download; a queue full for ``send_block``
-        seconds closes the link."""
-        self._put(self._out, data)
-
-    def recv(self) -> bytes:
-        """The agent's next frame (uploads feed them); LinkClosed once the link is closed."""
+    def start(self, receive: Callable[[bytes], None], ended: Callable[[str], None]) -> None:
+        """Give uploaded frames to ``receive`` from now on, and the end to ``ended``."""
         with self._cond:
-            while not self._in:
-                if self.closed:
-                    raise LinkClosed(self.reason or "closed")
-                self._cond.wait()
-            data = self._in.popleft()
-            self._changed()
-            return data
+            self._receive, self._ended = receive, ended
+            closed = self.closed
+        if closed:
+            self._end()
+
+    def send(self, data: bytes) -> bool:
+        """Queue one encoded frame for the download (never waits); False once the link is
+        closed, or when this closes it: the agent stopped reading."""
+        with self._cond:
+            if self.closed:
+                return False
+            now = time.monotonic()
+            if self._unsent <= UNSENT_HIGH_BYTES:
+                self._high_since = None
+            elif self._high_since is None:
+                self._high_since = now
+            stalled = self._unsent + len(data) > UNSENT_MAX_BYTES or (
+                self._high_since is not None and now - self._high_since > self.send_block
+            )
+            if not stalled:
+                self._out.append(data)
+                self._unsent += len(data)
+                self._changed()
+                return True
+        self.close(1011, "the agent stopped reading")
+        return False
 
     def close(self, code: int = 1000, reason: str = "") -> None:
         with self._cond:
-            if not self.closed:
-                self.closed, self.reason = True, reason or f"closed ({code})"
+            if self.closed:
+                return
+            self.closed, self.reason = True, reason or f"closed ({code})"
             self._changed()
+        self._end()
+
+    def _end(self) -> None:
+        with self._cond:
+            ended, self._ended = self._ended, None
+        if ended is not None:
+            ended(self.reason)
+
+    def pause(self) -> None:
+        """Nothing to pause: an upload is handed over whole before its POST is answered, so
+        the agent's next upload waits for the hub anyway."""
+
+    def resume(self) -> None:
+        """See ``pause``."""
 
     # -- the HTTP side --------------------------------------------------------------------
 
     def feed(self, frames: list[wire.Frame]) -> None:
-        """An upload's frames, in order, for ``recv``; LinkClosed when the link closes."""
-        for frame in frames:
-            self._put(self._in, wire.encode(frame))
+        """An upload's frames, to the hub in order; LinkClosed when the link is closed."""
+        with self._feeding:
+            for frame in frames:
+                receive = self._receive
+                if self.closed or receive is None:
+                    raise LinkClosed(self.reason or "closed")
+                receive(wire.encode(frame))
 
     def _batch(self) -> list[bytes]:
         """Inside the lock: queued frames, up to BATCH_BYTES."""
@@ -105,6 +142,7 @@ class HttpLink:
         while self._out and size < BATCH_BYTES:
             size += len(self._out[0])
             batch.append(self._out.popleft())
+        self._unsent -= size
         self._changed()
         return batch
 
@@ -151,21 +189,6 @@ class HttpLink:
                 yield b"".join(batch)
         finally:
             self.close(1001, "the download ended")
-
-    def _put(self, queue: collections.deque[bytes], data: bytes) -> None:
-        with self._cond:
-            deadline = time.monotonic() + self.send_block
-            while len(queue) >= self.queue_frames and not self.closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.closed, self.reason = True, "a queue stayed full"
-                    self._changed()
-                    break
-                self._cond.wait(left)
-            if self.closed:
-                raise LinkClosed(self.reason)
-            queue.append(data)
-            self._changed()
 
 
 class HttpSessions:

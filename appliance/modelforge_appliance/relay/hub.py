@@ -20,12 +20,11 @@ request's (``may_fail_over``), is one the client route may send to another serve
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import contextlib
 import itertools
 import json
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -42,20 +41,27 @@ log = logging.getLogger(__name__)
 RESUME_GRACE_SECONDS = 30.0
 HEAD_TIMEOUT_SECONDS = 600.0  # a runtime may queue a request this long before answering
 KEEPALIVE_SECONDS = 15.0
-OUT_QUEUE_FRAMES = 4096  # frames waiting for a tunnel's writer
-SEND_TIMEOUT_SECONDS = 10.0  # a full queue this long: the agent does not read; closed
 GRANT_BYTES = 64 * 1024  # credit goes back to the agent in steps of at least this
 ENDED_KEPT = 4096  # per node: the streams that ended lately, whose late frames are dropped
 
 
 class Link(Protocol):
-    """One tunnel's connection (a WebSocket): whole frames in, whole frames out."""
+    """One tunnel's connection: a WebSocket on the relay's event loop
+    (``runtime/tunnel_websocket.WebSocketLink``) or an HTTP-fallback session
+    (``http_link.HttpLink``). It pushes: each whole frame the agent sends goes to
+    ``receive`` as it comes, in order, and the end to ``ended``, once. ``send`` and
+    ``close`` never wait, from any thread; ``send`` is False once the link is closed.
+    ``pause`` and ``resume`` stop and restart reading the agent's frames."""
 
-    def send(self, data: bytes) -> None: ...
+    def start(self, receive: Callable[[bytes], None], ended: Callable[[str], None]) -> None: ...
 
-    def recv(self) -> bytes: ...
+    def send(self, data: bytes) -> bool: ...
 
     def close(self, code: int = 1000, reason: str = "") -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
 
 
 class LinkLost(Exception):
@@ -280,7 +286,7 @@ class Stream:
                 return
             count, self.ungranted = self.ungranted, 0
             tunnel = self.tunnel
-        tunnel.send(wire.window_frame(self.stream_id, count), wait=False)
+        tunnel.send(wire.window_frame(self.stream_id, count))
 
     def close(self) -> None:
         """The client is done (or went away): a stream still running is reset on the node,
@@ -293,8 +299,7 @@ class Stream:
             tunnel = self.tunnel
         if running and tunnel is not None:
             tunnel.send(
-                wire.reset_frame(self.stream_id, rel.STREAM_CANCELLED, "the client went away"),
-                wait=False,
+                wire.reset_frame(self.stream_id, rel.STREAM_CANCELLED, "the client went away")
             )
         self.hub.forget(self)
 
@@ -321,92 +326,128 @@ class LinkEnd:
 LinkAuthority = Callable[[str, str, str], str]
 
 
+@dataclass(frozen=True)
+class LinkRequest:
+    """An agent's LINK, as checked: its node, the stream id it chose, its own server and
+    the helper's server it dials."""
+
+    node_id: str
+    stream_id: int
+    server_id: str
+    peer_server_id: str
+
+
 def _no_links(node_id: str, server_id: str, peer_server_id: str) -> str:
     raise LinkRefused("this control plane splices no links")
 
 
+def _on_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 class Tunnel:
-    """One agent's tunnel: its link, its reader thread, the streams it carries."""
+    """One agent's tunnel: its link, the streams it carries. No thread is the tunnel's: its
+    link hands each frame over as it comes (on the relay's event loop for a WebSocket, on
+    an upload's thread for the HTTP fallback) and takes frames to send without waiting."""
 
     def __init__(self, hub: Hub, node_id: str, link: Link, credential_id: str | None) -> None:
         self.hub, self.node_id, self.link = hub, node_id, link
         self.credential_id = credential_id  # what opened it: its revocation closes it
         self.send_lock = threading.Lock()
         self.open = True
-        # One writer thread per tunnel: a sender (a client's thread granting credit, the
-        # reader answering a PING) never waits on an agent that does not read, only on a
-        # full queue, and not for long.
-        self._out: queue.Queue[bytes | None] = queue.Queue(maxsize=OUT_QUEUE_FRAMES)
-        threading.Thread(target=self._write, name=f"tunnel-{node_id}", daemon=True).start()
+        # Frames that came while a LINK is authorized (a store call, off the loop): read
+        # again, in order, once it is decided. None: none held.
+        self._held: collections.deque[bytes] | None = None
+        self._failed = False
 
-    def send(self, frame: wire.Frame, wait: bool = True) -> bool:
-        """Queue ``frame`` for the writer. A full queue is waited on up to
-        SEND_TIMEOUT_SECONDS, or (``wait=False``, the event loop's sends) not at all; either
-        way a queue still full means the agent stopped reading: the tunnel is closed."""
+    def send(self, frame: wire.Frame) -> bool:
+        """Send ``frame`` (never waits). False when the tunnel is closed, or closes now:
+        the agent stopped reading it."""
         data = wire.encode(frame)
         with self.send_lock:
             if not self.open:
                 return False
-        try:
-            if wait:
-                self._out.put(data, timeout=SEND_TIMEOUT_SECONDS)
-            else:
-                self._out.put_nowait(data)
-        except queue.Full:
-            log.warning("tunnel of node %s closed: the agent stopped reading it", self.node_id)
+        if not self.link.send(data):
             self.shut()
             return False
         return True
 
-    def _write(self) -> None:
-        while True:
-            data = self._out.get()
-            if data is None:
-                return
-            try:
-                self.link.send(data)
-            except Exception:  # the link broke: the reader sees it too and cleans up
-                self.shut()
-                return
-
     def shut(self, code: int = 1011, reason: str = "") -> None:
-        """Stop sending and close the link (its reader then unregisters it). Never waits: a
-        WebSocket's close waits for the agent's answer, up to its close timeout, and the
-        caller may be the relay's event loop; the link is closed on a thread of its own."""
+        """Stop sending and close the link (its end then unregisters the tunnel). Never
+        waits: the agent has the link's close timeout to answer."""
         with self.send_lock:
             was_open, self.open = self.open, False
-        if not was_open:
-            return
-        with contextlib.suppress(queue.Full):
-            self._out.put_nowait(None)
-        threading.Thread(
-            target=self._close_link, args=(code, reason), name=f"close-{self.node_id}", daemon=True
-        ).start()
-
-    def _close_link(self, code: int, reason: str) -> None:
-        with contextlib.suppress(Exception):  # it is going anyway
+        if was_open:
             self.link.close(code, reason)
 
-    def serve(self) -> None:
-        """Read frames until the link ends (runs on the front's handler thread)."""
-        reason = "closed"
-        try:
-            while True:
-                try:
-                    data = self.link.recv()
-                except Exception:
-                    return
-                try:
-                    frame = wire.decode(data)
-                    self._dispatch(frame)
-                except wire.FrameError as bad:
-                    reason = f"protocol error: {bad}"
-                    log.warning("tunnel of node %s closed: %s", self.node_id, bad)
-                    self.hub.metrics_protocol_error()
-                    self.shut(1002, "protocol error")
-                    return
-        finally:
+    def start(self, then: Callable[[], None] | None = None) -> None:
+        """A pushing link: take its frames from now on; once it ends, the tunnel is
+        unregistered, then ``then`` runs."""
+
+        def ended(reason: str) -> None:
             self.hub.unregister(self, reason)
+            if then is not None:
+                then()
+
+        self.link.start(self._pushed, ended)
+
+    def _pushed(self, data: bytes) -> None:
+        """A pushing link's next frame: on the loop (a WebSocket), or on an upload's thread
+        (the HTTP fallback, one upload at a time)."""
+        if self._failed:
+            return
+        if self._held is not None:
+            self._held.append(data)
+            return
+        self.receive(data)
+
+    def receive(self, data: bytes) -> bool:
+        """One frame from the agent. False when it broke the contract: the tunnel is then
+        closed (1002)."""
+        try:
+            frame = wire.decode(data)
+            if frame.type == wire.LINK and _on_a_loop():
+                self._authorize(frame)
+            else:
+                self._dispatch(frame)
+        except wire.FrameError as bad:
+            log.warning("tunnel of node %s closed: %s", self.node_id, bad)
+            self._failed = True
+            self.hub.metrics_protocol_error()
+            self.shut(1002, "protocol error")
+            return False
+        return True
+
+    def _authorize(self, frame: wire.Frame) -> None:
+        """A LINK on the loop: the store is asked on a store thread, and this tunnel's
+        frames after it wait (reading paused) until it is decided, so none overtakes it.
+        (Off a loop, an upload's thread asks the store itself.)"""
+        request = self.hub.link_request(self, frame)
+        self._held = collections.deque()
+        self.link.pause()
+        loop = asyncio.get_running_loop()
+        decided = loop.run_in_executor(None, self.hub.authorized, request)
+        decided.add_done_callback(lambda outcome: self._decided(request, outcome))
+
+    def _decided(self, request: LinkRequest, outcome: asyncio.Future[str | LinkRefused]) -> None:
+        try:
+            answer: str | LinkRefused = outcome.result()
+        except Exception as exc:  # the store is away: refused, the agent dials again
+            log.warning("could not authorize a link of node %s: %s", self.node_id,
+                        type(exc).__name__)  # fmt: skip
+            answer = LinkRefused("the control plane could not look it up")
+        self.hub.splice(self, request, answer)
+        held, self._held = self._held, None
+        while held and self._held is None and not self._failed:
+            self.receive(held.popleft())
+        if held and self._held is not None:  # another LINK: the rest wait behind it again
+            self._held.extendleft(reversed(held))
+        elif not self._failed:
+            self.link.resume()
 
     def _dispatch(self, frame: wire.Frame) -> None:
         kind = frame.type
@@ -420,7 +461,8 @@ class Tunnel:
             self.hub.going(self, str(value.get("code") or "RESET")[:64])
             return
         if kind == wire.LINK:
-            self.hub.open_link(self, frame)
+            request = self.hub.link_request(self, frame)
+            self.hub.splice(self, request, self.hub.authorized(request))
             return
         if self.hub.on_link_frame(self, frame):
             return
@@ -613,7 +655,6 @@ class Hub:
         path: str,
         headers: list[tuple[str, str]],
         body: bytes,
-        wait: bool = True,
     ) -> Stream | None:
         """A new stream to the server on the node's tunnel; None when the node has no
         tunnel here. StreamLimit when the node's tunnel carries its cap."""
@@ -632,17 +673,14 @@ class Hub:
         # header the frame cannot carry is left out: the agent would close the tunnel.
         carried = wire.carried_headers(headers)
         sent = tunnel.send(
-            wire.open_frame(
-                stream.stream_id, server_id, method, path, carried, end_stream=not body
-            ),
-            wait=wait,
+            wire.open_frame(stream.stream_id, server_id, method, path, carried, end_stream=not body)
         )
         if not sent:  # the tunnel is closing: the agent never gets it, no resume could help
             stream.on_gone()
             return stream
         if body:
             for frame in wire.data_frames(stream.stream_id, body, end_stream=True):
-                tunnel.send(frame, wait=wait)
+                tunnel.send(frame)
         return stream
 
     def _remember_ended(self, node_id: str, stream_id: int) -> None:
@@ -668,9 +706,9 @@ class Hub:
 
     # -- links (a model split across nodes) -------------------------------------------------
 
-    def open_link(self, tunnel: Tunnel, frame: wire.Frame) -> None:
-        """An agent's LINK: its main server dials a helper. Spliced to a new stream on the
-        helper node's tunnel when ``authorize_link`` allows it; else RESET LINK_REFUSED."""
+    def link_request(self, tunnel: Tunnel, frame: wire.Frame) -> LinkRequest:
+        """An agent's LINK (its main server dials a helper), checked against the contract;
+        FrameError when it breaks it."""
         value = wire.json_of(frame)
         stream_id = frame.stream_id
         if not wire.is_link_id(stream_id):
@@ -681,13 +719,26 @@ class Hub:
         with self._lock:
             if (tunnel.node_id, stream_id) in self._links:
                 raise wire.FrameError(f"LINK for stream {stream_id}, a link that exists")
+        return LinkRequest(tunnel.node_id, stream_id, str(value.get("server_id")), str(peer_server))
+
+    def authorized(self, request: LinkRequest) -> str | LinkRefused:
+        """``authorize_link``'s answer (a store call: off the loop): the helper's node id,
+        or why not."""
         try:
-            peer_node = self.authorize_link(tunnel.node_id, str(value["server_id"]), peer_server)
+            return self.authorize_link(request.node_id, request.server_id, request.peer_server_id)
         except LinkRefused as refused:
+            return refused
+
+    def splice(self, tunnel: Tunnel, request: LinkRequest, answer: str | LinkRefused) -> None:
+        """The LINK spliced to a new stream on the helper node's tunnel when ``answer`` is a
+        node id; else RESET LINK_REFUSED."""
+        stream_id, peer_server = request.stream_id, request.peer_server_id
+        if isinstance(answer, LinkRefused):
             log.warning("node %s: link to server %s refused: %s", tunnel.node_id, peer_server,
-                        refused)  # fmt: skip
-            tunnel.send(wire.reset_frame(stream_id, rel.LINK_REFUSED, str(refused)))
+                        answer)  # fmt: skip
+            tunnel.send(wire.reset_frame(stream_id, rel.LINK_REFUSED, str(answer)))
             return
+        peer_node = answer
         here: LinkEnd | None = None
         with self._lock:
             peer_tunnel = self._tunnels.get(peer_node)
@@ -777,7 +828,7 @@ class Hub:
         peer = end.peer
         self._forget_link(end)
         if peer is not None:
-            peer.tunnel.send(wire.reset_frame(peer.stream_id, code, message), wait=False)
+            peer.tunnel.send(wire.reset_frame(peer.stream_id, code, message))
 
     def _drop_links(self, tunnel: Tunnel, code: str, message: str) -> None:
         with self._lock:

@@ -1,10 +1,11 @@
-"""Waking the relay's event loop from the threads that feed it (a tunnel's reader, an HTTP
-tunnel's upload)."""
+"""Waking what waits on the relay's event loop: from the loop itself (a WebSocket tunnel's
+frames), or from the threads that feed it (an HTTP tunnel's reader and upload)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 
 
 class Waker:
@@ -13,9 +14,14 @@ class Waker:
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.event = asyncio.Event()
+        self._thread = threading.get_ident()  # the loop's
 
     def wake(self) -> None:
-        """From any thread: the waiting side looks again."""
+        """From any thread: the waiting side looks again (at once from the loop itself, a
+        tunnel's frame arriving there; through the loop's queue from another thread)."""
+        if threading.get_ident() == self._thread:
+            self.event.set()
+            return
         with contextlib.suppress(RuntimeError):  # the loop is closing
             self.loop.call_soon_threadsafe(self.event.set)
 

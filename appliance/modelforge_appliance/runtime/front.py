@@ -9,7 +9,8 @@ event loop, before waitress's parser sees a byte):
   bytes the client sent (usually nothing has been read yet: the first look is a
   ``MSG_PEEK``);
 - a tunnel request is read up to the end of its head and no further, then handed, socket
-  and head, to the registered handler on a thread of its own, and leaves waitress's loop.
+  and head, to the registered handler on the relay's event loop (no thread of its own),
+  and leaves waitress's loop.
 
 The control plane speaks plain HTTP (TLS ends at the reverse proxy in front of it,
 docs/reverse-proxy.md), so what the front looks at is the request itself. A client that
@@ -23,13 +24,14 @@ registers: the WebSocket on the handed-over connection.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http
 import json
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from modelforge_contract import (
@@ -50,14 +52,15 @@ TUNNEL_REQUEST_LINE = f"GET {PATH_AGENT_TUNNEL}".encode()
 _END_OF_PATH = (b" ", b"?")
 END_OF_HEAD = b"\r\n\r\n"
 
-# Tunnels held at once: each holds a thread (and websockets' reader thread). An agent
+# Tunnels held at once (each a connection on the relay's event loop, no thread). An agent
 # holds one; past this a new one is answered 503 with Retry-After.
 MAX_TUNNELS = 1024
 RETRY_AFTER_SECONDS = 5
 
-# handler(sock, head, peer): the connection's socket (blocking), its request head (the
-# bytes read, up to and including the blank line that ends it), the client's address.
-TunnelHandler = Callable[[socket.socket, bytes, tuple], None]
+# handler(sock, head, peer), a coroutine run on the relay's event loop: the connection's
+# socket, its request head (the bytes read, up to and including the blank line that ends
+# it), the client's address. The socket is closed once it returns.
+TunnelHandler = Callable[[socket.socket, bytes, tuple], Awaitable[None]]
 
 # What the front makes of a new connection's first bytes.
 MORE = "more"  # cannot tell yet
@@ -187,24 +190,31 @@ def tunnel_port_app(environ: dict[str, Any], start_response: Callable) -> list[b
 class TunnelFront:
     """Who takes the tunnel connections, and how many are held.
 
-    The relay registers its handler once; until then (and after ``register(None)``) the
-    front takes nothing and every connection is waitress's, exactly as without it.
+    The relay registers its handler once, with the event loop it runs on; until then (and
+    after ``register(None)``) the front takes nothing and every connection is waitress's,
+    exactly as without it.
     """
 
     def __init__(self, max_tunnels: int = MAX_TUNNELS) -> None:
         self.max_tunnels = max_tunnels
         self._handler: TunnelHandler | None = None
+        self._loop_of: Callable[[], asyncio.AbstractEventLoop] | None = None
         self._lock = threading.Lock()
         self._live: set[socket.socket] = set()
 
-    def register(self, handler: TunnelHandler | None) -> None:
-        """Hand tunnel connections to ``handler`` from now on (None: to nobody)."""
-        self._handler = handler
+    def register(
+        self,
+        handler: TunnelHandler | None,
+        loop_of: Callable[[], asyncio.AbstractEventLoop] | None = None,
+    ) -> None:
+        """Hand tunnel connections to ``handler`` from now on (None: to nobody), run on the
+        loop ``loop_of()`` answers (the relay's, started on first use)."""
+        self._handler, self._loop_of = handler, loop_of
 
     @property
     def taking(self) -> bool:
         """A handler is registered: new connections are looked at."""
-        return self._handler is not None
+        return self._handler is not None and self._loop_of is not None
 
     @property
     def live(self) -> int:
@@ -212,29 +222,25 @@ class TunnelFront:
         return len(self._live)
 
     def take(self, sock: socket.socket, head: bytes, peer: tuple, done: Callable[[], None]) -> bool:
-        """Run the handler on ``sock`` on a thread of its own; ``done`` runs once it has
-        returned and the socket is closed. False, with nothing started, when the front
-        holds ``max_tunnels`` already or no handler is registered."""
-        handler = self._handler
+        """Run the handler on ``sock`` on the loop; ``done`` runs once it has returned and
+        the socket is closed. False, with nothing started, when the front holds
+        ``max_tunnels`` already or no handler is registered."""
+        handler, loop_of = self._handler, self._loop_of
         with self._lock:
-            if handler is None or len(self._live) >= self.max_tunnels:
+            if handler is None or loop_of is None or len(self._live) >= self.max_tunnels:
                 return False
             self._live.add(sock)
-        thread = threading.Thread(
-            target=self._run,
-            args=(handler, sock, head, peer, done),
-            name=f"tunnel-{peer[0] if peer else '?'}",
-            daemon=True,
-        )
+        run = self._run(handler, sock, head, peer, done)
         try:
-            thread.start()
-        except RuntimeError:  # no thread to be had
+            loop_of().call_soon_threadsafe(asyncio.ensure_future, run)
+        except RuntimeError:  # the loop is closed: the control plane is stopping
+            run.close()
             with self._lock:
                 self._live.discard(sock)
             return False
         return True
 
-    def _run(
+    async def _run(
         self,
         handler: TunnelHandler,
         sock: socket.socket,
@@ -243,8 +249,7 @@ class TunnelFront:
         done: Callable[[], None],
     ) -> None:
         try:
-            sock.settimeout(None)  # the loop's sockets are non-blocking; the handler's block
-            handler(sock, head, peer)
+            await handler(sock, head, peer)
         except Exception as exc:
             log.error("the tunnel handler failed: %s", type(exc).__name__, exc_info=True)
         finally:

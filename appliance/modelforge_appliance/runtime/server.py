@@ -254,7 +254,7 @@ def create_server(settings: Settings, store: Store, host: str, port: int) -> Ser
         if each not in tunnel_servers:
             each.clients = clients
     endpoint = TunnelEndpoint(store, app.hub)
-    front.register(websocket_tunnel(endpoint.accept, endpoint.serve))
+    front.register(websocket_tunnel(endpoint.accept, endpoint.serve), app.relay.start)
     server.tunnel_servers = tunnel_servers
     return server
 
