@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from modelforge_contract import relay as rel
 from modelforge_contract import tunnel as wire
+from modelforge_contract.streams import Credit, Grants
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +60,12 @@ class LinkPump:
         self._finished, self.stall_seconds, self._busy = finished, stall_seconds, busy
         self._lost = lost  # the other side went or stalled: the group cannot answer now
         self._cond = threading.Condition()
-        self.credit = wire.WINDOW_BYTES  # what it may still send
+        self.credit = Credit()  # what it may still send toward the other side
         self._incoming: queue.Queue[bytes | None] = queue.Queue()
         # Writes waiting for the writer thread, or being made: while there are any, what
         # comes next queues behind them; with none, the tunnel's thread writes at once.
         self._queued = 0
-        self._ungranted = 0  # bytes the local socket took, not yet granted back
+        self._grants = Grants(GRANT_BYTES)  # what the local socket took, to grant back
         self.closed = False
         self._halves_done = 0  # each direction that ended cleanly (END): both, and it is over
         self._local_ended = False  # the local side closed first (llama-server done with it)
@@ -103,18 +104,13 @@ class LinkPump:
     def _took(self, count: int) -> None:
         """The local socket took ``count`` bytes: credit back in GRANT_BYTES steps."""
         with self._cond:
-            self._ungranted += count
-            grant, over = self._ungranted, self._ungranted >= GRANT_BYTES
-            if over:
-                self._ungranted = 0
-        if over:
+            grant = self._grants.took(count)
+        if grant:
             self._send(wire.window_frame(self.stream_id, grant))
 
     def on_window(self, count: int) -> None:
         with self._cond:
-            self.credit += count
-            if self.credit > wire.WINDOW_BYTES:
-                raise wire.FrameError("WINDOW beyond what the link sent")
+            self.credit.give(count)  # FrameError past what was sent
             self._cond.notify_all()
 
     def on_end(self) -> None:
@@ -138,10 +134,10 @@ class LinkPump:
         try:
             while not self.closed:
                 with self._cond:
-                    while self.credit <= 0 and not self.closed:
+                    while self.credit.left <= 0 and not self.closed:
                         self._cond.wait(POLL_SECONDS)
                         self._check_stall()
-                    room = min(self.credit, READ_CHUNK)
+                    room = min(self.credit.left, READ_CHUNK)
                 if self.closed:
                     return
                 if not select.select([self.sock], [], [], POLL_SECONDS)[0]:
@@ -158,7 +154,7 @@ class LinkPump:
                     self._half_done()
                     return
                 with self._cond:
-                    self.credit -= len(data)
+                    self.credit.spend(len(data))  # never past it: room was the credit
                     self._waiting_since = time.monotonic()
                 if not self._send(wire.data_frame(self.stream_id, data)):
                     self.close(tell=False)  # the tunnel is gone: nothing to tell

@@ -20,7 +20,6 @@ then on it starts no stream, and its own streams' runtime connections are closed
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import http.client
 import itertools
 import json
@@ -39,6 +38,7 @@ from modelforge_contract import HEADER_AGENT_PROTOCOL, HEADER_AUTHORIZATION, PRO
 from modelforge_contract import relay as rel
 from modelforge_contract import tunnel as wire
 from modelforge_contract.scrub import SseScrubber, scrub_body
+from modelforge_contract.streams import Outgoing
 
 from . import __version__, transport
 from .backoff import BACKOFF_STEPS, Backoff, seconds
@@ -313,20 +313,14 @@ class AgentStream:
         self.cond = threading.Condition()
         self.body = bytearray()
         self.body_done = False
-        self.acked = 0  # body bytes the control plane says its client took
-        self.sent = 0  # body bytes sent on some tunnel
-        self.total = 0  # body bytes produced so far
-        self.replay = bytearray()  # the bytes from ``acked`` to ``total``
-        self.head: bytes | None = None  # the HEAD frame, kept for a resume before it arrived
-        self.head_sent = False
-        self.finished = False  # every byte produced (END to send once all are sent)
-        self.end_sent = False
+        # The answer as the runtime produces it (the tunnel core: what went out within the
+        # credit, what a resume may send again); touched only inside ``cond``.
+        self.answer = Outgoing()
         self.aborted = False
         self.connection: http.client.HTTPConnection | None = None
         # Its socket: an answer that closes the connection (Connection: close) takes it
         # over, and ``connection.sock`` is None from then on.
         self.runtime_socket: socket.socket | None = None
-        self.ended_at: float | None = None
         self.done = False  # its thread has ended
 
     # -- from the tunnel ------------------------------------------------------------------
@@ -344,23 +338,14 @@ class AgentStream:
 
     def on_window(self, count: int) -> None:
         with self.cond:
-            count = min(count, self.sent - self.acked)
-            if count > 0:
-                del self.replay[:count]
-                self.acked += count
+            self.answer.on_window(count)
             self.cond.notify_all()
 
     def on_resume(self, received: int, delivered: int, head: bool) -> None:
         """A new tunnel: its client took ``delivered`` bytes, ``received`` arrived, and
         whether the head did."""
         with self.cond:
-            received = max(self.acked, min(received, self.total))
-            delivered = max(self.acked, min(delivered, received))
-            del self.replay[: delivered - self.acked]
-            self.acked = delivered
-            self.sent = received
-            self.head_sent = head and self.head is not None
-            self.end_sent = False
+            self.answer.on_resume(received, delivered, head)
             done = self.done
             self.cond.notify_all()
         if done:  # its thread has ended: send what is left from here
@@ -459,7 +444,7 @@ class AgentStream:
             self._head(response.status, [*kept, ("Content-Length", str(len(body)))])
             self._emit(body)
         with self.cond:
-            self.finished = True
+            self.answer.finish()
             connection, self.connection = self.connection, None
             self.cond.notify_all()
         if connection is not None and not response.will_close and not self.aborted:
@@ -496,14 +481,13 @@ class AgentStream:
         # A header the contract refuses is dropped, not relayed.
         frame = wire.head_frame(self.stream_id, status, wire.carried_headers(headers))
         with self.cond:
-            self.head = frame.payload
+            self.answer.set_head(frame.payload)
         self._drain()
 
     def _emit(self, data: bytes) -> None:
         if data:
             with self.cond:
-                self.replay += data
-                self.total += len(data)
+                self.answer.produce(data)
         self._drain()
 
     def _drain(self) -> None:
@@ -519,35 +503,12 @@ class AgentStream:
                         raise _Aborted()
                     self.cond.wait(0.5)
                     continue
-                frames: list[wire.Frame] = []
-                if self.head is not None and not self.head_sent:
-                    frames.append(wire.Frame(wire.HEAD, self.stream_id, self.head))
-                    self.head_sent = True
-                room = self.acked + wire.WINDOW_BYTES - self.sent
-                waiting = self.total - self.sent
-                while waiting > 0 and room > 0:
-                    size = min(waiting, room, wire.MAX_PAYLOAD)
-                    start = self.sent - self.acked
-                    frames.append(
-                        wire.Frame(
-                            wire.DATA, self.stream_id, bytes(self.replay[start : start + size])
-                        )
-                    )
-                    self.sent += size
-                    waiting, room = waiting - size, room - size
-                done = self.finished and self.sent == self.total and not self.end_sent
-                if done:
-                    if frames:  # a HEAD or DATA: the end rides on it, one message fewer
-                        frames[-1] = dataclasses.replace(frames[-1], flags=wire.FLAG_END_STREAM)
-                    else:
-                        frames.append(wire.Frame(wire.END, self.stream_id, b""))
-                    self.end_sent = True
-                    self.ended_at = time.monotonic()
+                frames = self.answer.frames(self.stream_id)
             broke = not all(self.relay.send(frame) for frame in frames)
             if broke:
                 continue  # the tunnel broke: its successor's RESUME says where to go on
             with self.cond:
-                if self.sent == self.total and (not self.finished or self.end_sent):
+                if self.answer.all_sent:
                     return  # everything produced so far is sent
                 if not frames:
                     self.cond.wait(0.5)  # no credit: a WINDOW (or a resume) wakes it

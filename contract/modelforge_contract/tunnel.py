@@ -72,8 +72,9 @@ as a lost link (``NODE_LINK_LOST``). A tunnel that just drops instead (no RESET 
 keeps its streams waiting for the node's next tunnel and its RESUME.
 
 What the receiver must do: a frame that fails ``decode``/``FrameReader`` or ``json_of``
-(``FrameError``), a frame for a stream that does not exist or is not this node's, DATA
-beyond the credit, or more than ``MAX_STREAMS_PER_TUNNEL`` streams close the tunnel
+(``FrameError``), a frame for a stream that does not exist or is not this node's, a frame
+its stream's phase does not allow (``streams.Phase``: DATA or END before HEAD, a second
+HEAD, DATA after the end), DATA beyond the credit, or more than ``MAX_STREAMS_PER_TUNNEL`` streams close the tunnel
 (``TUNNEL_PROTOCOL_ERROR``, ``STREAM_LIMIT``) with the reason logged; no payload is logged.
 What a tunnel may carry, the headers it drops and the error codes of RESET and of the client
 API are in ``modelforge_contract.relay``.

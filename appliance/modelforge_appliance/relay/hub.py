@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from modelforge_contract import relay as rel
 from modelforge_contract import tunnel as wire
+from modelforge_contract.streams import Credit, Incoming, Phase
 
 from .waking import Waker
 
@@ -70,8 +71,8 @@ class LinkLost(Exception):
 
 
 class NoAnswer(LinkLost):
-    """The node took the request but gave no head: the head deadline passed, or the agent
-    ended the stream without one. Not sent again: the runtime may still be at it."""
+    """The node took the request but gave no head in time. Not sent again: the runtime may
+    still be at it."""
 
 
 class HeadTimeout(NoAnswer):
@@ -115,14 +116,9 @@ class Stream:
     def __init__(self, hub: Hub, stream_id: int, node_id: str, server_id: str) -> None:
         self.hub, self.stream_id, self.node_id, self.server_id = hub, stream_id, node_id, server_id
         self.lock = threading.Lock()
-        self.chunks: collections.deque[bytes] = collections.deque()
-        self.buffered = 0
-        self.received = 0  # body bytes that arrived from the agent
-        self.delivered = 0  # body bytes the client's connection took
-        self.ungranted = 0  # of those, not yet granted back to the agent
-        self.head: Head | None = None
-        self.ended = False
-        self.reset: tuple[str, str] | None = None
+        # The answer as it arrives (the tunnel core: phases, credit, the RESUME's counts);
+        # touched only inside the lock.
+        self.answer = Incoming()
         self.tunnel: Tunnel | None = None
         self.lost_at: float | None = None
         self.gone = False  # its agent said it is going: no resume will come
@@ -140,31 +136,27 @@ class Stream:
 
     # -- from the tunnel's reader -------------------------------------------------------
 
+    # Each raises FrameError for a frame the stream's phase does not allow, or DATA beyond
+    # its credit: the tunnel that sent it is closed.
+
     def on_head(self, head: Head) -> None:
         with self.lock:
-            self.head = head
+            self.answer.on_head(head)
             self._wake()
 
-    def on_data(self, payload: bytes) -> bool:
-        """False when the agent sent beyond its credit (a protocol error)."""
+    def on_data(self, payload: bytes) -> None:
         with self.lock:
-            if self.buffered + len(payload) > wire.WINDOW_BYTES:
-                return False
-            if payload:
-                self.chunks.append(payload)
-                self.buffered += len(payload)
-                self.received += len(payload)
+            self.answer.on_data(payload)
             self._wake()
-        return True
 
     def on_end(self) -> None:
         with self.lock:
-            self.ended = True
+            self.answer.on_end()
             self._wake()
 
     def on_reset(self, code: str, message: str) -> None:
         with self.lock:
-            self.reset = (code, message)
+            self.answer.on_reset(code, message)
             self._wake()
 
     def on_link_lost(self, tunnel: Tunnel) -> None:
@@ -211,20 +203,20 @@ class Stream:
         return left
 
     async def head_of(self, timeout: float) -> Head:
-        """The runtime's head. StreamReset, LinkLost (the link went for good), NoAnswer (the
-        stream ended without one), HeadTimeout (none within ``timeout`` seconds)."""
+        """The runtime's head. StreamReset, LinkLost (the link went for good), HeadTimeout
+        (none within ``timeout`` seconds). (A stream cannot end without one: END before
+        HEAD breaks the contract and closes the tunnel.)"""
         deadline = time.monotonic() + timeout
         while True:
             with self.lock:
                 self._woken = False
-                if self.head is not None:
-                    return self.head
-                if self.reset is not None:
-                    raise StreamReset(*self.reset)
+                answer = self.answer
+                if answer.head is not None:
+                    return answer.head
+                if answer.reset is not None:
+                    raise StreamReset(*answer.reset)
                 if self._gone():
                     raise LinkLost()
-                if self.ended:
-                    raise NoAnswer()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise HeadTimeout()
@@ -244,17 +236,11 @@ class Stream:
             self._grant()
             with self.lock:
                 self._woken = False
-                if self.chunks:
-                    data = b"".join(self.chunks)
-                    self.chunks.clear()
-                    self.buffered -= len(data)
-                    self.delivered += len(data)
-                    self.ungranted += len(data)
-                else:
-                    data = b""
-                    if self.reset is not None:
-                        raise StreamReset(*self.reset)
-                    if self.ended:
+                data = self.answer.take()
+                if not data:
+                    if self.answer.reset is not None:
+                        raise StreamReset(*self.answer.reset)
+                    if self.answer.ended:
                         return
                     if self._gone():
                         raise LinkLost()
@@ -282,11 +268,12 @@ class Stream:
         it: while it waits for credit, buffered + ungranted is a whole window, so the
         client takes what is buffered and the grant follows. Nothing once all arrived."""
         with self.lock:
-            if self.ungranted < GRANT_BYTES or self.ended or self.tunnel is None:
+            if self.tunnel is None:
                 return
-            count, self.ungranted = self.ungranted, 0
+            count = self.answer.grant(GRANT_BYTES)
             tunnel = self.tunnel
-        tunnel.send(wire.window_frame(self.stream_id, count))
+        if count:
+            tunnel.send(wire.window_frame(self.stream_id, count))
 
     def close(self) -> None:
         """The client is done (or went away): a stream still running is reset on the node,
@@ -295,7 +282,7 @@ class Stream:
             if self.closed:
                 return
             self.closed = True
-            running = not self.ended and self.reset is None
+            running = self.answer.phase in (Phase.AWAITING_HEAD, Phase.BODY)
             tunnel = self.tunnel
         if running and tunnel is not None:
             tunnel.send(
@@ -317,7 +304,7 @@ class LinkEnd:
 
     def __init__(self, tunnel: Tunnel, stream_id: int) -> None:
         self.tunnel, self.stream_id = tunnel, stream_id
-        self.credit = wire.WINDOW_BYTES
+        self.credit = Credit()  # what this side may still send toward the other
         self.ended = False  # this side sent END: it sends no more DATA
         self.peer: LinkEnd | None = None
 
@@ -492,8 +479,7 @@ class Tunnel:
             if frame.end_stream:  # no body follows
                 stream.on_end()
         elif kind == wire.DATA:
-            if not stream.on_data(frame.payload):
-                raise wire.FrameError("DATA beyond the stream's credit")
+            stream.on_data(frame.payload)
             if frame.end_stream:
                 stream.on_end()
         elif kind == wire.END:
@@ -565,15 +551,7 @@ class Hub:
                     continue
                 # The RESUME says what the client took: credit starts again from there
                 # (taken after this, it is granted on the new tunnel, after the RESUME).
-                stream.ungranted = 0
-                entries.append(
-                    {
-                        "stream_id": stream.stream_id,
-                        "received": stream.received,
-                        "delivered": stream.delivered,
-                        "head": stream.head is not None,
-                    }
-                )
+                entries.append(stream.answer.resume_entry(stream.stream_id))
         tunnel.send(wire.Frame(wire.RESUME, 0, json.dumps({"streams": entries}).encode()))
         for stream in waiting:
             stream.on_link(tunnel)
@@ -772,14 +750,11 @@ class Hub:
         kind = frame.type
         if kind == wire.DATA:
             with self._lock:
-                end.credit -= len(frame.payload)
-                over = end.credit < 0
+                end.credit.spend(len(frame.payload))  # FrameError beyond it
                 # The main node's side is the one whose id it chose (LINK_STREAM_BIT).
                 way = "to_helpers" if wire.is_link_id(end.stream_id) else "from_helpers"
                 self.link_bytes[way] += len(frame.payload)
                 self.link_frames[way] += 1
-            if over:
-                raise wire.FrameError("DATA beyond the link's credit")
             peer.tunnel.send(
                 wire.data_frame(peer.stream_id, frame.payload, end_stream=frame.end_stream)
             )
@@ -788,10 +763,7 @@ class Hub:
         elif kind == wire.WINDOW:
             increment = wire.window_of(frame)
             with self._lock:
-                peer.credit += increment  # what this side took, the other may send again
-                over = peer.credit > wire.WINDOW_BYTES
-            if over:
-                raise wire.FrameError("WINDOW beyond what the link carried")
+                peer.credit.give(increment)  # this side took it: the other may send again
             peer.tunnel.send(wire.window_frame(peer.stream_id, increment))
         elif kind == wire.END:
             peer.tunnel.send(wire.end_frame(peer.stream_id))
@@ -846,5 +818,5 @@ class Hub:
             return {
                 "tunnels": len(self._tunnels),
                 "streams": len(self._streams),
-                "buffered_bytes": sum(s.buffered for s in self._streams.values()),
+                "buffered_bytes": sum(s.answer.buffered for s in self._streams.values()),
             }
