@@ -9,7 +9,8 @@ stream beyond what the control plane granted back, and keeps exactly those bytes
 tunnel drops, the runtime's connection is kept for RESUME_GRACE_SECONDS, and the next
 tunnel's RESUME says where each stream's client is, so it goes on with no gap and no
 duplicate. A RESET (the client went away) closes the runtime's connection: it stops
-generating. Only servers this agent runs are reached, and only the relayed routes.
+generating. Only servers this agent runs are reached, and only the relayed routes. Each
+stream is a task on one event loop (relayed.py), not a thread of its own.
 
 An agent that stops says so on the tunnel before it closes it (RESET of stream 0,
 TUNNEL_CLOSING): the control plane ends this node's streams at once, sending those not yet
@@ -20,11 +21,9 @@ then on it starts no stream, and its own streams' runtime connections are closed
 from __future__ import annotations
 
 import contextlib
-import http.client
 import itertools
 import json
 import logging
-import select
 import socket
 import ssl
 import threading
@@ -37,21 +36,17 @@ from urllib.parse import urlsplit
 from modelforge_contract import HEADER_AGENT_PROTOCOL, HEADER_AUTHORIZATION, PROTOCOL_VERSION
 from modelforge_contract import relay as rel
 from modelforge_contract import tunnel as wire
-from modelforge_contract.scrub import SseScrubber, scrub_body
-from modelforge_contract.streams import Outgoing
 
 from . import __version__, transport
 from .backoff import BACKOFF_STEPS, Backoff, seconds
 from .links import LinkPump
+from .relayed import READ_CHUNK, AgentStream, RuntimeConnections, StreamLoop
 from .settings import AgentSettings
 
 log = logging.getLogger(__name__)
 
 RESUME_GRACE_SECONDS = 30.0
 CONNECT_TIMEOUT = 10.0
-RUNTIME_TIMEOUT = 600.0  # a runtime may think this long before its first byte
-BODY_MAX_BYTES = 64 * 1024 * 1024  # a JSON answer scrubbed whole
-READ_CHUNK = 64 * 1024
 # The HTTP fallback: the download carries a PING every 15 s, so one silent for this long is
 # dead; uploads go in batches of at most UPLOAD_BATCH_BYTES (under MODELFORGE_MAX_BODY_BYTES).
 DOWNLOAD_READ_TIMEOUT = 60.0
@@ -250,274 +245,6 @@ def websocket_blocked(exc: BaseException) -> bool:
     return isinstance(exc, (InvalidMessage, ConnectionResetError, EOFError))
 
 
-class RuntimeConnections:
-    """Keep-alive connections to the runtimes on 127.0.0.1, by port: a relayed request
-    takes one the last request left (so a small request costs no TCP handshake, nor a
-    runtime's accept), or opens one. A connection waits at most IDLE_SECONDS (under every
-    runtime's own keep-alive timeout: llama-server's and uvicorn's are 5 s), and one the
-    runtime closed or wrote to meanwhile is dropped, never used."""
-
-    IDLE_SECONDS = 2.0
-    PER_PORT = 16
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: dict[int, list[tuple[http.client.HTTPConnection, float]]] = {}
-
-    def take(self, port: int) -> tuple[http.client.HTTPConnection, bool]:
-        """A connection to ``port``, and whether it was kept from an earlier request."""
-        horizon = time.monotonic() - self.IDLE_SECONDS
-        while True:
-            with self._lock:
-                kept = self._idle.get(port)
-                connection, since = kept.pop() if kept else (None, 0.0)
-            if connection is None:
-                made = http.client.HTTPConnection("127.0.0.1", port, timeout=RUNTIME_TIMEOUT)
-                return made, False
-            if since > horizon and _quiet(connection):
-                return connection, True
-            connection.close()
-
-    def put(self, port: int, connection: http.client.HTTPConnection) -> None:
-        with self._lock:
-            kept = self._idle.setdefault(port, [])
-            if len(kept) < self.PER_PORT:
-                kept.append((connection, time.monotonic()))
-                return
-        connection.close()
-
-    def close(self) -> None:
-        with self._lock:
-            kept, self._idle = self._idle, {}
-        for connection, _ in (pair for pairs in kept.values() for pair in pairs):
-            connection.close()
-
-
-def _quiet(connection: http.client.HTTPConnection) -> bool:
-    """The kept connection is open and the runtime has sent nothing on it since."""
-    sock = connection.sock
-    if sock is None:
-        return False
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return False
-    return not readable
-
-
-class AgentStream:
-    """One relayed request, as the agent carries it."""
-
-    def __init__(self, relay: TunnelClient, stream_id: int, opened: dict[str, Any]) -> None:
-        self.relay, self.stream_id, self.opened = relay, stream_id, opened
-        self.cond = threading.Condition()
-        self.body = bytearray()
-        self.body_done = False
-        # The answer as the runtime produces it (the tunnel core: what went out within the
-        # credit, what a resume may send again); touched only inside ``cond``.
-        self.answer = Outgoing()
-        self.aborted = False
-        self.connection: http.client.HTTPConnection | None = None
-        # Its socket: an answer that closes the connection (Connection: close) takes it
-        # over, and ``connection.sock`` is None from then on.
-        self.runtime_socket: socket.socket | None = None
-        self.done = False  # its thread has ended
-
-    # -- from the tunnel ------------------------------------------------------------------
-
-    def on_data(self, payload: bytes) -> None:
-        with self.cond:
-            if len(self.body) + len(payload) > BODY_MAX_BYTES:
-                raise wire.FrameError("request body beyond its bound")
-            self.body += payload
-
-    def on_end(self) -> None:
-        with self.cond:
-            self.body_done = True
-            self.cond.notify_all()
-
-    def on_window(self, count: int) -> None:
-        with self.cond:
-            self.answer.on_window(count)
-            self.cond.notify_all()
-
-    def on_resume(self, received: int, delivered: int, head: bool) -> None:
-        """A new tunnel: its client took ``delivered`` bytes, ``received`` arrived, and
-        whether the head did."""
-        with self.cond:
-            self.answer.on_resume(received, delivered, head)
-            done = self.done
-            self.cond.notify_all()
-        if done:  # its thread has ended: send what is left from here
-            threading.Thread(target=self._redrain, name=f"resume-{self.stream_id}",
-                             daemon=True).start()  # fmt: skip
-
-    def _redrain(self) -> None:
-        with contextlib.suppress(_Aborted):
-            self._drain()
-
-    def abort(self) -> None:
-        with self.cond:
-            self.aborted = True
-            connection, sock = self.connection, self.runtime_socket
-            self.cond.notify_all()
-        if connection is not None:
-            sock = connection.sock or sock
-            try:  # the runtime sees its client gone and stops generating
-                if sock is not None:
-                    sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            connection.close()
-
-    # -- the stream's own thread --------------------------------------------------------
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except _Aborted:
-            pass
-        except Exception as exc:  # logged by type only: its text may quote a body
-            if self.aborted:  # its runtime connection was closed under it, on purpose
-                return
-            log.warning("stream %d: %s", self.stream_id, type(exc).__name__)
-            self.relay.send(
-                wire.reset_frame(self.stream_id, rel.RUNTIME_UNREACHABLE, type(exc).__name__)
-            )
-        finally:
-            if self.connection is not None:
-                self.connection.close()
-            with self.cond:
-                self.done = True
-            self.relay.finished(self)
-
-    def _run(self) -> None:
-        with self.cond:
-            while not self.body_done:
-                self._check()
-                self.cond.wait(1.0)
-        server_id = str(self.opened.get("server_id"))
-        target = self.relay.server_of(server_id)
-        path = str(self.opened.get("path") or "")
-        if target is None or not rel.is_relayed(str(self.opened.get("method")), path):
-            code = rel.SERVER_NOT_ON_NODE if target is None else rel.ROUTE_NOT_RELAYED
-            self.relay.send(wire.reset_frame(self.stream_id, code, "not served by this node"))
-            return
-        port, name, model_dir = target
-        given = [tuple(h) for h in self.opened.get("headers") or [] if len(h) == 2]
-        headers = {
-            name: value
-            for name, value in rel.relayable_headers(
-                given, rel.REQUEST_HEADERS_NOT_RELAYED | {"content-length"}
-            )
-            if name.lower() != "accept-encoding"
-        }
-        headers["Accept-Encoding"] = rel.ACCEPT_ENCODING_TO_RUNTIME  # scrubbed as it comes
-        response = self._request(port, path, headers)
-        encoding = response.getheader("Content-Encoding")
-        if not rel.is_identity_encoding(encoding):
-            # Compressed anyway: its paths could not be scrubbed, so nothing of it is passed.
-            with self.cond:
-                connection, self.connection = self.connection, None
-            if connection is not None:
-                connection.close()
-            message = f"the runtime answered {str(encoding)[:40]}-encoded, which cannot be scrubbed"
-            self.relay.send(wire.reset_frame(self.stream_id, rel.BODY_ENCODED, message))
-            return
-        paths = self.relay.paths(model_dir)
-        kept = rel.relayable_headers(response.getheaders(), rel.RESPONSE_HEADERS_NOT_RELAYED)
-        sse = (response.getheader("Content-Type") or "").startswith("text/event-stream")
-        if sse:
-            self._head(response.status, kept)
-            scrubber = SseScrubber(paths, name)
-            while True:
-                chunk = response.read1(READ_CHUNK)
-                if not chunk:
-                    break
-                self._emit(scrubber.feed(chunk))
-            self._emit(scrubber.flush())
-        else:
-            raw = response.read(BODY_MAX_BYTES + 1)
-            if len(raw) > BODY_MAX_BYTES:
-                raise ValueError("answer beyond its bound")
-            body = scrub_body(raw, paths, name)
-            self._head(response.status, [*kept, ("Content-Length", str(len(body)))])
-            self._emit(body)
-        with self.cond:
-            self.answer.finish()
-            connection, self.connection = self.connection, None
-            self.cond.notify_all()
-        if connection is not None and not response.will_close and not self.aborted:
-            self.relay.runtime_connections.put(port, connection)  # read to its end
-        elif connection is not None:
-            connection.close()
-        self._drain()
-
-    def _request(self, port: int, path: str, headers: dict[str, str]) -> http.client.HTTPResponse:
-        """Send the request on a kept connection to the runtime, or a new one. A kept one
-        the runtime closed meanwhile fails before it answers: sent again on a new one."""
-        pool = self.relay.runtime_connections
-        while True:
-            connection, reused = pool.take(port)
-            with self.cond:
-                self.connection = connection
-            self._check()
-            try:
-                connection.request(rel.RELAYED_METHOD, path, bytes(self.body), headers)
-                with self.cond:
-                    self.runtime_socket = connection.sock
-                self._check()  # aborted while it was being sent
-                return connection.getresponse()
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
-                connection.close()
-                if not reused:
-                    raise
-
-    def _check(self) -> None:
-        if self.aborted:
-            raise _Aborted()
-
-    def _head(self, status: int, headers: list[tuple[str, str]]) -> None:
-        # A header the contract refuses is dropped, not relayed.
-        frame = wire.head_frame(self.stream_id, status, wire.carried_headers(headers))
-        with self.cond:
-            self.answer.set_head(frame.payload)
-        self._drain()
-
-    def _emit(self, data: bytes) -> None:
-        if data:
-            with self.cond:
-                self.answer.produce(data)
-        self._drain()
-
-    def _drain(self) -> None:
-        """Send what credit allows; wait (bounded) for credit or a tunnel while more is
-        waiting; returns once everything produced so far is sent."""
-        while True:
-            with self.cond:
-                self._check()
-                tunnel_up = self.relay.up()
-                if not tunnel_up:
-                    lost = self.relay.lost_since()
-                    if lost is not None and time.monotonic() - lost > self.relay.grace:
-                        raise _Aborted()
-                    self.cond.wait(0.5)
-                    continue
-                frames = self.answer.frames(self.stream_id)
-            broke = not all(self.relay.send(frame) for frame in frames)
-            if broke:
-                continue  # the tunnel broke: its successor's RESUME says where to go on
-            with self.cond:
-                if self.answer.all_sent:
-                    return  # everything produced so far is sent
-                if not frames:
-                    self.cond.wait(0.5)  # no credit: a WINDOW (or a resume) wakes it
-
-
-class _Aborted(Exception):
-    pass
-
-
 class TunnelClient:
     """Keeps the node's tunnel up and carries its streams."""
 
@@ -543,7 +270,9 @@ class TunnelClient:
         # not held unready while its tunnel is still connecting), then "up" or "down".
         self.state: str | None = None
         self.transport = settings.tunnel_transport  # auto becomes http once WebSocket fails
-        self.runtime_connections = RuntimeConnections()
+        # Relayed requests run as tasks on one loop (relayed.py), not a thread each.
+        self.streams = StreamLoop()
+        self.runtime_connections = RuntimeConnections()  # used on that loop only
         self.going = False  # said on the tunnel that this agent stops: no new stream
         # Links of a split model (links.py), by stream id: those this agent opened (ids
         # with LINK_STREAM_BIT) and those the control plane opened to a helper here.
@@ -752,13 +481,17 @@ class TunnelClient:
             (HEADER_AGENT_PROTOCOL, str(PROTOCOL_VERSION)),
         ]
         context = tls_context(self.settings)
-        # Pinned (control_plane_host_address): dial that address, verify the name. Either
-        # way without Nagle's delay: a split model's links are small requests and answers,
-        # each of which would otherwise wait for the previous one's acknowledgement.
-        port = parts.port or (443 if parts.scheme == "wss" else 80)
-        host = self.settings.control_plane_host_address or parts.hostname or ""
-        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = None
+        if self.settings.control_plane_host_address:  # pinned: dial it, verify the name
+            port = parts.port or (443 if parts.scheme == "wss" else 80)
+            sock = socket.create_connection(
+                (self.settings.control_plane_host_address, port), timeout=CONNECT_TIMEOUT
+            )
+            # The timeout was the connect's: websockets reads a socket it is given as it is,
+            # and a quiet tunnel would otherwise break at its first silent CONNECT_TIMEOUT.
+            sock.settimeout(None)
+        # websockets turns Nagle's delay off itself (a split model's links are small
+        # requests and answers, each of which would otherwise wait for the last's ACK).
         return connect(
             url,
             sock=sock,
@@ -801,8 +534,7 @@ class TunnelClient:
                 self._end_links()
                 self.state = "down"
                 for stream in streams:
-                    with stream.cond:
-                        stream.cond.notify_all()
+                    stream.wake()
                 if self.going:
                     log.info("tunnel closed: the agent stops")
                 else:
@@ -811,7 +543,9 @@ class TunnelClient:
             if not self.stop.is_set():
                 step, delay = backoff.next_step()
                 self.stop.wait(min(delay, 1.0))
-        self.runtime_connections.close()  # stopping: the kept runtime connections go too
+        # Stopping: the kept runtime connections go too, then the streams' loop.
+        self.streams.call(self.runtime_connections.close)
+        self.streams.stop()
 
     def _close_on_stop(self, link: Any) -> None:
         while not self.stop.wait(1.0):
@@ -890,9 +624,7 @@ class TunnelClient:
                 self._streams[frame.stream_id] = stream
             if frame.end_stream:  # no request body follows
                 stream.on_end()
-            threading.Thread(
-                target=stream.run, name=f"stream-{frame.stream_id}", daemon=True
-            ).start()
+            stream.start()  # a task on the streams' loop: no thread of its own
             return
         if stream is None:
             if kind != wire.RESET:

@@ -108,6 +108,47 @@ def read_event(response, buffer: bytearray) -> bytes:
     return event
 
 
+def test_a_quiet_tunnel_outlives_the_connect_timeout(cp, tmp_path, origin, monkeypatch):
+    """The connect's timeout is the TCP connect's only: a tunnel that carries nothing for
+    longer stays up (it broke at each quiet CONNECT_TIMEOUT once, with every stream in
+    flight waiting out a resume)."""
+    from modelforge_node_agent import tunnel as agent_tunnel
+
+    monkeypatch.setattr(agent_tunnel, "CONNECT_TIMEOUT", 0.5)
+    made = Relay(cp, tmp_path, origin)
+    try:
+        hub = cp.server.app.hub
+        [first] = hub.tunnels_by_credential().values()
+        made.stop.wait(3.0)  # six connect timeouts without a frame either way
+        assert list(hub.tunnels_by_credential().values()) == [first]
+        assert made.tunnel.state == "up"
+    finally:
+        made.close()
+
+
+def test_streams_in_flight_run_on_the_agents_loop_not_a_thread_each(relay, origin):
+    origin.chunks = [b"data: {}\n\n", b"data: [DONE]\n\n"]
+    origin.gated = True  # the origin holds every answer's events until released
+    count = 12
+    connections = []
+    for _ in range(count):
+        connection = http.client.HTTPConnection("127.0.0.1", int(relay.cp.url.rsplit(":", 1)[1]))
+        body = json.dumps({"model": "svc", "stream": True, "messages": []}).encode()
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {relay.key}"}
+        connection.request("POST", CHAT, body, headers)
+        connections.append(connection)
+    wait_until(lambda: len(origin.requests) == count, what="every request at the runtime")
+    names = [thread.name for thread in threading.enumerate()]
+    assert [name for name in names if name.startswith("stream-")] == []  # one each, before
+    assert names.count("streams") == 1  # the agent's loop they all run on
+    origin.release(2 * count)
+    for connection in connections:
+        response = connection.getresponse()
+        assert response.status == 200
+        assert response.read().endswith(b"data: [DONE]\n\n")
+        connection.close()
+
+
 def test_sse_events_arrive_one_by_one_as_the_runtime_writes_them(relay, origin):
     events = [{"choices": [{"delta": {"content": f"word{i} "}}]} for i in range(4)]
     expected = origin.sse(events)
