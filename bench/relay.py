@@ -256,10 +256,13 @@ class OriginHandler(BaseHTTPRequestHandler):
             pass
 
 
+class OriginServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # the listen backlog: read when it listens, so a class attribute
+
+
 def role_origin(work: Path) -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), OriginHandler)
-    server.daemon_threads = True
-    server.request_queue_size = 256
+    server = OriginServer(("127.0.0.1", 0), OriginHandler)
     (work / "origin.port").write_text(str(server.server_address[1]))
     server.serve_forever()
 

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 10.0
+CONNECT_RETRY_SECONDS = 0.2  # a loopback connect not done by then lost its SYN: again
 RUNTIME_TIMEOUT = 600.0  # a runtime may think this long before its first byte (or between)
 BODY_MAX_BYTES = 64 * 1024 * 1024  # a JSON answer scrubbed whole
 READ_CHUNK = 64 * 1024
@@ -128,16 +129,7 @@ class RuntimeConnections:
             if since > horizon and connection.quiet():
                 return connection, True
             connection.close()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            loop = asyncio.get_running_loop()
-            await asyncio.wait_for(loop.sock_connect(sock, ("127.0.0.1", port)), CONNECT_TIMEOUT)
-        except BaseException:
-            sock.close()
-            raise
-        return RuntimeConnection(sock), False
+        return RuntimeConnection(await _connect(port)), False
 
     def put(self, port: int, connection: RuntimeConnection) -> None:
         kept = self._idle.setdefault(port, [])
@@ -150,6 +142,32 @@ class RuntimeConnections:
         kept, self._idle = self._idle, {}
         for connection, _ in (pair for pairs in kept.values() for pair in pairs):
             connection.close()
+
+
+async def _connect(port: int) -> socket.socket:
+    """A new connection to the runtime on ``port``. A connect on loopback takes microseconds
+    unless the runtime's accept queue was full (llama-server's holds 5) and the kernel
+    dropped the SYN, which it sends again only after a second: so one that has not
+    completed within CONNECT_RETRY_SECONDS is given up and made again, up to
+    CONNECT_TIMEOUT in all."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CONNECT_TIMEOUT
+    while True:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        wait = min(CONNECT_RETRY_SECONDS, deadline - loop.time())
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, ("127.0.0.1", port)), wait)
+        except asyncio.TimeoutError:
+            sock.close()
+            if loop.time() >= deadline:
+                raise
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
 
 class _Aborted(Exception):
