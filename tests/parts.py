@@ -2,7 +2,9 @@
 ``python -m tests.parts heavy|quick|portable``; tests/test_parts.py checks the split).
 
 - heavy: fleets of agents, image builds, Debian roots under qemu, Chromium, and the tests
-  that change this checkout. Once, on .venv's CPython, with the machine to themselves.
+  that change this checkout. Once, on .venv's CPython, in three runs (HEAVY_RUNS): those
+  that change this checkout alone first, then dockerd's and the rest side by side (one
+  waits on dockerd's builds while the other runs; neither touches what the other uses).
 - quick: everything else, once, on .venv's CPython.
 - portable: what depends on the interpreter, on each other supported CPython: compiling and
   importing every module, the wire contract, the archives and their launcher, the
@@ -20,6 +22,14 @@ PARTS = {
     "quick": " and ".join(f"not {marker}" for marker in HEAVY_MARKERS),
     "portable": "every_python and " + " and ".join(f"not {marker}" for marker in HEAVY_MARKERS),
 }
+
+# The heavy part's runs, in order; the runs after the first go side by side.
+HEAVY_RUNS = {
+    "heavy-checkout": "checkout",
+    "heavy-docker": "docker and not checkout",
+    "heavy-rest": "(slow or browser) and not docker and not checkout",
+}
+PARTS.update(HEAVY_RUNS)
 
 if __name__ == "__main__":
     print(PARTS[sys.argv[1]])

@@ -1,6 +1,7 @@
 """The split of the suite (tests/parts.py) holds: every test runs in exactly one of the heavy
-and the quick part, the portable part is quick, every test file has tests, and what must run
-on every CPython is in the portable part."""
+and the quick part, a heavy test in exactly one of the heavy runs, the portable part is
+quick, every test file has tests, and what must run on every CPython is in the portable
+part."""
 
 from __future__ import annotations
 
@@ -54,6 +55,17 @@ def test_every_test_is_in_exactly_one_of_heavy_and_quick(markers):
     assert len(markers) > 1000
     both = [t for t, names in markers.items() if in_part("heavy", names) == in_part("quick", names)]
     assert both == []
+
+
+def test_the_heavy_runs_take_every_heavy_test_once(markers):
+    from tests.parts import HEAVY_RUNS
+
+    wrong = {}
+    for test, names in markers.items():
+        runs = [run for run in HEAVY_RUNS if in_part(run, names)]
+        if len(runs) != (1 if in_part("heavy", names) else 0):
+            wrong[test] = runs
+    assert wrong == {}
 
 
 def test_the_portable_part_is_quick(markers):

@@ -57,7 +57,8 @@ find_python() {
 # The suite runs in three parts, chosen by marker (tests/parts.py says which; tests/test_parts.py
 # checks that every test is in one). The heavy part (fleets of a thousand agents, image builds,
 # Debian roots under qemu, Chromium, and the tests that change this checkout's own .venv) runs
-# once, on .venv's CPython, with the machine to themselves. The quick part (everything else)
+# once, on .venv's CPython: the tests that change this checkout alone, then dockerd's and the
+# rest side by side, before the quick part. The quick part (everything else)
 # runs once, on .venv's CPython too. The portable part, what depends on the interpreter (every
 # module compiled and imported, the wire contract, the archives and their launcher, the
 # operators' verifiers, an enrollment and heartbeat end to end, psycopg2 against the real
@@ -83,15 +84,33 @@ for number in (signal.SIGINT, signal.SIGQUIT):
 os.execv(sys.executable, [sys.executable, "-m", "pytest", *sys.argv[1:]])' "$@"
 }
 
-# run_heavy_tests [PYTEST ARGS]: the heavy part on .venv's CPython.
+# run_heavy_tests [PYTEST ARGS]: the heavy part on .venv's CPython, in the runs tests/parts.py
+# names (HEAVY_RUNS): those that change this checkout alone, then dockerd's and the rest side
+# by side, each writing build/test-logs/pytest-pyX.Y-heavy-*.log, printed whole when it ends.
 run_heavy_tests() {
-    local code=0 markers
-    markers=$(part_markers heavy)
-    log "pytest on $(.venv/bin/python --version 2>&1), the heavy part (-m '$markers')"
+    local code=0 status=0 main logs=build/test-logs pids=() names=() name markers
+    main=$(.venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    mkdir -p "$logs"
+    markers=$(part_markers heavy-checkout)
+    log "pytest on $(.venv/bin/python --version 2>&1), the heavy part's tests that change this checkout (-m '$markers')"
     pytest_run .venv/bin/python -m "$markers" "$@" || code=$?
-    case $code in
+    count_heavy_run "$code" || status=1
+    for name in heavy-docker heavy-rest; do
+        start_quick_run "$main-$name" .venv/bin/python "$name" 1/1 "$logs" "$@"
+        pids+=("$!")
+        names+=("$main-$name")
+    done
+    for ((i = 0; i < ${#names[@]}; i++)); do
+        finish_quick_run "${names[i]}" "${pids[i]}" "$logs" || status=1
+    done
+    return "$status"
+}
+
+# count_heavy_run CODE: pytest's exit code of a foreground heavy run, counted.
+count_heavy_run() {
+    case $1 in
         0) RUNS_WITH_TESTS=$((RUNS_WITH_TESTS + 1)) ;;
-        5) log "no test marked slow, docker, browser or checkout among those selected" ;;
+        5) log "no test that changes this checkout among those selected" ;;
         *) RUNS_WITH_TESTS=$((RUNS_WITH_TESTS + 1)); return 1 ;;
     esac
 }

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from modelforge_contract import tunnel as wire
 from modelforge_contract.streams import Credit, Grants, Incoming, Outgoing, Phase
 
+pytestmark = pytest.mark.every_python  # tests/parts.py: on every CPython
+
 WINDOW = 1000  # small, so that credit runs out in a few steps
 
 
