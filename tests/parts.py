@@ -3,8 +3,10 @@
 
 - heavy: fleets of agents, image builds, Debian roots under qemu, Chromium, and the tests
   that change this checkout. Once, on .venv's CPython, in three runs (HEAVY_RUNS): those
-  that change this checkout alone first, then dockerd's and the rest side by side (one
-  waits on dockerd's builds while the other runs; neither touches what the other uses).
+  that change this checkout alone first, then the builds (dockerd's images, Debian roots)
+  and the rest side by side (one mostly waits on dockerd, debootstrap and qemu while the
+  other runs; neither touches what the other uses). A Debian root's tests are marked
+  ``roots`` so that the two runs take about as long.
 - quick: everything else, once, on .venv's CPython.
 - portable: what depends on the interpreter, on each other supported CPython: compiling and
   importing every module, the wire contract, the archives and their launcher, the
@@ -26,8 +28,8 @@ PARTS = {
 # The heavy part's runs, in order; the runs after the first go side by side.
 HEAVY_RUNS = {
     "heavy-checkout": "checkout",
-    "heavy-docker": "docker and not checkout",
-    "heavy-rest": "(slow or browser) and not docker and not checkout",
+    "heavy-builds": "(docker or roots) and not checkout",
+    "heavy-rest": "(slow or browser) and not docker and not roots and not checkout",
 }
 PARTS.update(HEAVY_RUNS)
 

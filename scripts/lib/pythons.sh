@@ -57,8 +57,8 @@ find_python() {
 # The suite runs in three parts, chosen by marker (tests/parts.py says which; tests/test_parts.py
 # checks that every test is in one). The heavy part (fleets of a thousand agents, image builds,
 # Debian roots under qemu, Chromium, and the tests that change this checkout's own .venv) runs
-# once, on .venv's CPython: the tests that change this checkout alone, then dockerd's and the
-# rest side by side, before the quick part. The quick part (everything else)
+# once, on .venv's CPython: the tests that change this checkout alone, then the builds
+# (dockerd's, Debian roots) and the rest side by side, before the quick part. The quick part (everything else)
 # runs once, on .venv's CPython too. The portable part, what depends on the interpreter (every
 # module compiled and imported, the wire contract, the archives and their launcher, the
 # operators' verifiers, an enrollment and heartbeat end to end, psycopg2 against the real
@@ -85,8 +85,8 @@ os.execv(sys.executable, [sys.executable, "-m", "pytest", *sys.argv[1:]])' "$@"
 }
 
 # run_heavy_tests [PYTEST ARGS]: the heavy part on .venv's CPython, in the runs tests/parts.py
-# names (HEAVY_RUNS): those that change this checkout alone, then dockerd's and the rest side
-# by side, each writing build/test-logs/pytest-pyX.Y-heavy-*.log, printed whole when it ends.
+# names (HEAVY_RUNS): those that change this checkout alone, then the builds (dockerd's images,
+# Debian roots) and the rest side by side, each writing build/test-logs/pytest-pyX.Y-heavy-*.log, printed whole when it ends.
 run_heavy_tests() {
     local code=0 status=0 main logs=build/test-logs pids=() names=() name markers
     main=$(.venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -95,7 +95,7 @@ run_heavy_tests() {
     log "pytest on $(.venv/bin/python --version 2>&1), the heavy part's tests that change this checkout (-m '$markers')"
     pytest_run .venv/bin/python -m "$markers" "$@" || code=$?
     count_heavy_run "$code" || status=1
-    for name in heavy-docker heavy-rest; do
+    for name in heavy-builds heavy-rest; do
         start_quick_run "$main-$name" .venv/bin/python "$name" 1/1 "$logs" "$@"
         pids+=("$!")
         names+=("$main-$name")

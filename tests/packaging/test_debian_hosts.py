@@ -28,7 +28,7 @@ from tests.harness.debian_roots import DEBIAN_ARCH, debian_root_or_skip, in_root
 
 from .conftest import HOST_MACHINE, OTHER_MACHINE, stop
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.roots]  # tests/parts.py: beside the image builds
 
 # Debian release -> the python3 it ships.
 RELEASES = {"bookworm": "3.11", "trixie": "3.13"}
