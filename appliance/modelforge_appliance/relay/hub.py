@@ -392,9 +392,9 @@ class Tunnel:
             return
         self.receive(data)
 
-    def receive(self, data: bytes) -> bool:
-        """One frame from the agent. False when it broke the contract: the tunnel is then
-        closed (1002)."""
+    def receive(self, data: bytes) -> None:
+        """One frame from the agent. One that breaks the contract closes the tunnel (1002),
+        and the frames after it are dropped."""
         try:
             frame = wire.decode(data)
             if frame.type == wire.LINK and _on_a_loop():
@@ -406,8 +406,6 @@ class Tunnel:
             self._failed = True
             self.hub.metrics_protocol_error()
             self.shut(1002, "protocol error")
-            return False
-        return True
 
     def _authorize(self, frame: wire.Frame) -> None:
         """A LINK on the loop: the store is asked on a store thread, and this tunnel's
