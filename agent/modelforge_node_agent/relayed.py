@@ -84,6 +84,14 @@ class RuntimeConnection:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.http = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.given_up = False
+
+    def give_up(self) -> None:
+        """Waited too long for the runtime: shut down (a read waiting on it ends), never
+        closed under the loop's reader."""
+        self.given_up = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def quiet(self) -> bool:
         """Open, and the runtime sent nothing on it since (neither bytes nor its close)."""
@@ -412,12 +420,26 @@ class AgentStream:
             raise ConnectionError("the runtime's answer ended early")
 
     async def _recv(self, connection: RuntimeConnection) -> bytes:
+        """The runtime's next bytes (b"" at its end). Read at once when they are there;
+        otherwise waited for, at most RUNTIME_TIMEOUT (a timer, not a task per read: a
+        token stream reads once per event)."""
+        sock = connection.sock
         try:
-            return await asyncio.wait_for(
-                self._loop.sock_recv(connection.sock, READ_CHUNK), RUNTIME_TIMEOUT
-            )
+            return sock.recv(READ_CHUNK)
+        except BlockingIOError:
+            pass
         except ConnectionResetError:
             return b""
+        silent = self._loop.call_later(RUNTIME_TIMEOUT, connection.give_up)
+        try:
+            data = await self._loop.sock_recv(sock, READ_CHUNK)
+        except ConnectionResetError:
+            data = b""
+        finally:
+            silent.cancel()
+        if connection.given_up:  # the runtime sent nothing for that long
+            raise TimeoutError("the runtime sent nothing for RUNTIME_TIMEOUT seconds")
+        return data
 
     async def _redrain(self) -> None:
         with contextlib.suppress(_Aborted, asyncio.CancelledError):

@@ -233,6 +233,23 @@ def test_a_client_that_goes_away_stops_the_runtime(relay, origin):
     assert origin.client_gone.wait(60)  # the agent closed the runtime's connection
 
 
+def test_a_runtime_silent_past_its_timeout_ends_the_stream_with_an_error_event(
+    relay, origin, monkeypatch
+):
+    from modelforge_node_agent import relayed
+
+    monkeypatch.setattr(relayed, "RUNTIME_TIMEOUT", 0.5)
+    origin.chunks = [b"data: {}\n\n", b"data: [DONE]\n\n"]
+    origin.gated = True
+    origin.release()  # the first event, then nothing: the runtime hangs
+    response = relay.request({"model": "svc", "stream": True})
+    buffer = bytearray()
+    assert read_event(response, buffer) == b"data: {}\n\n"
+    rest = bytes(buffer) + response.read()  # ends: the agent gave up on the runtime
+    assert b"event: error" in rest and b"RUNTIME_UNREACHABLE" in rest
+    origin.release()
+
+
 def test_a_stream_survives_a_cut_tunnel_with_no_gap_and_no_duplicate(cp, tmp_path, origin):
     proxy = CutProxy(int(cp.url.rsplit(":", 1)[1]))
     relay = Relay(cp, tmp_path, origin, url=proxy.url)
