@@ -31,6 +31,7 @@ from modelforge_contract import relay as rel
 from modelforge_contract import tunnel as wire
 from modelforge_contract.scrub import SseScrubber, scrub_body
 from modelforge_contract.streams import Outgoing
+from modelforge_contract.waking import Waker
 
 if TYPE_CHECKING:
     from .tunnel import TunnelClient
@@ -64,9 +65,13 @@ class StreamLoop:
             return self.loop
 
     def call(self, function: Callable[[], Any]) -> None:
-        """Run ``function`` on the loop (soon); nothing once it has stopped."""
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the agent stops
-            self.start().call_soon_threadsafe(function)
+        """Run ``function`` on the loop (soon); nothing before it started or once it has
+        stopped (the agent stops: no loop is started again for it)."""
+        loop = self.loop
+        if loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            loop.call_soon_threadsafe(function)
 
     def stop(self) -> None:
         with self._lock:
@@ -198,19 +203,22 @@ class AgentStream:
         # The answer as the runtime produces it (the tunnel core: what went out within the
         # credit, what a resume may send again); touched only inside ``lock``.
         self.answer = Outgoing()
-        self.aborted = False
         self.done = False  # its task has ended
         self._loop = relay.streams.start()
-        self._changed = asyncio.Event()  # set on the loop whenever the stream may move on
+        self._waker = Waker(self._loop)  # woken whenever the stream may move on
         self._task: asyncio.Task[None] | None = None
         self._connection: RuntimeConnection | None = None
 
     # -- from the tunnel's reader thread --------------------------------------------------
 
+    @property
+    def aborted(self) -> bool:
+        """Reset (its client left) or ended by a stopping agent: nothing more is sent."""
+        return self.answer.reset
+
     def wake(self) -> None:
         """Something changed: the task looks again."""
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the agent stops
-            self._loop.call_soon_threadsafe(self._changed.set)
+        self._waker.wake()
 
     def on_data(self, payload: bytes) -> None:
         with self.lock:
@@ -243,7 +251,7 @@ class AgentStream:
         """The stream is over (its client left, or the agent stops): its task is cancelled
         and its runtime connection closed, so the runtime stops generating."""
         with self.lock:
-            self.aborted = True
+            self.answer.on_reset()
         self.relay.streams.call(self._cancel)
 
     def start(self) -> None:
@@ -257,7 +265,6 @@ class AgentStream:
     def _cancel(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()
-        self._changed.set()
 
     async def run(self) -> None:
         try:
@@ -278,19 +285,13 @@ class AgentStream:
                 self.done = True
             self.relay.finished(self)
 
-    async def _wait(self, timeout: float) -> None:
-        """Until woken, or ``timeout`` seconds."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout)
-
     async def _run(self) -> None:
         while True:
-            self._changed.clear()
             with self.lock:
                 self._check()
                 if self.body_done:
                     break
-            await self._wait(1.0)
+            await self._waker.wait(1.0)
         server_id = str(self.opened.get("server_id"))
         target = self.relay.server_of(server_id)
         path = str(self.opened.get("path") or "")
@@ -464,7 +465,6 @@ class AgentStream:
         """Send what credit allows; wait (bounded) for credit or a tunnel while more is
         waiting; returns once everything produced so far is sent."""
         while True:
-            self._changed.clear()
             with self.lock:
                 self._check()
                 frames = self.answer.frames(self.stream_id) if self.relay.up() else None
@@ -472,7 +472,7 @@ class AgentStream:
                 lost = self.relay.lost_since()
                 if lost is not None and time.monotonic() - lost > self.relay.grace:
                     raise _Aborted()
-                await self._wait(0.5)
+                await self._waker.wait(0.5)
                 continue
             if not all(self.relay.send(frame) for frame in frames):
                 continue  # the tunnel broke: its successor's RESUME says where to go on
@@ -480,7 +480,7 @@ class AgentStream:
                 if self.answer.all_sent:
                     return  # everything produced so far is sent
             if not frames:
-                await self._wait(0.5)  # no credit: a WINDOW (or a resume) wakes it
+                await self._waker.wait(0.5)  # no credit: a WINDOW (or a resume) wakes it
 
 
 def _header(headers: list[tuple[str, str]], name: str) -> str | None:

@@ -138,7 +138,8 @@ class Outgoing:
     receiver's grants acknowledge, so at most one window is kept).
 
     ``set_head``, ``produce`` and ``finish`` take what the producer made; ``on_window`` and
-    ``on_resume`` take the receiver's word; ``frames`` hands out what may be sent now.
+    ``on_resume`` take the receiver's word; ``on_reset`` ends it both ways; ``frames`` hands
+    out what may be sent now.
     """
 
     def __init__(self, window: int = WINDOW_BYTES) -> None:
@@ -147,7 +148,7 @@ class Outgoing:
         self.head_sent = False
         self.finished = False  # every byte produced: END goes once all are sent
         self.end_sent = False
-        self.reset = False
+        self.reset = False  # RESET either way (the receiver's, or the sender stops)
         self.acked = 0  # body bytes the receiver says its consumer took
         self.sent = 0  # body bytes sent
         self.total = 0  # body bytes produced
@@ -177,6 +178,11 @@ class Outgoing:
     def finish(self) -> None:
         self.finished = True
 
+    def on_reset(self) -> None:
+        """Over both ways: nothing more is sent, and the bytes kept for a replay go."""
+        self.reset = True
+        self.replay.clear()
+
     def on_window(self, count: int) -> None:
         """Credit back: the receiver's consumer took ``count`` more bytes (more than were
         sent counts as what was sent)."""
@@ -202,6 +208,8 @@ class Outgoing:
         credit, and the end (on the last frame, or an END of its own) once everything
         produced is out."""
         frames: list[Frame] = []
+        if self.reset:
+            return frames
         if self.head is not None and not self.head_sent:
             frames.append(Frame(HEAD, stream_id, self.head))
             self.head_sent = True

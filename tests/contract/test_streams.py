@@ -92,6 +92,16 @@ def test_the_sender_never_sends_past_its_credit_and_a_window_lets_it_go_on():
     assert len(out.replay) == 1100  # only what is not acknowledged is kept
 
 
+def test_a_reset_sender_sends_nothing_more_and_keeps_nothing_for_a_replay():
+    out = Outgoing(WINDOW)
+    out.set_head(b"{}")
+    out.produce(b"x" * 500)
+    out.on_reset()
+    assert out.phase is Phase.RESET and out.frames(1) == [] and out.replay == b""
+    out.on_resume(0, 0, False)  # a new tunnel does not bring it back
+    assert out.phase is Phase.RESET and out.frames(1) == []
+
+
 def test_data_frames_are_cut_at_the_largest_payload():
     out = Outgoing(4 * wire.MAX_PAYLOAD)
     out.set_head(b"{}")

@@ -22,8 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from modelforge_contract import tunnel as wire
-
-from .waking import Waker
+from modelforge_contract.waking import Waker
 
 UNSENT_HIGH_BYTES = 4 * 1024 * 1024
 UNSENT_MAX_BYTES = 64 * 1024 * 1024

@@ -34,8 +34,7 @@ from typing import Any, Protocol
 from modelforge_contract import relay as rel
 from modelforge_contract import tunnel as wire
 from modelforge_contract.streams import Credit, Incoming, Phase
-
-from .waking import Waker
+from modelforge_contract.waking import Waker, running_loop
 
 log = logging.getLogger(__name__)
 
@@ -328,14 +327,6 @@ def _no_links(node_id: str, server_id: str, peer_server_id: str) -> str:
     raise LinkRefused("this control plane splices no links")
 
 
-def _on_a_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
 class Tunnel:
     """One agent's tunnel: its link, the streams it carries. No thread is the tunnel's: its
     link hands each frame over as it comes (on the relay's event loop for a WebSocket, on
@@ -397,7 +388,7 @@ class Tunnel:
         and the frames after it are dropped."""
         try:
             frame = wire.decode(data)
-            if frame.type == wire.LINK and _on_a_loop():
+            if frame.type == wire.LINK and running_loop() is not None:
                 self._authorize(frame)
             else:
                 self._dispatch(frame)
